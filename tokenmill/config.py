@@ -1,0 +1,37 @@
+"""Configuration of the engine, one dataclass per layer, built once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.weights.catalog import DEFAULT_MODEL
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode tokens)
+    max_num_seqs: int = 256  # requests running at once
+    policy: str = "fcfs"  # or "priority": lower `priority` values first, preempted last
+    long_prefill_token_threshold: int | None = None  # cap one request's tokens per step
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_gb: float = 1.0  # the pool is preallocated from this budget
+    num_blocks: int | None = None  # overrides the memory budget (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"  # or "float32" (or "float16" where the device supports it well)
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    attention_backend: str = "torch"
+    cache_dir: str | None = None  # where dequantized GGUF weights are cached
+    seed: int = 0  # for requests without their own seed
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)

@@ -1,0 +1,96 @@
+"""Per-request block tables over the block pool, with prefix reuse through block hashes."""
+
+from __future__ import annotations
+
+from tokenmill.engine.block_hash import extend_block_hashes
+from tokenmill.engine.block_pool import BlockPool, KVBlock
+from tokenmill.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Counters in tokens, as vLLM reports them: hit rate = hits / queries.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request in full blocks, and its length in tokens.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
+        return self._blocks_to_take(req, num_new_tokens, computed or []) <= self.pool.num_free
+
+    def _blocks_to_take(self, req: Request, num_new_tokens: int, computed: list[KVBlock]) -> int:
+        have = self.req_blocks.get(req.request_id, [])
+        total = len(computed) * self.block_size if computed else req.num_computed_tokens
+        need = self.blocks_needed(total + num_new_tokens) - len(have) - len(computed)
+        # Reused blocks that sit in the free queue stop being free when taken.
+        return max(need, 0) + sum(1 for b in computed if b.ref_cnt == 0)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
+        """Give the request room for num_new_tokens more tokens; False (and no change) if blocks are short.
+
+        `computed` are prefix-cache hits found for a request that has none yet.
+        """
+        computed = computed or []
+        if self._blocks_to_take(req, num_new_tokens, computed) > self.pool.num_free:
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            start = len(computed) * self.block_size
+        else:
+            start = req.num_computed_tokens
+        end = start + num_new_tokens
+        extra = self.blocks_needed(end) - len(blocks)
+        if extra > 0:
+            blocks.extend(self.pool.allocate(extra))
+        if self.enable_prefix_caching:
+            # Name every block that is full once this step runs: other requests can reuse it at once
+            # (their attention reads it after this step's keys and values are written).
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end)
+            for i in range(end // self.block_size):
+                if blocks[i].block_hash is None:
+                    self.pool.cache(blocks[i], req.block_hashes[i])
+        return True
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        # A block named at scheduling time whose step never ran (the request was preempted while
+        # being scheduled) must not be found by later lookups: its content was never written.
+        full_computed = req.num_computed_tokens // self.block_size
+        for b in blocks[full_computed:]:
+            if b.block_hash is not None and b.ref_cnt == 1:
+                self.pool.uncache(b)
+        # Tail blocks first: they hold the longest, least shared prefixes, so they go first.
+        self.pool.free(reversed(blocks))
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,108 @@
+"""A request as the engine core sees it: token ids in, token ids out, and its place in the KV cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class EngineRequest:
+    """What a frontend sends to the engine core (token ids, never text)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    cache_salt: str | None = None
+
+
+class Request:
+    def __init__(self, req: EngineRequest, max_model_len: int) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.params = req.sampling_params
+        self.eos_token_ids = req.eos_token_ids
+        self.arrival_time = req.arrival_time
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_token: int | None = None
+        # Hashes of this request's full blocks, extended as tokens arrive (see block_hash.py).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.max_tokens = self._max_tokens(max_model_len)
+        self.generator: torch.Generator | None = None
+        if req.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(req.sampling_params.seed)
+        # Timestamps (time.monotonic()), turned into metrics by the frontend.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finished_time: float | None = None
+
+    def _max_tokens(self, max_model_len: int) -> int:
+        room = max_model_len - len(self.prompt_token_ids)
+        return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def check_stop(self) -> FinishReason | None:
+        """After a new token: should the request end? (Stop strings are the frontend's job: they need text.)"""
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.stop_token = last
+                return FinishReason.STOP
+            if last in self.params.stop_token_ids:
+                self.stop_token = last
+                return FinishReason.STOP
+        if n_out >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

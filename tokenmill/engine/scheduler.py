@@ -1,0 +1,207 @@
+"""The token-budget scheduler: no prefill or decode phases, only tokens computed and tokens wanted.
+
+Each step hands out `max_num_batched_tokens`: first to running requests (in admission order), then to
+waiting ones. A request whose prompt does not fit the remaining budget gets a chunk of it (chunked
+prefill) and the rest in later steps. Requests join and leave between any two steps (in-flight
+batching). When KV blocks run out, a running request is preempted: its blocks are freed and it will
+recompute later (cheaply, from whatever of its prefix is still cached).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import FinishReason, Request, RequestStatus
+from tokenmill.engine.request_queue import WaitingQueue
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # the request's num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """Does this step complete the request's known tokens (so its last logits give a new token)?"""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, FinishReason.ABORT)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self._pick_victim(self.running)
+                pos = self.running.index(victim)
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim)
+                if pos < i:
+                    i -= 1
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                scheduled[req.request_id] = ScheduledRequest(req, n, req.num_computed_tokens)
+                budget -= n
+                i += 1
+
+        # Admit waiting requests only when nobody had to be preempted: memory is tight otherwise.
+        while not preempted and len(self.waiting) and budget > 0:
+            req = self.waiting.peek()
+            admitted = False
+            while True:
+                computed, hit = ([], 0)
+                if req.num_computed_tokens == 0:
+                    computed, hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - hit, budget)
+                if self.config.long_prefill_token_threshold:
+                    n = min(n, self.config.long_prefill_token_threshold)
+                fits_seqs = len(self.running) < self.config.max_num_seqs
+                if fits_seqs and self.kv.allocate_slots(req, n, computed):
+                    admitted = True
+                    break
+                # Under the priority policy a more urgent request may push out a less urgent one.
+                victim = self._pick_victim(self.running) if self.waiting.by_priority and self.running else None
+                if victim is None or victim.sort_key() <= req.sort_key():
+                    break
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim)
+            if not admitted:
+                break
+            self.waiting.pop()
+            self.kv.prefix_cache_queries += req.num_tokens
+            self.kv.prefix_cache_hits += hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled[req.request_id] = ScheduledRequest(req, n, hit)
+            budget -= n
+
+        return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _pick_victim(self, running: list[Request]) -> Request:
+        if self.waiting.by_priority:
+            return max(running, key=Request.sort_key)  # least urgent, latest arrived
+        return running[-1]  # last admitted
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free the victim's blocks and requeue it; return the token budget it had been given this step."""
+        returned = 0
+        if victim.request_id in scheduled:
+            returned = scheduled.pop(victim.request_id).num_new_tokens
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(victim)
+        return returned
+
+    # -- after the forward pass -------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish what must stop. Returns touched requests."""
+        now = time.monotonic()
+        touched = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token, now)
+            reason = req.check_stop()
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason, now)
+            touched.append(req)
+        return touched
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
+        """End requests for a reason found outside the engine core (e.g. a stop string)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = now or time.monotonic()
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,60 @@
+"""The attention backend interface: what a kernel gets to compute attention over a paged KV cache.
+
+A step's tokens form one flat batch: first the decode rows (one query token each), then the prefill
+segments (several query tokens of one request each). Every backend writes the step's keys and values
+into the cache through `slot_mapping`, then attends each query to its request's cached context,
+reading the cache through block tables. The plain-PyTorch `TorchReferenceBackend` defines the
+semantics; faster backends are tested against it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    """Query tokens [q_start, q_start + q_len) of one request, at positions start_pos.. in its sequence."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_ids: torch.Tensor  # [num_blocks] long: the request's block table, up to this chunk's end
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.q_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block_id * block_size + offset) of each token
+    num_decode: int  # the first num_decode tokens are decode rows
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] long, padded with 0
+    decode_context_lens: torch.Tensor | None  # [num_decode] long: tokens in context incl. the new one
+    prefills: list[PrefillSegment]
+    block_size: int
+    # [num_decode, 1, 1, max_blocks * block_size] bool: which cached positions a decode row may see.
+    decode_mask: torch.Tensor | None = None
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer of a flat token batch over that layer's paged KV cache."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D], rope applied
+        k: torch.Tensor,  # [T, Hkv, D], rope applied
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...

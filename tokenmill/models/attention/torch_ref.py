@@ -1,0 +1,79 @@
+"""Reference attention backend in plain PyTorch: gathers each request's KV through its block table."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_blocks, block_size, num_kv, head_dim = k_cache.shape
+        flat_k = k_cache.view(num_blocks * block_size, num_kv, head_dim)
+        flat_v = v_cache.view(num_blocks * block_size, num_kv, head_dim)
+        # Write first: a request may read blocks that another request of this same step fills
+        # (early reuse of a block the moment it is full).
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        for seg in meta.prefills:
+            qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if seg.start_pos == 0:
+                # Nothing cached before this chunk: its own K/V are the whole context.
+                ks = k[seg.q_start : seg.q_start + seg.q_len]
+                vs = v[seg.q_start : seg.q_start + seg.q_len]
+                mask, causal = None, True
+            else:
+                ks = k_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
+                vs = v_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
+                # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
+                qpos = torch.arange(seg.start_pos, seg.context_len, device=q.device)
+                kpos = torch.arange(seg.context_len, device=q.device)
+                mask, causal = (kpos[None, :] <= qpos[:, None]), False
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        bt = meta.decode_block_tables
+        b, nb = bt.shape
+        _, block_size, num_kv, head_dim = k_cache.shape
+        ks = k_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
+        vs = v_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)

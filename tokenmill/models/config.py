@@ -1,0 +1,113 @@
+"""Architecture hyper-parameters of a Llama-family model, read from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.weights.gguf_file import GGUFFile
+
+# HF `model_type` / GGUF `general.architecture` values this implementation covers.
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope_scaling dict ({"rope_type": "llama3", "factor": 8.0, ...}) or None.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        return cls(**d)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token for all layers, at 2 bytes per element (bf16/fp16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json dict."""
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # newer transformers nest it in rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama exposes it as attention_bias.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, has_output_tensor: bool) -> ModelConfig:
+        """From GGUF metadata (`<arch>.block_count` and friends)."""
+        arch = gguf.architecture
+        hidden = int(gguf.arch_value("embedding_length"))
+        num_heads = int(gguf.arch_value("attention.head_count"))
+        num_kv = int(gguf.arch_value("attention.head_count_kv", num_heads))
+        vocab = gguf.arch_value("vocab_size")
+        if vocab is None:
+            vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
+        head_dim = int(gguf.arch_value("attention.key_length", hidden // num_heads))
+        rope_scaling = None
+        if gguf.arch_value("rope.scaling.type") == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": float(gguf.arch_value("rope.scaling.factor"))}
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(gguf.arch_value("feed_forward_length")),
+            num_layers=int(gguf.arch_value("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
+            tie_word_embeddings=not has_output_tensor,
+            attention_bias=arch == "qwen2",
+        )

@@ -1,0 +1,171 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5) in plain PyTorch over a flat token batch.
+
+Q/K/V and gate/up projections are fused into one matmul each: on a CPU at small batch the number of
+kernel launches, not FLOPs, dominates the step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 as the reference implementation does, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv, self.head_dim)
+        v = v.view(t, self.num_kv, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # [S, vocab] float32
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_caches[i], meta, backend)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[logits_indices])
+        return self.lm_head(h).float()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def to_fused_state_dict(hf_tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map Hugging Face parameter names/tensors to this module's (fusing q/k/v and gate/up)."""
+    pending: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf_tensors:
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head.") and cfg.tie_word_embeddings:
+            continue
+        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            pending[name] = t
+            continue
+        if "rotary_emb" in name:
+            continue
+        out[name] = t
+    for i in range(cfg.num_layers):
+        pre = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [pending.pop(f"{pre}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{pre}self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+            elif any(p is not None for p in parts):
+                raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
+        gate = pending.pop(f"{pre}mlp.gate_proj.weight", None)
+        up = pending.pop(f"{pre}mlp.up_proj.weight", None)
+        if gate is None or up is None:
+            raise ValueError(f"layer {i}: missing mlp gate/up weights")
+        out[f"{pre}mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    if pending:
+        raise ValueError(f"unexpected tensors: {sorted(pending)[:5]}")
+    return out
+
+
+def build_model(
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> LlamaForCausalLM:
+    """Create the module without initializing random weights, then assign the given ones."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    # Buffers were created on meta; rebuild rope tables for real.
+    model.rope = RotaryEmbedding(
+        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
+    ).to(device)
+    return model.eval()

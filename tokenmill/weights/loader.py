@@ -1,0 +1,147 @@
+"""Load a model's config, weights and tokenizer from GGUF or a Hugging Face directory.
+
+Dequantizing a GGUF file takes seconds; the result (fused state dict as safetensors, the tokenizer as
+tokenizer.json) is cached per file and dtype, so the next start only memory-maps it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.llama import to_fused_state_dict
+from tokenmill.tokenizer.tokenizer import Tokenizer
+from tokenmill.weights.gguf_file import GGUFFile
+
+CACHE_FORMAT = 1  # bump when the cached layout changes
+
+# GGUF tensor names (per block) to Hugging Face names.
+_GGUF_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # fused names, in the requested dtype
+    tokenizer: Tokenizer
+    source: Path
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenmill"
+
+
+def load(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:
+    """Load from a .gguf file (cached) or a Hugging Face directory."""
+    if path.is_dir():
+        return _load_hf_dir(path, dtype)
+    cache = _cache_path(path, dtype, cache_dir or default_cache_dir())
+    if (cache / "done").exists():
+        return _load_cached(cache, path)
+    loaded = _load_gguf(path, dtype)
+    _save_cache(cache, loaded)
+    return loaded
+
+
+def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir / f"{path.stem}-{digest}" / str(dtype).removeprefix("torch.")
+
+
+def _load_cached(cache: Path, source: Path) -> LoadedModel:
+    config = ModelConfig.from_dict(json.loads((cache / "config.json").read_text()))
+    return LoadedModel(config, load_file(cache / "model.safetensors"), Tokenizer.from_dir(cache), source)
+
+
+def _save_cache(cache: Path, loaded: LoadedModel) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, cache / "model.safetensors")
+    (cache / "config.json").write_text(json.dumps(loaded.config.to_dict(), indent=1))
+    loaded.tokenizer.save(cache)
+    (cache / "done").write_text("ok\n")  # written last: a half-written cache is never used
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter reorders Q/K rows for its interleaved rope; undo it for the rotate-half layout.
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    gguf = GGUFFile(path)
+    names = set(gguf.tensor_names())
+    config = ModelConfig.from_gguf(gguf, has_output_tensor="output.weight" in names)
+    permuted = config.architecture in ("llama", "mistral")
+
+    def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, arr in gguf.tensors():
+            if name == "rope_freqs.weight":
+                continue
+            if name.startswith("blk."):
+                _, idx, rest = name.split(".", 2)
+                hf = _GGUF_BLOCK_NAMES.get(rest)
+                if hf is None:
+                    raise ValueError(f"{path.name}: unexpected tensor {name}")
+                if permuted and rest.startswith("attn_q."):
+                    arr = _unpermute(arr, config.num_heads)
+                elif permuted and rest.startswith("attn_k."):
+                    arr = _unpermute(arr, config.num_kv_heads)
+                yield f"layers.{idx}.{hf}", torch.from_numpy(np.array(arr)).to(dtype)
+            elif name in _GGUF_TOP_NAMES:
+                yield _GGUF_TOP_NAMES[name], torch.from_numpy(np.array(arr)).to(dtype)
+            else:
+                raise ValueError(f"{path.name}: unexpected tensor {name}")
+
+    if "rope_freqs.weight" in names:
+        factors = gguf.tensor("rope_freqs.weight")
+        config = ModelConfig.from_dict({**config.to_dict(), "extra": {"rope_freq_factors": factors.tolist()}})
+    state_dict = to_fused_state_dict(hf_tensors(), config)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    return LoadedModel(config, state_dict, tokenizer, path)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+
+    def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, st.get_tensor(name).to(dtype)
+
+    state_dict = to_fused_state_dict(hf_tensors(), config)
+    return LoadedModel(config, state_dict, Tokenizer.from_dir(path), path)
