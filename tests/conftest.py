@@ -1,0 +1,42 @@
+"""Shared fixtures: the embedded model (installed by `make test`'s set-up) and the HF reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.weights import catalog
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    path = catalog.installed_file(catalog.CATALOG[catalog.DEFAULT_MODEL])
+    if path is None:
+        pytest.fail("the embedded model is not installed: run `make test` (it runs `tokenmill models pull`)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: Path):
+    """Hugging Face transformers' own Llama on the same GGUF weights, float32: the independent reference."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from tokenmill import LLM
+
+    return LLM(dtype="float32", max_model_len=1024)
+
+
+@pytest.fixture(scope="session")
+def llm_bf16():
+    from tokenmill import LLM
+
+    return LLM(dtype="bfloat16", max_model_len=1024)
