@@ -82,18 +82,21 @@ class LLM:
         proc = OutputProcessor(self.tokenizer)
         order: list[str] = []
         eos = frozenset(self.tokenizer.eos_token_ids)
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = str(next(self._ids))
-            arrival = time.monotonic()
-            for cid, cp in proc.add_request(rid, text, ids, p, arrival):
-                self.engine.add_request(
-                    EngineRequest(
-                        cid, ids, cp, eos, arrival, priority[i] if priority else 0, cache_salt
-                    )
-                )
-            order.append(rid)
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = str(next(self._ids))
+                arrival = time.monotonic()
+                for cid, cp in proc.add_request(rid, text, ids, p, arrival):
+                    prio = priority[i] if priority else 0
+                    self.engine.add_request(EngineRequest(cid, ids, cp, eos, arrival, prio, cache_salt))
+                    added.append(cid)
+                order.append(rid)
+        except Exception:
+            self.engine.abort(added)  # all or nothing: no half-submitted batch stays in the engine
+            raise
 
         finished: dict[str, RequestOutput] = {}
         with Progress(disable=not use_tqdm, transient=True) as bar:

@@ -57,12 +57,14 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope_scaling = cfg.get("rope_scaling")
+        # transformers < 5 writes rope_theta + rope_scaling; 5.x nests both in rope_parameters.
+        params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
         if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
             rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # newer transformers nest it in rope_parameters
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "default":
+            rope_scaling = None
+        rope_theta = cfg.get("rope_theta") or params.get("rope_theta", 10000.0)
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],

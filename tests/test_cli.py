@@ -1,0 +1,40 @@
+"""The command line: clear one-line errors, the catalog listing, a real generation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_models_lists_catalog() -> None:
+    r = run("models")
+    assert r.returncode == 0
+    assert "smollm2-135m" in r.stdout
+
+
+def test_unknown_model_is_one_line_error() -> None:
+    r = run("generate", "hi", "--model", "no-such-model")
+    assert r.returncode == 2
+    assert "unknown model" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_parameter_is_one_line_error() -> None:
+    r = run("generate", "hi", "--temperature", "-3")
+    assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_generate_prints_text() -> None:
+    r = run("generate", "What is 2+2?", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "generated" in r.stderr

@@ -1,0 +1,130 @@
+"""The offline API: prompt forms, n > 1, stop conditions, seeds, abort, timestamps, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import EngineRequest
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+def test_prompt_forms(llm_bf16: LLM) -> None:
+    ids = llm_bf16.tokenizer.encode("The capital of Italy is")
+    a = llm_bf16.generate("The capital of Italy is", GREEDY)
+    b = llm_bf16.generate(ids, GREEDY)
+    c = llm_bf16.generate(["The capital of Italy is", ids], [GREEDY, GREEDY])
+    assert len(a) == len(b) == 1 and len(c) == 2
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids == c[1].outputs[0].token_ids
+    assert a[0].prompt == "The capital of Italy is" and b[0].prompt is None
+    assert a[0].outputs[0].text == llm_bf16.tokenizer.decode(a[0].outputs[0].token_ids)
+
+
+def test_outputs_keep_prompt_order(llm_bf16: LLM) -> None:
+    prompts = [f"Count to {i}:" for i in range(1, 9)]
+    outs = llm_bf16.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
+    assert [o.prompt for o in outs] == prompts
+
+
+def test_finish_reasons(llm_bf16: LLM) -> None:
+    out = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+    chat = llm_bf16.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200))
+    assert chat[0].outputs[0].finish_reason == "stop"
+    assert chat[0].outputs[0].stop_reason in llm_bf16.tokenizer.eos_token_ids
+
+
+def test_stop_strings(llm_bf16: LLM) -> None:
+    base = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    text = base.outputs[0].text
+    stop = text[10:14]
+    assert stop.strip(), "the greedy continuation should have text to stop on"
+    cut = text[: text.find(stop)]
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    out = llm_bf16.generate("Once upon a time", p)[0].outputs[0]
+    assert out.text == cut and out.finish_reason == "stop" and out.stop_reason == stop
+    p2 = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert llm_bf16.generate("Once upon a time", p2)[0].outputs[0].text == cut + stop
+    assert llm_bf16.engine.kv.pool.num_free == llm_bf16.engine.kv.pool.num_blocks
+
+
+def test_stop_token_ids_and_min_tokens(llm_bf16: LLM) -> None:
+    base = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    ids = base.outputs[0].token_ids
+    out = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]]))
+    first = ids.index(ids[3])
+    assert out[0].outputs[0].token_ids == ids[: first + 1]
+    assert out[0].outputs[0].stop_reason == ids[3]
+    # min_tokens: the stop token cannot end the sequence before 8 tokens.
+    p = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]], min_tokens=8)
+    assert len(llm_bf16.generate("Once upon a time", p)[0].outputs[0].token_ids) >= 8
+
+
+def test_n_sequences_and_seeds(llm_bf16: LLM) -> None:
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    a = llm_bf16.generate("Tell me a story", p)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    texts = [o.text for o in a.outputs]
+    assert len(set(texts)) > 1, "n sequences with different seeds should differ"
+    # Reproducible whatever else is in the batch.
+    noise = SamplingParams(temperature=1.0, max_tokens=12)
+    b = llm_bf16.generate(["Tell me a story", "Something else entirely", "More noise"], [p, noise, noise])[0]
+    assert [o.text for o in b.outputs] == texts
+
+
+def test_timestamps(llm_bf16: LLM) -> None:
+    out = llm_bf16.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert len(m.token_times) == 6 and m.token_times == sorted(m.token_times)
+    assert m.ttft is not None and m.ttft >= 0
+
+
+def test_abort_frees_blocks(llm_bf16: LLM) -> None:
+    eng = llm_bf16.engine
+    free = eng.kv.pool.num_free
+    eng.add_request(EngineRequest("abort-me", llm_bf16.tokenizer.encode("word " * 100), SamplingParams(max_tokens=50)))
+    eng.step()
+    eng.step()
+    assert eng.kv.pool.num_free < free
+    outs = eng.abort(["abort-me"])
+    assert outs[0].finish_reason.value == "abort"
+    assert eng.kv.pool.num_free == free and not eng.has_unfinished()
+
+
+def test_cache_salt_isolates(llm_bf16: LLM) -> None:
+    eng = llm_bf16.engine
+    prompt = "A long shared system prompt about tenants. " * 10
+    llm_bf16.generate(prompt, GREEDY, cache_salt="tenant-a")
+    a = llm_bf16.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
+    b = llm_bf16.generate(prompt, GREEDY, cache_salt="tenant-b")[0]
+    assert a.num_cached_tokens > 0 and b.num_cached_tokens == 0
+    assert eng.kv.prefix_cache_queries >= eng.kv.prefix_cache_hits > 0
+
+
+def test_priority_argument(llm_bf16: LLM) -> None:
+    outs = llm_bf16.generate(["a", "b"], GREEDY, priority=[1, 0])
+    assert len(outs) == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [("", "empty"), ([999999], "out of range"), ("word " * 2000, "context length")],
+)
+def test_bad_prompts(llm_bf16: LLM, prompt, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm_bf16.generate(["fine", prompt], GREEDY)
+    assert not llm_bf16.engine.has_unfinished(), "a rejected batch must not leave requests behind"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+     ({"n": 0}, "n"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 50}, "logprobs")],
+)
+def test_bad_sampling_params(kwargs, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
