@@ -6,7 +6,8 @@ kernel launches, not FLOPs, dominates the step time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -83,16 +84,14 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
-        )
+        self.rope = rope
 
     @torch.inference_mode()
     def forward(
@@ -148,6 +147,21 @@ def to_fused_state_dict(hf_tensors: Iterable[tuple[str, torch.Tensor]], cfg: Mod
     return out
 
 
+@contextlib.contextmanager
+def _skip_init() -> Iterator[None]:
+    # Random initialization is wasted work when real weights follow, and on the meta device it
+    # imports torch's reference-op machinery (about a second of start-up).
+    names = ["normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_"]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def build_model(
     cfg: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -156,16 +170,15 @@ def build_model(
     max_positions: int,
 ) -> LlamaForCausalLM:
     """Create the module without initializing random weights, then assign the given ones."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+    rope = RotaryEmbedding(
+        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
+    ).to(device)
+    with _skip_init(), torch.device("meta"):
+        model = LlamaForCausalLM(cfg, rope)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()
-    # Buffers were created on meta; rebuild rope tables for real.
-    model.rope = RotaryEmbedding(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
-    ).to(device)
     return model.eval()
