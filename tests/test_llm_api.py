@@ -30,15 +30,21 @@ def test_outputs_keep_prompt_order(llm_bf16: LLM) -> None:
 
 
 def test_finish_reasons(llm_bf16: LLM) -> None:
-    out = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    out = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[
+        0
+    ]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
-    chat = llm_bf16.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200))
+    chat = llm_bf16.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200)
+    )
     assert chat[0].outputs[0].finish_reason == "stop"
     assert chat[0].outputs[0].stop_reason in llm_bf16.tokenizer.eos_token_ids
 
 
 def test_stop_strings(llm_bf16: LLM) -> None:
-    base = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    base = llm_bf16.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )[0]
     text = base.outputs[0].text
     stop = text[10:14]
     assert stop.strip(), "the greedy continuation should have text to stop on"
@@ -46,15 +52,21 @@ def test_stop_strings(llm_bf16: LLM) -> None:
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
     out = llm_bf16.generate("Once upon a time", p)[0].outputs[0]
     assert out.text == cut and out.finish_reason == "stop" and out.stop_reason == stop
-    p2 = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    p2 = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    )
     assert llm_bf16.generate("Once upon a time", p2)[0].outputs[0].text == cut + stop
     assert llm_bf16.engine.kv.pool.num_free == llm_bf16.engine.kv.pool.num_blocks
 
 
 def test_stop_token_ids_and_min_tokens(llm_bf16: LLM) -> None:
-    base = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    base = llm_bf16.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
     ids = base.outputs[0].token_ids
-    out = llm_bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]]))
+    out = llm_bf16.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]])
+    )
     first = ids.index(ids[3])
     assert out[0].outputs[0].token_ids == ids[: first + 1]
     assert out[0].outputs[0].stop_reason == ids[3]
@@ -76,7 +88,9 @@ def test_n_sequences_and_seeds(llm_bf16: LLM) -> None:
 
 
 def test_timestamps(llm_bf16: LLM) -> None:
-    out = llm_bf16.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    out = llm_bf16.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[
+        0
+    ]
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert len(m.token_times) == 6 and m.token_times == sorted(m.token_times)
@@ -86,7 +100,9 @@ def test_timestamps(llm_bf16: LLM) -> None:
 def test_abort_frees_blocks(llm_bf16: LLM) -> None:
     eng = llm_bf16.engine
     free = eng.kv.pool.num_free
-    eng.add_request(EngineRequest("abort-me", llm_bf16.tokenizer.encode("word " * 100), SamplingParams(max_tokens=50)))
+    eng.add_request(
+        EngineRequest("abort-me", llm_bf16.tokenizer.encode("word " * 100), SamplingParams(max_tokens=50))
+    )
     eng.step()
     eng.step()
     assert eng.kv.pool.num_free < free
@@ -122,8 +138,14 @@ def test_bad_prompts(llm_bf16: LLM, prompt, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-     ({"n": 0}, "n"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 50}, "logprobs")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
 )
 def test_bad_sampling_params(kwargs, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -70,7 +70,9 @@ def test_variant_matches_transformers(name: str, tmp_path: Path, llm_fp32: LLM) 
     ref_tokens, ref_lps = hf_greedy(hf, prompt, 12)
 
     ours = LLM(model=str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=32)
-    out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3))[0]
+    out = ours.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3))[
+        0
+    ]
     assert out.outputs[0].token_ids == ref_tokens
     for lp, ref in zip(out.outputs[0].logprobs, ref_lps, strict=True):
         assert abs(lp.logprob - float(ref[lp.token_id])) < 1e-3

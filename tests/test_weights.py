@@ -69,4 +69,7 @@ def test_hf_directory_gives_same_outputs(hf_model, llm_fp32: LLM, tmp_path: Path
     llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=512)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "The history of the bicycle"
-    assert llm.generate(prompt, p)[0].outputs[0].token_ids == llm_fp32.generate(prompt, p)[0].outputs[0].token_ids
+    assert (
+        llm.generate(prompt, p)[0].outputs[0].token_ids
+        == llm_fp32.generate(prompt, p)[0].outputs[0].token_ids
+    )

@@ -20,7 +20,7 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are fields of EngineConfig, SchedulerConfig or CacheConfig."""
+    """An engine in this process. Keyword arguments: fields of EngineConfig, SchedulerConfig, CacheConfig."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = build_engine_config(model, **kwargs)

@@ -34,7 +34,9 @@ def models_list(ctx: typer.Context) -> None:
         path = catalog.installed_file(e)
         table.add_row(e.name, e.description, f"{e.package}=={e.version}", str(path) if path else "no")
     console.print(table)
-    console.print("Any .gguf file or Hugging Face directory (config.json + *.safetensors) works as --model too.")
+    console.print(
+        "Any .gguf file or Hugging Face directory (config.json + *.safetensors) works as --model too."
+    )
 
 
 @models_app.command("pull")
@@ -90,7 +92,9 @@ def generate(
     from tokenmill.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
     except ValueError as e:
         fail(str(e))
     llm = _load_llm(_engine_kwargs(model, dtype, max_model_len, threads))

@@ -30,4 +30,6 @@ def extend_block_hashes(
     while (len(hashes) + 1) * block_size <= limit:
         i = len(hashes)
         parent = hashes[-1] if hashes else ROOT_HASH
-        hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size], salt if i == 0 else None))
+        hashes.append(
+            hash_block(parent, tokens[i * block_size : (i + 1) * block_size], salt if i == 0 else None)
+        )

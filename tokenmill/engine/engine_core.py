@@ -93,7 +93,14 @@ class EngineCore:
             )
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(
-            model, mc, num_blocks, cc.block_size, self.dtype, self.device, config.attention_backend, config.seed
+            model,
+            mc,
+            num_blocks,
+            cc.block_size,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            config.seed,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
@@ -141,7 +148,9 @@ class EngineCore:
         for req in self.scheduler.update(out, sampled):
             lp = lps.get(req.request_id)
             outputs.append(
-                self._output(req, [req.output_token_ids[-1]], [lp] if lp is not None else None, req.token_times[-1:])
+                self._output(
+                    req, [req.output_token_ids[-1]], [lp] if lp is not None else None, req.token_times[-1:]
+                )
             )
         return outputs
 

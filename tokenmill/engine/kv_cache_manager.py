@@ -13,7 +13,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # Counters in tokens, as vLLM reports them: hit rate = hits / queries.
+        # Counters in tokens, as vLLM reports them: hit rate = hits / queries. The scheduler counts a
+        # request once, when it is admitted (not at every lookup while it waits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -38,8 +39,6 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
@@ -52,7 +51,9 @@ class KVCacheManager:
         # Reused blocks that sit in the free queue stop being free when taken.
         return max(need, 0) + sum(1 for b in computed if b.ref_cnt == 0)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> bool:
         """Give the request room for num_new_tokens more tokens; False (and no change) if blocks are short.
 
         `computed` are prefix-cache hits found for a request that has none yet.
@@ -74,7 +75,9 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # Name every block that is full once this step runs: other requests can reuse it at once
             # (their attention reads it after this step's keys and values are written).
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end)
+            extend_block_hashes(
+                req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end
+            )
             for i in range(end // self.block_size):
                 if blocks[i].block_hash is None:
                     self.pool.cache(blocks[i], req.block_hashes[i])

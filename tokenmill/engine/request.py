@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
@@ -90,7 +90,7 @@ class Request:
         self.token_times.append(now)
 
     def check_stop(self) -> FinishReason | None:
-        """After a new token: should the request end? (Stop strings are the frontend's job: they need text.)"""
+        """After a new token: should the request end? (Stop strings need text: the frontend checks those.)"""
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n_out >= self.params.min_tokens:

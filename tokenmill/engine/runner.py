@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.sampler import SampleResult, Sampler
+from tokenmill.engine.sampler import Sampler, SampleResult
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
@@ -62,7 +62,9 @@ class ModelRunner:
             else:
                 nblk = (end + bs - 1) // bs
                 segments.append(
-                    PrefillSegment(q_start, s.num_new_tokens, start, torch.tensor(block_ids[:nblk], dtype=torch.long))
+                    PrefillSegment(
+                        q_start, s.num_new_tokens, start, torch.tensor(block_ids[:nblk], dtype=torch.long)
+                    )
                 )
             if s.samples:
                 logits_rows.append(len(token_ids) - 1)
@@ -85,9 +87,11 @@ class ModelRunner:
             ctx = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long)
             meta.decode_block_tables = bt.to(dev)
             meta.decode_context_lens = ctx.to(dev)
-            meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).view(
-                len(decodes), 1, 1, max_blocks * bs
-            ).to(dev)
+            meta.decode_mask = (
+                (torch.arange(max_blocks * bs)[None, :] < ctx[:, None])
+                .view(len(decodes), 1, 1, max_blocks * bs)
+                .to(dev)
+            )
         for seg in segments:
             seg.block_ids = seg.block_ids.to(dev)
 

@@ -82,6 +82,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
+        urgent_victims = self._make_room_for_urgent()
         preempted: list[Request] = []
 
         i = 0
@@ -105,28 +106,19 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Admit waiting requests only when nobody had to be preempted: memory is tight otherwise.
+        # Admit waiting requests only when nobody had to be preempted for memory this step. (Requests
+        # pushed out for a more urgent one leave room that the urgent one should take.)
         while not preempted and len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             req = self.waiting.peek()
-            admitted = False
-            while True:
-                computed, hit = ([], 0)
-                if req.num_computed_tokens == 0:
-                    computed, hit = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - hit, budget)
-                if self.config.long_prefill_token_threshold:
-                    n = min(n, self.config.long_prefill_token_threshold)
-                fits_seqs = len(self.running) < self.config.max_num_seqs
-                if fits_seqs and self.kv.allocate_slots(req, n, computed):
-                    admitted = True
-                    break
-                # Under the priority policy a more urgent request may push out a less urgent one.
-                victim = self._pick_victim(self.running) if self.waiting.by_priority and self.running else None
-                if victim is None or victim.sort_key() <= req.sort_key():
-                    break
-                budget += self._preempt(victim, scheduled)
-                preempted.append(victim)
-            if not admitted:
+            computed, hit = ([], 0)
+            if req.num_computed_tokens == 0:
+                computed, hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - hit, budget)
+            if self.config.long_prefill_token_threshold:
+                n = min(n, self.config.long_prefill_token_threshold)
+            if not self.kv.allocate_slots(req, n, computed):
                 break
             self.waiting.pop()
             self.kv.prefix_cache_queries += req.num_tokens
@@ -141,7 +133,27 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledRequest(req, n, hit)
             budget -= n
 
-        return SchedulerOutput(list(scheduled.values()), preempted)
+        return SchedulerOutput(list(scheduled.values()), urgent_victims + preempted)
+
+    def _make_room_for_urgent(self) -> list[Request]:
+        """Priority policy: preempt running requests of strictly lower priority (larger value) while the
+        most urgent waiting request lacks a slot or blocks. Done before anything is allocated this step,
+        so no block named in this step is ever given up."""
+        victims: list[Request] = []
+        if not self.waiting.by_priority:
+            return victims
+        while len(self.waiting) and self.running:
+            head = self.waiting.peek()
+            victim = self._pick_victim(self.running)
+            if victim.priority <= head.priority:
+                break
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            short_of_seqs = len(self.running) >= self.config.max_num_seqs
+            if not short_of_seqs and self.kv.can_allocate(head, first_chunk):
+                break
+            self._preempt(victim, {})
+            victims.append(victim)
+        return victims
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

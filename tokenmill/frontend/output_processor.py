@@ -54,11 +54,12 @@ class SequenceState:
         if out.finish_reason is not None:
             # No more tokens will come: release text held back for an incomplete character.
             self.text += self.detok.flush()
+        hit = bool(self.params.stop) and self._check_stop_strings(prev_len)
+        if out.finish_reason is not None and not hit:
             self.finish_reason = out.finish_reason.value
             self.stop_reason = out.stop_token
-        if self.params.stop and self.finish_reason is None and self._check_stop_strings(prev_len):
-            return True
-        return False
+        # The engine must be told only if it still runs the sequence.
+        return hit and out.finish_reason is None
 
     def _check_stop_strings(self, prev_len: int) -> bool:
         # Only the new text (plus an overlap for stop strings spanning tokens) can hold a new match.
@@ -130,7 +131,12 @@ class OutputProcessor:
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; return (engine request id, params) for each of its n sequences."""
         state = RequestState(request_id, prompt, prompt_ids, params.n)

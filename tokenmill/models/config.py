@@ -34,10 +34,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,7 +62,9 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         # transformers < 5 writes rope_theta + rope_scaling; 5.x nests both in rope_parameters.
         params = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+        rope_scaling = cfg.get("rope_scaling") or (
+            params if params.get("rope_type", "default") != "default" else None
+        )
         if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
             rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
         if rope_scaling is not None and rope_scaling.get("rope_type") == "default":

