@@ -29,7 +29,7 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = device
-        self.backend: AttentionBackend = get_backend(backend)
+        self.backend: AttentionBackend = get_backend(backend, device.type)
         self.sampler = Sampler(seed)
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
