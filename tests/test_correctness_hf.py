@@ -41,7 +41,7 @@ def prompts(llm_fp32: LLM) -> list[list[int]]:
     tok = llm_fp32.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": c}]) for c in CONVERSATIONS]
     ids += [tok.encode(p) for p in RAW_PROMPTS]
-    ids += [tok.encode(SHARED_PREFIX + q) for q in ("Who built ENIAC?", "What was the Z3?")]
+    ids += [tok.encode(SHARED_PREFIX + q) for q in ("Who built ENIAC?", "Who designed the Zuse Z3?")]
     return ids
 
 
@@ -115,3 +115,9 @@ def test_preemption_with_small_kv_pool(prompts, reference) -> None:
     assert any(o.outputs[0].metrics.num_preemptions > 0 for o in outs)
     assert_matches(outs, reference)
     assert llm.engine.kv.pool.num_free == 20  # everything returned
+
+
+def test_reference_kernels_match(prompts, reference) -> None:
+    # The plain-PyTorch path (attention and element-wise ops) that faster kernels are checked against.
+    llm = LLM(dtype="float32", max_model_len=1024, kernels="torch")
+    assert_matches(llm.generate(prompts, greedy()), reference)

@@ -30,7 +30,9 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    attention_backend: str = "auto"  # "torch" (reference), "cpu" (paged C++ decode kernel)
+    # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
+    # fused norm/rope/silu); "auto": the C++ kernels on a CPU if they build, else the reference.
+    kernels: str = "auto"
     cache_dir: str | None = None  # where dequantized GGUF weights are cached
     seed: int = 0  # for requests without their own seed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

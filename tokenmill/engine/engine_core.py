@@ -77,7 +77,9 @@ class EngineCore:
         self.tokenizer: Tokenizer = loaded.tokenizer
         mc = self.model_config
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        model = build_model(mc, loaded.state_dict, self.dtype, self.device, self.max_model_len)
+        model = build_model(
+            mc, loaded.state_dict, self.dtype, self.device, self.max_model_len, config.kernels
+        )
         del loaded
 
         cc = config.cache
@@ -99,7 +101,7 @@ class EngineCore:
             cc.block_size,
             self.dtype,
             self.device,
-            config.attention_backend,
+            config.kernels,
             config.seed,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

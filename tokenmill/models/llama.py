@@ -10,24 +10,22 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import pack_linears
-from tokenmill.models.rope import RotaryEmbedding, apply_rope
+from tokenmill.models.ops import TorchOps, get_ops
+from tokenmill.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the computation is an op of the model's `ops` (fused with the residual add)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (accumulates in float32); identical to the reference formula in float32.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -43,16 +41,19 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        ops: TorchOps,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Rope on q and k heads together: one set of ops instead of two.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
-        q, k = qk.split([self.num_heads, self.num_kv], dim=1)
+        # Rope on the q and k heads together, in place in the projection's output.
+        ops.rope_(qkv, self.num_heads + self.num_kv, self.head_dim, positions, rope.cos, rope.sin_signed)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -61,13 +62,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -90,6 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
+        self.ops: TorchOps = TorchOps()
 
     @torch.inference_mode()
     def forward(
@@ -101,12 +101,19 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
-        h = self.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, h.dtype)
+        ops, eps = self.ops, self.config.rms_norm_eps
+        residual = self.embed_tokens(input_ids)
+        x = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, kv_caches[i], meta, backend)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[logits_indices])
+            a = layer.self_attn(x, positions, self.rope, ops, kv_caches[i], meta, backend)
+            # Each residual add is fused with the norm that follows it (the next layer's, or the final).
+            x = ops.add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(x, ops)
+            if i < last:
+                x = ops.add_rms_norm(m, residual, self.layers[i + 1].input_layernorm.weight, eps)
+        residual.add_(m)
+        h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
         return self.lm_head(h).float()
 
     def tie_weights(self) -> None:
@@ -169,6 +176,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    ops: str = "auto",
 ) -> LlamaForCausalLM:
     """Create the module without initializing random weights, then assign the given ones."""
     rope = RotaryEmbedding(
@@ -184,5 +192,6 @@ def build_model(
             f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     model.tie_weights()
+    model.ops = get_ops(ops, device.type)
     pack_linears(model)
     return model.eval()

@@ -69,12 +69,3 @@ class RotaryEmbedding(nn.Module):
         half = head_dim // 2
         sin[:, :half] = -sin[:, :half]  # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1, +1]
         self.register_buffer("sin_signed", sin, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for a step's positions, [T, 1, D]: looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x) * [-1.., +1..] folded into sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import to_fused_state_dict
+from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.gguf_file import GGUFFile
 
@@ -53,11 +53,6 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]  # fused names, in the requested dtype
     tokenizer: Tokenizer
     source: Path
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenmill"
 
 
 def load(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:

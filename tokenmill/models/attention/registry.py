@@ -13,7 +13,7 @@ BACKEND_NAMES = ("auto", "torch", "cpu")
 
 
 def get_backend(name: str, device_type: str = "cpu") -> AttentionBackend:
-    """"torch": the plain-PyTorch reference; "cpu": the paged C++ decode kernel; "auto": the fastest
+    """ "torch": the plain-PyTorch reference; "cpu": the paged C++ decode kernel; "auto": the fastest
     one that works on this device (falling back to the reference if the kernel cannot be built)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")

@@ -1,0 +1,18 @@
+// Python bindings of tokenmill's CPU kernels (one extension module, several sources).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
+void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions, torch::Tensor cos,
+           torch::Tensor sin_signed);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention through block tables");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
+  m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
+}

@@ -1,0 +1,95 @@
+"""The element-wise parts of a Llama block, in two implementations with one interface.
+
+`TorchOps` is plain PyTorch and defines the semantics. `CpuFusedOps` runs each op as one C++ loop
+(tokenmill/kernels/csrc/fused_ops.cpp): fewer passes over memory and fewer thread-pool wake-ups,
+which is where a small model's CPU step time goes once the matmuls are fast.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, w.shape, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (in place); return rms_norm(residual)."""
+        residual.add_(x)
+        return F.rms_norm(residual, w.shape, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+    ) -> None:
+        """Rotate the first `heads` heads of each row in place (x*cos + roll(x, D/2)*sin_signed)."""
+        t = qkv.shape[0]
+        x = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+        c = cos[positions].unsqueeze(1).to(x.dtype)
+        s = sin_signed[positions].unsqueeze(1).to(x.dtype)
+        x.copy_(x * c + x.roll(head_dim // 2, dims=-1) * s)
+
+
+class CpuFusedOps(TorchOps):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from tokenmill.kernels import cpu_kernels
+
+        self.k = cpu_kernels()
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.k.rms_norm(x, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.k.add_rms_norm(x, residual, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.k.silu_mul(gate_up)
+
+    def rope_(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+    ) -> None:
+        self.k.rope_(qkv, heads, head_dim, positions, cos, sin_signed)
+
+
+def get_ops(name: str, device_type: str) -> TorchOps:
+    """ "torch", "cpu" (fused C++), or "auto": fused on a CPU when the kernels build, else torch."""
+    if name not in ("auto", "torch", "cpu"):
+        raise ValueError(f"unknown ops implementation {name!r}; available: auto, torch, cpu")
+    if name == "torch" or (name == "auto" and device_type != "cpu"):
+        return TorchOps()
+    try:
+        return CpuFusedOps()
+    except RuntimeError as e:
+        if name == "cpu":
+            raise
+        log.warning("%s; using plain PyTorch ops", e)
+        return TorchOps()
