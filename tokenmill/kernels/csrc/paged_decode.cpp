@@ -37,6 +37,8 @@ static void decode_kernel(
         for (int64_t j = 0; j < G; ++j) {
           float dot = 0.f;
           const float* qj = &qf[j * D];
+          // omp simd: lets the compiler reorder this float sum into vector lanes (no -ffast-math).
+#pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qj[d] * to_f(kp[d]);
           s[j] = dot;
         }
