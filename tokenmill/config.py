@@ -33,6 +33,9 @@ class EngineConfig:
     # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
     # fused norm/rope/silu); "auto": the C++ kernels on a CPU if they build, else the reference.
     kernels: str = "auto"
+    # None: weights in `dtype`. "int4": weight-only 4-bit (groups of 32) for decode-sized batches, the
+    # precision of a Q4_0/Q4_1 GGUF file; larger batches use the dtype copy.
+    quantization: str | None = None
     cache_dir: str | None = None  # where dequantized GGUF weights are cached
     seed: int = 0  # for requests without their own seed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

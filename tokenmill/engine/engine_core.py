@@ -78,7 +78,13 @@ class EngineCore:
         mc = self.model_config
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         model = build_model(
-            mc, loaded.state_dict, self.dtype, self.device, self.max_model_len, config.kernels
+            mc,
+            loaded.state_dict,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.kernels,
+            config.quantization,
         )
         del loaded
 

@@ -45,3 +45,84 @@ def pack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
+
+
+class QuantizedLinear(nn.Module):
+    """Weight-only quantized linear for the small batches of decode steps, with a bf16 twin for big ones.
+
+    A decode step at batch 1 streams every weight through the CPU once, so bytes are time: 4 bits
+    (groups of 32, asymmetric, the format of a Q4_0/Q4_1 GGUF tensor) or 8 bits (one scale per output
+    row) instead of 16. The quantized kernels stop paying off at a few rows (they dequantize per
+    row), so larger batches use a copy of the same dequantized weights in the model dtype. The two
+    paths round differently, so logits can differ in their last bits between small and large batches.
+    """
+
+    GROUP = 32
+
+    def __init__(self, linear: nn.Linear, bits: int, max_rows: int) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        dtype = linear.weight.dtype
+        self.bits, self.max_rows = bits, max_rows
+        self.in_features, self.out_features = k, n
+        if bits == 4:
+            if k % self.GROUP:
+                raise ValueError(f"in_features {k} is not a multiple of {self.GROUP}")
+            groups = w.view(n, k // self.GROUP, self.GROUP)
+            lo = groups.amin(-1, keepdim=True)
+            scale = ((groups.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-10)
+            q = torch.round((groups - lo) / scale).clamp(0, 15)
+            # A Q4_0/Q4_1 GGUF tensor comes back as it was: its blocks are 32 wide and span q = 0..15.
+            dequant = (q * scale + lo).view(n, k)
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
+            zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+            self.scales = (
+                torch.stack([scale.view(n, -1).t(), zero.view(n, -1).t()], -1).contiguous().to(dtype)
+            )
+        elif bits == 8:
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+            q = torch.round(w / scale[:, None]).clamp(-127, 127)
+            dequant = q * scale[:, None]
+            self.qweight = q.to(torch.int8).contiguous()
+            self.scales = scale.to(dtype)
+        else:
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        wide = nn.Linear(k, n, bias=linear.bias is not None)
+        wide.weight = nn.Parameter(dequant.to(dtype), requires_grad=False)
+        self.bias = None
+        if linear.bias is not None:
+            wide.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+            self.bias = linear.bias.detach()
+        self.wide: nn.Module = PackedLinear(wide) if onednn_packing_available(wide.weight) else wide
+        self._wide = self.wide.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return self._wide(x)
+        if self.bits == 4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.GROUP, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def quantized_kernels_available(weight: torch.Tensor) -> bool:
+    ops = torch.ops.aten
+    return (
+        weight.device.type == "cpu"
+        and hasattr(ops, "_weight_int4pack_mm_for_cpu")
+        and hasattr(ops, "_weight_int8pack_mm")
+    )
+
+
+def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], default_bits: int) -> int:
+    """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count."""
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, nn.Linear) and quantized_kernels_available(child.weight):
+                setattr(parent, name, QuantizedLinear(child, bits_for.get(full, default_bits), max_rows))
+                count += 1
+    return count

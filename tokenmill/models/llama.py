@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.linear import pack_linears
+from tokenmill.models.linear import pack_linears, quantize_linears
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.rope import RotaryEmbedding
 
@@ -49,14 +49,19 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self._qkv(x)
         # Rope on the q and k heads together, in place in the projection's output.
         ops.rope_(qkv, self.num_heads + self.num_kv, self.head_dim, positions, rope.cos, rope.sin_signed)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self._o(o.reshape(t, self.q_size))
+
+    def finalize(self) -> None:
+        # Bound methods in the instance dict skip nn.Module's __getattr__ and __call__ machinery,
+        # which costs more than the kernels themselves at batch 1 on a CPU.
+        self._qkv, self._o = self.qkv_proj.forward, self.o_proj.forward
 
 
 class MLP(nn.Module):
@@ -66,7 +71,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self._down(ops.silu_mul(self._gate_up(x)))
+
+    def finalize(self) -> None:
+        self._gate_up, self._down = self.gate_up_proj.forward, self.down_proj.forward
 
 
 class DecoderLayer(nn.Module):
@@ -101,20 +109,39 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
-        ops, eps = self.ops, self.config.rms_norm_eps
+        ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
+        plan = self._plan
         residual = self.embed_tokens(input_ids)
-        x = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn(x, positions, self.rope, ops, kv_caches[i], meta, backend)
+        x = ops.rms_norm(residual, plan[0][2], eps)
+        for i, (attn, mlp, _, post_norm_w, next_norm_w) in enumerate(plan):
+            a = attn(x, positions, rope, ops, kv_caches[i], meta, backend)
             # Each residual add is fused with the norm that follows it (the next layer's, or the final).
-            x = ops.add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp(x, ops)
-            if i < last:
-                x = ops.add_rms_norm(m, residual, self.layers[i + 1].input_layernorm.weight, eps)
+            x = ops.add_rms_norm(a, residual, post_norm_w, eps)
+            m = mlp(x, ops)
+            if next_norm_w is not None:
+                x = ops.add_rms_norm(m, residual, next_norm_w, eps)
         residual.add_(m)
         h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
-        return self.lm_head(h).float()
+        return self._lm_head(h).float()
+
+    def finalize(self) -> None:
+        """Resolve the per-layer calls once (after weights are packed or quantized)."""
+        layers = list(self.layers)
+        self._plan = []
+        for i, layer in enumerate(layers):
+            layer.self_attn.finalize()
+            layer.mlp.finalize()
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            self._plan.append(
+                (
+                    layer.self_attn.forward,
+                    layer.mlp.forward,
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    nxt,
+                )
+            )
+        self._lm_head = self.lm_head.forward
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -155,6 +182,10 @@ def to_fused_state_dict(
     return out
 
 
+# Up to this many rows per step the int4 kernel beats bf16 here (benchmarks/linear_kernels.py).
+QUANT_MAX_ROWS = 4
+
+
 @contextlib.contextmanager
 def _skip_init() -> Iterator[None]:
     # Random initialization is wasted work when real weights follow, and on the meta device it
@@ -177,6 +208,7 @@ def build_model(
     device: torch.device,
     max_positions: int,
     ops: str = "auto",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Create the module without initializing random weights, then assign the given ones."""
     rope = RotaryEmbedding(
@@ -193,5 +225,12 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
+    if quantization == "int4":
+        # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
+        # logit depends on it.
+        quantize_linears(model, max_rows=QUANT_MAX_ROWS, bits_for={"lm_head": 8}, default_bits=4)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; available: int4")
     pack_linears(model)
+    model.finalize()
     return model.eval()

@@ -23,10 +23,20 @@ class PrefillSegment:
     q_len: int
     start_pos: int
     block_ids: torch.Tensor  # [num_blocks] long: the request's block table, up to this chunk's end
+    # [q_len, context_len] bool, built on first use and shared by all layers of the step.
+    mask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.q_len
+
+    def causal_mask(self) -> torch.Tensor:
+        """Query i sits at position start_pos + i and sees keys 0..start_pos + i."""
+        if self.mask is None:
+            dev = self.block_ids.device
+            qpos = torch.arange(self.start_pos, self.context_len, device=dev)
+            self.mask = torch.arange(self.context_len, device=dev)[None, :] <= qpos[:, None]
+        return self.mask
 
 
 @dataclass

@@ -43,10 +43,7 @@ class TorchReferenceBackend(AttentionBackend):
             else:
                 ks = k_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
                 vs = v_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
-                # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
-                qpos = torch.arange(seg.start_pos, seg.context_len, device=q.device)
-                kpos = torch.arange(seg.context_len, device=q.device)
-                mask, causal = (kpos[None, :] <= qpos[:, None]), False
+                mask, causal = seg.causal_mask(), False
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.transpose(0, 1).unsqueeze(0),
