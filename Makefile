@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 MODEL ?= smollm2-135m
+BENCH_ARGS ?=
 PROMPT ?= Explain in two sentences what a KV cache is.
 
 .PHONY: run test lint bench install clean
@@ -14,6 +15,7 @@ $(STAMP): pyproject.toml
 	# torch is pinned in pyproject.toml to the CPU wheel these machines carry.
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/tokenmill models pull $(MODEL)
+	$(BIN)/tokenmill kernels
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check tokenmill tests benchmarks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/python benchmarks/offline_throughput.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

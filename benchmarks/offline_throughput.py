@@ -123,6 +123,7 @@ def main() -> None:
     res: dict[str, float] = {"threads": torch.get_num_threads()}
 
     res["tokenmill_single_stream_tok_s"] = single_stream(llm, 128)
+    res["tokenmill_int4_single_stream_tok_s"] = single_stream(LLM(dtype=args.dtype, quantization="int4"), 128)
     cold, warm = ttft_with_shared_prefix(llm, vocab, 512, 5)
     res["ttft_cold_ms"], res["ttft_warm_ms"], res["ttft_speedup"] = cold * 1e3, warm * 1e3, cold / warm
     dt, toks = run_tokenmill(llm, reqs)

@@ -38,3 +38,16 @@ def test_generate_prints_text() -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "generated" in r.stderr
+
+
+@pytest.mark.slow
+def test_chat_streams_a_reply_and_exits() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", "chat", "--temperature", "0", "--max-tokens", "20"],
+        input="What is the capital of France?\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout

@@ -150,3 +150,14 @@ def test_bad_prompts(llm_bf16: LLM, prompt, message: str) -> None:
 def test_bad_sampling_params(kwargs, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_streaming_deltas_join_to_the_full_text(llm_bf16: LLM) -> None:
+    from tokenmill.frontend.stream import stream_ids
+
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = llm_bf16.tokenizer.encode("Write a short poem about the sea:")
+    deltas = list(stream_ids(llm_bf16, prompt, p))
+    assert len(deltas) > 3
+    assert "".join(deltas) == llm_bf16.generate([prompt], p)[0].outputs[0].text
+    assert not llm_bf16.engine.has_unfinished()

@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenmill: s
 models_app = typer.Typer(help="The model catalog.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # one error, one line: never wrapped
 
 
 def fail(message: str) -> None:
@@ -61,8 +61,33 @@ def models_pull(
         console.print(f"weights cached in {time.perf_counter() - t0:.1f}s")
 
 
-def _engine_kwargs(model: str, dtype: str, max_model_len: int | None, threads: int | None) -> dict:
-    return {"model": model, "dtype": dtype, "max_model_len": max_model_len, "num_threads": threads}
+@app.command()
+def kernels() -> None:
+    """Build (once per machine) and check tokenmill's C++ CPU kernels."""
+    from tokenmill.kernels import build_dir, cpu_kernels
+
+    t0 = time.perf_counter()
+    try:
+        cpu_kernels()
+    except RuntimeError as e:
+        err.print(f"[yellow]warning:[/yellow] {e}; the plain-PyTorch kernels will be used", highlight=False)
+        return
+    console.print(f"CPU kernels ready in {time.perf_counter() - t0:.1f}s ({build_dir()})")
+
+
+def _engine_kwargs(
+    model: str, dtype: str, max_model_len: int | None, threads: int | None, quantization: str | None
+) -> dict:
+    return {
+        "model": model,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "num_threads": threads,
+        "quantization": quantization,
+    }
+
+
+QUANT_HELP = "int4: 4-bit weights for small batches (the precision of a Q4 GGUF), fastest single stream"
 
 
 def _load_llm(kwargs: dict):
@@ -87,6 +112,7 @@ def generate(
     dtype: str = typer.Option("bfloat16"),
     max_model_len: int | None = typer.Option(None),
     threads: int | None = typer.Option(None, help="torch threads (default: all cores)"),
+    quantization: str | None = typer.Option(None, help=QUANT_HELP),
 ) -> None:
     """Generate a completion for one prompt and print it with timing."""
     from tokenmill.sampling_params import SamplingParams
@@ -97,7 +123,7 @@ def generate(
         )
     except ValueError as e:
         fail(str(e))
-    llm = _load_llm(_engine_kwargs(model, dtype, max_model_len, threads))
+    llm = _load_llm(_engine_kwargs(model, dtype, max_model_len, threads, quantization))
     t0 = time.perf_counter()
     if chat:
         out = llm.chat([{"role": "user", "content": prompt}], params)[0]
@@ -121,12 +147,13 @@ def chat_cmd(
     temperature: float = typer.Option(0.7),
     dtype: str = typer.Option("bfloat16"),
     threads: int | None = typer.Option(None),
+    quantization: str | None = typer.Option(None, help=QUANT_HELP),
 ) -> None:
     """Chat interactively; tokens stream as they are generated. Ctrl-D or /exit quits."""
     from tokenmill.frontend.stream import stream_chat
     from tokenmill.sampling_params import SamplingParams
 
-    llm = _load_llm(_engine_kwargs(model, dtype, None, threads))
+    llm = _load_llm(_engine_kwargs(model, dtype, None, threads, quantization))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     console.print(f"[dim]{model} ready; /exit to quit, /reset to forget the conversation[/dim]")

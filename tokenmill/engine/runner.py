@@ -60,12 +60,11 @@ class ModelRunner:
             if s.num_new_tokens == 1:
                 tables.append(block_ids[: (end + bs - 1) // bs])
             else:
-                nblk = (end + bs - 1) // bs
-                segments.append(
-                    PrefillSegment(
-                        q_start, s.num_new_tokens, start, torch.tensor(block_ids[:nblk], dtype=torch.long)
-                    )
-                )
+                ids = block_ids[: (end + bs - 1) // bs]
+                seg = PrefillSegment(q_start, s.num_new_tokens, start, torch.tensor(ids, dtype=torch.long))
+                if ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                    seg.first_block = ids[0]
+                segments.append(seg)
             if s.samples:
                 logits_rows.append(len(token_ids) - 1)
                 sampled_reqs.append(req)

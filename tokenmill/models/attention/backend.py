@@ -25,6 +25,9 @@ class PrefillSegment:
     block_ids: torch.Tensor  # [num_blocks] long: the request's block table, up to this chunk's end
     # [q_len, context_len] bool, built on first use and shared by all layers of the step.
     mask: torch.Tensor | None = None
+    # The first block id when the block table is a run of consecutive ids (then the cached context is
+    # a plain slice of the cache and needs no gather), else None.
+    first_block: int | None = None
 
     @property
     def context_len(self) -> int:

@@ -41,8 +41,13 @@ class TorchReferenceBackend(AttentionBackend):
                 vs = v[seg.q_start : seg.q_start + seg.q_len]
                 mask, causal = None, True
             else:
-                ks = k_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
-                vs = v_cache[seg.block_ids].view(-1, num_kv, head_dim)[: seg.context_len]
+                if seg.first_block is not None:
+                    blocks = slice(seg.first_block, seg.first_block + len(seg.block_ids))
+                    ks, vs = k_cache[blocks], v_cache[blocks]
+                else:
+                    ks, vs = k_cache[seg.block_ids], v_cache[seg.block_ids]
+                ks = ks.reshape(-1, num_kv, head_dim)[: seg.context_len]
+                vs = vs.reshape(-1, num_kv, head_dim)[: seg.context_len]
                 mask, causal = seg.causal_mask(), False
             o = F.scaled_dot_product_attention(
                 qs,
