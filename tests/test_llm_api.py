@@ -87,6 +87,18 @@ def test_n_sequences_and_seeds(llm_bf16: LLM) -> None:
     assert [o.text for o in b.outputs] == texts
 
 
+def test_n_sequences_share_the_prompt_blocks(llm_bf16: LLM) -> None:
+    kv = llm_bf16.engine.kv
+    prompt = llm_bf16.tokenizer.encode("A long prompt whose blocks the sequences share. " * 8)
+    full_blocks = (len(prompt) - 1) // kv.block_size
+    hits = kv.prefix_cache_hits
+    kv.pool.reset_prefix_cache()
+    out = llm_bf16.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=4, seed=1))[0]
+    assert len(out.outputs) == 4
+    # Sequences 1..3 reuse every full prompt block that sequence 0 computes in the same step.
+    assert kv.prefix_cache_hits - hits == 3 * full_blocks * kv.block_size
+
+
 def test_timestamps(llm_bf16: LLM) -> None:
     out = llm_bf16.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[
         0

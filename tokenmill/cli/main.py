@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -57,7 +58,7 @@ def models_pull(
         from tokenmill.weights import loader
 
         t0 = time.perf_counter()
-        loader.load(path, torch.bfloat16, loader.Path(cache_dir) if cache_dir else None)
+        loader.load(path, torch.bfloat16, Path(cache_dir) if cache_dir else None)
         console.print(f"weights cached in {time.perf_counter() - t0:.1f}s")
 
 

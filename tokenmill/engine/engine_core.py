@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ class EngineCore:
 
         t0 = time.perf_counter()
         path = catalog.resolve(config.model)
-        cache_dir = loader.Path(config.cache_dir) if config.cache_dir else None
+        cache_dir = Path(config.cache_dir) if config.cache_dir else None
         loaded = loader.load(path, self.dtype, cache_dir)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer

@@ -23,7 +23,6 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.Q8_K,
 }
 
 
