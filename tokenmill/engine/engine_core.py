@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
