@@ -58,18 +58,7 @@ class Scheduler:
         self.waiting.push(req)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
-        aborted = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._finish(req, FinishReason.ABORT)
-            aborted.append(req)
-        return aborted
+        return self.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -199,8 +188,10 @@ class Scheduler:
             touched.append(req)
         return touched
 
-    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
-        """End requests for a reason found outside the engine core (e.g. a stop string)."""
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """End requests for a reason found outside the engine loop (an abort, a stop string); unknown
+        or already finished ids are ignored. Returns the requests ended."""
+        ended = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
@@ -210,6 +201,8 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._finish(req, reason)
+            ended.append(req)
+        return ended
 
     def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
         req.status = RequestStatus.FINISHED
