@@ -58,7 +58,6 @@ def make_case(dtype: torch.dtype, seed: int):
         decode_context_lens=ctx,
         prefills=segments,
         block_size=BS,
-        decode_mask=(torch.arange(width * BS)[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1),
     )
     return q, k, v, k_cache, v_cache, meta, seqs
 
@@ -87,8 +86,7 @@ def test_cpu_kernel_equals_reference_on_large_batch() -> None:
     bt = torch.randint(0, NUM_BLOCKS * 4, (b, width), generator=g)
     ctx = torch.randint(1, width * BS + 1, (b,), generator=g)
     q = torch.randn(b, H, D, generator=g)
-    mask = (torch.arange(width * BS)[None, :] < ctx[:, None]).view(b, 1, 1, -1)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), b, bt, ctx, [], BS, mask)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), b, bt, ctx, [], BS)
     ref = get_backend("torch")._decode(q, k_cache, v_cache, meta, D**-0.5)
     cpu = get_backend("cpu")._decode(q, k_cache, v_cache, meta, D**-0.5)
     torch.testing.assert_close(cpu, ref, atol=1e-5, rtol=1e-5)

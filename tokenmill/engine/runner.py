@@ -62,7 +62,7 @@ class ModelRunner:
             else:
                 ids = block_ids[: (end + bs - 1) // bs]
                 seg = PrefillSegment(q_start, s.num_new_tokens, start, torch.tensor(ids, dtype=torch.long))
-                if ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                if ids == list(range(ids[0], ids[0] + len(ids))):  # a run: the context is a cache slice
                     seg.first_block = ids[0]
                 segments.append(seg)
             if s.samples:
@@ -86,11 +86,6 @@ class ModelRunner:
             ctx = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long)
             meta.decode_block_tables = bt.to(dev)
             meta.decode_context_lens = ctx.to(dev)
-            meta.decode_mask = (
-                (torch.arange(max_blocks * bs)[None, :] < ctx[:, None])
-                .view(len(decodes), 1, 1, max_blocks * bs)
-                .to(dev)
-            )
         for seg in segments:
             seg.block_ids = seg.block_ids.to(dev)
 

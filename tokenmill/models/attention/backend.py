@@ -50,8 +50,18 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decode] long: tokens in context incl. the new one
     prefills: list[PrefillSegment]
     block_size: int
-    # [num_decode, 1, 1, max_blocks * block_size] bool: which cached positions a decode row may see.
-    decode_mask: torch.Tensor | None = None
+    # [num_decode, 1, 1, max_blocks * block_size] bool, built on first use (by backends that gather).
+    _decode_mask: torch.Tensor | None = None
+
+    def decode_mask(self) -> torch.Tensor:
+        """Which positions of the gathered, padded block tables each decode row may see."""
+        if self._decode_mask is None:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            b, nb = self.decode_block_tables.shape
+            width = nb * self.block_size
+            pos = torch.arange(width, device=self.decode_context_lens.device)
+            self._decode_mask = (pos[None, :] < self.decode_context_lens[:, None]).view(b, 1, 1, width)
+        return self._decode_mask
 
 
 class AttentionBackend(ABC):

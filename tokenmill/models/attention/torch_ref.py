@@ -69,13 +69,13 @@ class TorchReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None
         bt = meta.decode_block_tables
         b, nb = bt.shape
         _, block_size, num_kv, head_dim = k_cache.shape
         ks = k_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
         vs = v_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask(), scale=scale, enable_gqa=True
         )
         return o.squeeze(2)
