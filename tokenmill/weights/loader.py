@@ -67,6 +67,16 @@ def load(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:
     return loaded
 
 
+def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
+    """Only the tokenizer (for a frontend process): from the cache, the HF directory or GGUF metadata."""
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
+    for done in sorted(root.glob("*/done")):
+        return Tokenizer.from_dir(done.parent)
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+
+
 def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"

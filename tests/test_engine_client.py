@@ -1,0 +1,82 @@
+"""The engine core in its own process, driven over ZeroMQ by the asyncio frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.client import EngineDeadError, RequestRejectedError
+from tokenmill.frontend.async_llm import AsyncLLM
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(llm: AsyncLLM, rid: str, ids: list[int], params: SamplingParams):
+    last = None
+    async for ro in llm.generate(rid, ids, params):
+        last = ro
+    return last
+
+
+def test_process_engine_matches_offline_llm(llm_bf16) -> None:
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+
+    async def main():
+        llm = await AsyncLLM.start(EngineConfig(max_model_len=1024))
+        try:
+            ids = [llm.tokenizer.encode(p) for p in prompts]
+            outs = await asyncio.gather(*(collect(llm, f"r{i}", x, GREEDY) for i, x in enumerate(ids)))
+            n = await collect(llm, "n", ids[0], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5))
+            return ids, outs, n
+        finally:
+            await llm.shutdown()
+
+    ids, outs, n = run(main())
+    offline = llm_bf16.generate(ids, GREEDY)
+    for a, b in zip(outs, offline, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text and a.finished
+    assert len(n.outputs) == 2 and all(len(o.token_ids) == 5 for o in n.outputs)
+
+
+def test_reject_abort_and_engine_death() -> None:
+    async def main():
+        llm = await AsyncLLM.start(EngineConfig(max_model_len=256))
+        try:
+            with pytest.raises(RequestRejectedError, match="context length"):
+                await collect(llm, "long", [100] * 300, GREEDY)
+            # Abort: stop consuming a long generation early; the engine frees it.
+            gen = llm.generate("abort-me", [100] * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in gen:
+                break
+            await gen.aclose()
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                if llm.client.stats.num_running == 0:
+                    break
+            assert llm.client.stats.num_running == 0 and llm.client.stats.kv_cache_usage == 0
+            assert llm.client.healthy
+            # Death: in-flight requests get an error, not a hang; health turns false.
+            pending = asyncio.create_task(
+                collect(llm, "doomed", [100] * 20, SamplingParams(max_tokens=10_000))
+            )
+            await asyncio.sleep(0.3)
+            os.kill(llm.client._proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(pending, timeout=10)
+            assert not llm.client.healthy
+        finally:
+            await llm.shutdown()
+
+    run(main())

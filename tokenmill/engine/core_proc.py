@@ -1,0 +1,89 @@
+"""The engine core in its own process, driven over ZeroMQ (msgpack messages).
+
+Frontend -> engine (PUSH/PULL): ("add", request) | ("abort", ids) | ("finish", ids) | ("shutdown",).
+Engine -> frontend (PUSH/PULL): ("ready", info) | ("step", outputs, stats) | ("reject", id, message)
+| ("dead", message). While idle the engine sends a ("step", [], stats) heartbeat every second, so the
+frontend can tell a live engine from a hung one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.request import FinishReason
+from tokenmill.engine.serial import output_to_wire, pack, request_from_wire, stats_to_wire, unpack
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the engine process: load, announce, then loop until told to stop."""
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    try:
+        engine = EngineCore(config)
+    except Exception as e:  # report why, rather than dying silently
+        outbox.send(pack(("dead", f"engine failed to start: {e}")))
+        time.sleep(0.2)
+        return
+    info = {
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model_config.vocab_size,
+        "num_blocks": engine.kv.pool.num_blocks,
+        "block_size": engine.block_size,
+        "load_seconds": engine.load_seconds,
+    }
+    outbox.send(pack(("ready", info)))
+    try:
+        _loop(engine, inbox, outbox)
+    except Exception:
+        outbox.send(pack(("dead", traceback.format_exc(limit=5))))
+        raise
+    finally:
+        outbox.close(linger=500)
+        inbox.close(linger=0)
+
+
+def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    last_sent = 0.0
+    while True:
+        busy = engine.has_unfinished()
+        events = dict(poller.poll(0 if busy else int(HEARTBEAT_S * 1000)))
+        outputs = []
+        if inbox in events:
+            while True:
+                try:
+                    msg = unpack(inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                kind = msg[0]
+                if kind == "add":
+                    req = request_from_wire(msg[1])
+                    try:
+                        engine.add_request(req)
+                    except ValueError as e:
+                        outbox.send(pack(("reject", req.request_id, str(e))))
+                elif kind == "abort":
+                    outputs.extend(engine.abort(msg[1]))
+                elif kind == "finish":
+                    engine.finish(msg[1], FinishReason.STOP)
+                elif kind == "shutdown":
+                    return
+        if engine.has_unfinished():
+            outputs.extend(engine.step())
+        now = time.monotonic()
+        if outputs or now - last_sent >= HEARTBEAT_S:
+            outbox.send(pack(("step", [output_to_wire(o) for o in outputs], stats_to_wire(engine.stats()))))
+            last_sent = now

@@ -1,0 +1,90 @@
+"""The asyncio frontend over an EngineClient: prompt ids in, RequestOutputs (with text) streamed out.
+
+Detokenization, stop strings and the n sequences of a request are handled here, in the frontend
+process; the engine core only ever sees token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.client import EngineClient, MPEngineClient
+from tokenmill.engine.engine_core import EngineCoreOutput
+from tokenmill.engine.request import EngineRequest
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer.tokenizer import Tokenizer
+from tokenmill.weights import catalog, loader
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.eos = frozenset(tokenizer.eos_token_ids)
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncLLM:
+        """Start the engine process and load the tokenizer here (no weights in this process)."""
+        path = catalog.resolve(config.model)
+        client = MPEngineClient(config)
+        await client.start()
+        cache_dir = Path(config.cache_dir) if config.cache_dir else None
+        return cls(client, loader.load_tokenizer(path, cache_dir))
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.client.info["max_model_len"])
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time any of the request's sequences advances (deltas inside).
+
+        If the consumer stops early (a client disconnected), the request is aborted in the engine.
+        """
+        proc = OutputProcessor(self.tokenizer)
+        arrival = time.monotonic()
+        queue: asyncio.Queue = asyncio.Queue()
+        children = proc.add_request(request_id, prompt, prompt_ids, params, arrival)
+        live = {cid for cid, _ in children}
+        try:
+            for cid, cp in children:
+                req = EngineRequest(cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt)
+                self.client.add_request(req, queue)
+            while live:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                batch: list[EngineCoreOutput] = [item]
+                while not queue.empty():  # several sequences may have advanced in one engine step
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, Exception):
+                        raise nxt
+                    batch.append(nxt)
+                for out in batch:
+                    if out.finish_reason is not None:
+                        live.discard(out.request_id)
+                outs, stopped = proc.process(batch)
+                if stopped:
+                    self.client.finish(stopped)
+                    live.difference_update(stopped)
+                for ro in outs:
+                    yield ro
+        finally:
+            if live:
+                self.client.abort(sorted(live))
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
