@@ -181,6 +181,62 @@ def chat_cmd(
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+@app.command()
+def serve(
+    model: str = typer.Option(catalog.DEFAULT_MODEL, help="catalog name, .gguf path or HF directory"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    served_model_name: str | None = typer.Option(None, help="the name clients use (default: --model)"),
+    api_key: str | None = typer.Option(None, envvar="TOKENMILL_API_KEY", help="require this bearer token"),
+    dtype: str = typer.Option("bfloat16"),
+    quantization: str | None = typer.Option(None, help=QUANT_HELP),
+    max_model_len: int | None = typer.Option(None),
+    max_num_seqs: int = typer.Option(256, help="requests running at once"),
+    max_num_batched_tokens: int = typer.Option(2048, help="token budget per engine step"),
+    max_queued_requests: int = typer.Option(
+        256, help="requests that may wait beyond max-num-seqs (then 429)"
+    ),
+    kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache budget"),
+    threads: int | None = typer.Option(None, help="torch threads in the engine process (default: all cores)"),
+    drain_timeout: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM"),
+) -> None:
+    """Serve the OpenAI-compatible API (engine core in its own process)."""
+    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.main import run
+
+    try:
+        catalog.resolve(model)
+    except catalog.ModelNotFoundError as e:
+        fail(str(e))
+    engine = EngineConfig(
+        model=model,
+        dtype=dtype,
+        quantization=quantization,
+        max_model_len=max_model_len,
+        num_threads=threads,
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        cache=CacheConfig(kv_cache_memory_gb=kv_cache_memory_gb),
+    )
+    config = ServerConfig(
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_queued_requests=max_queued_requests,
+        drain_timeout_s=drain_timeout,
+        engine=engine,
+    )
+    from tokenmill.engine.client import EngineDeadError
+
+    try:
+        run(config)
+    except EngineDeadError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        pass
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,236 @@
+"""The FastAPI application: OpenAI routes, health, metadata, tokenize; errors in the OpenAI shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+import tokenmill
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.openai_serving import OpenAIServing
+
+OPEN_PATHS = {"/health", "/v1/health/live", "/v1/health/ready", "/metrics", "/v1/version", "/v1/metadata"}
+
+
+class TokenizeRequest(BaseModel):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]
+
+
+class ServerState:
+    """What the routes share: the frontend, the settings, and admission bookkeeping."""
+
+    def __init__(self, llm: AsyncLLM, config: ServerConfig) -> None:
+        self.llm = llm
+        self.config = config
+        self.serving = OpenAIServing(llm, config.model_name)
+        self.in_flight = 0
+        self.draining = False
+
+    @property
+    def capacity(self) -> int:
+        return self.config.engine.scheduler.max_num_seqs + self.config.max_queued_requests
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    state = ServerState(llm, config)
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__)
+    app.state.tm = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(400, _describe(e.errors()), _param(e.errors()))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        key = config.api_key
+        open_path = request.url.path in OPEN_PATHS
+        if key and not open_path and request.headers.get("authorization", "") != f"Bearer {key}":
+            return error_response(401, "invalid or missing API key: send `Authorization: Bearer <key>`")
+        return await call_next(request)
+
+    # -- health and metadata ------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        ok = llm.client.healthy
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/v1/health/live")
+    async def live() -> dict:
+        return {"object": "health.response", "message": "live"}
+
+    @app.get("/v1/health/ready")
+    async def ready() -> JSONResponse:
+        ok = llm.client.healthy and not state.draining
+        msg = "ready" if ok else ("draining" if state.draining else "engine not available")
+        return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
+
+    @app.get("/v1/version")
+    async def version() -> dict:
+        return {"release": tokenmill.__version__, "api": "openai-v1"}
+
+    @app.get("/v1/metadata")
+    async def metadata() -> dict:
+        info = llm.client.info
+        return {
+            "version": tokenmill.__version__,
+            "model": config.model_name,
+            "modelInfo": [{"shortName": config.model_name, "modelUrl": config.engine.model}],
+            "max_model_len": info.get("max_model_len"),
+            "kv_cache_blocks": info.get("num_blocks"),
+            "block_size": info.get("block_size"),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenmill",
+            "max_model_len": llm.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    # -- generation ---------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_model(request, CompletionRequest)
+        return await _generate(request, state, lambda: state.serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await _json_model(request, ChatCompletionRequest)
+        return await _generate(request, state, lambda: state.serving.chat(body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _json_model(request, TokenizeRequest)
+        tok = llm.tokenizer
+        if body.messages is not None:
+            ids = tok.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "send `prompt` (text) or `messages` (a chat)")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await _json_model(request, DetokenizeRequest)
+        vocab = llm.client.info.get("vocab_size", 1 << 62)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+async def _json_model(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, _describe(e.errors()), _param(e.errors())) from e
+
+
+async def _generate(request: Request, state: ServerState, make: Callable[[], Awaitable[Any]]) -> Response:
+    if state.draining:
+        raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+    if not state.llm.client.healthy:
+        raise APIError(503, f"the engine is not available: {state.llm.client.dead_reason or 'not ready'}")
+    if state.in_flight >= state.capacity:
+        raise APIError(
+            429,
+            f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",
+            headers={"Retry-After": "1"},
+        )
+    state.in_flight += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            state.in_flight -= 1
+
+    try:
+        result = await _cancel_on_disconnect(request, make())
+    except BaseException:
+        release()
+        raise
+    if isinstance(result, dict):
+        release()
+        return JSONResponse(result)
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            async for chunk in result:  # cancelled by Starlette when the client goes away
+                yield chunk
+        finally:
+            await result.aclose()
+            release()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def _cancel_on_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
+    """Run a non-streaming generation, cancelling it (and so aborting it) if the client disconnects."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def _describe(errors: list[dict]) -> str:
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+def _param(errors: list[dict]) -> str | None:
+    if not errors:
+        return None
+    loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
+    return loc[0] if loc else None

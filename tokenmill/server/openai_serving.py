@@ -1,0 +1,348 @@
+"""/v1/completions and /v1/chat/completions over the asyncio frontend, streaming (SSE) or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenmill.engine.client import EngineDeadError, RequestRejectedError
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, error_body
+from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest, now
+from tokenmill.tokenizer.chat_template import ChatTemplateError
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+
+    # -- input checks ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model"
+            )
+
+    def check_length(self, n_prompt: int, max_tokens: int | None) -> int | None:
+        """Validate against the context length; return max_tokens (None: up to the context)."""
+        limit = self.llm.max_model_len
+        if n_prompt >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
+                f"tokens. Shorten the prompt to at most {limit - 1} tokens.",
+                "messages",
+            )
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; you requested "
+                f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                f"Lower max_tokens to at most "
+                f"{limit - n_prompt} or shorten the prompt.",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def params(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens, logprobs):
+        max_tokens = self.check_length(n_prompt, max_tokens)
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def vocab_check(self, ids: list[int]) -> None:
+        vocab = self.llm.client.info.get("vocab_size", 1 << 62)
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+
+    # -- completions ----------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        tok = self.llm.tokenizer
+        if isinstance(p, str):
+            return [(p, tok.encode(p))]
+        if all(isinstance(x, int) for x in p):
+            return [(None, list(p))]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return [(x, tok.encode(x)) for x in p]  # type: ignore[union-attr]
+        return [(None, list(x)) for x in p]  # type: ignore[arg-type]
+
+    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        prompts = self.completion_prompts(req)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        jobs = []
+        for text, ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            self.vocab_check(ids)
+            jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs)))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return self._stream_completion(rid, req, jobs)
+        return await self._full_completion(rid, req, jobs)
+
+    async def _full_completion(self, rid: str, req: CompletionRequest, jobs) -> dict:
+        results = await asyncio.gather(
+            *(self._final(f"{rid}-{i}", ids, p, req) for i, (_, ids, p) in enumerate(jobs))
+        )
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for i, ((text, ids, p), ro) in enumerate(zip(jobs, results, strict=True)):
+            prompt_tokens += len(ids)
+            cached += ro.num_cached_tokens
+            for o in ro.outputs:
+                completion_tokens += len(o.token_ids)
+                body = (text or self.llm.tokenizer.decode(ids)) + o.text if req.echo else o.text
+                choices.append(
+                    {
+                        "index": i * p.n + o.index,
+                        "text": body,
+                        "logprobs": self._completion_logprobs(o) if p.logprobs is not None else None,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+
+    async def _stream_completion(self, rid: str, req: CompletionRequest, jobs) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        queue: asyncio.Queue = asyncio.Queue()
+        prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
+        completion_tokens, cached = 0, 0
+
+        async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
+            try:
+                async for ro in self.llm.generate(
+                    f"{rid}-{i}", ids, p, priority=req.priority, cache_salt=req.cache_salt
+                ):
+                    await queue.put((i, p.n, ro))
+            except Exception as e:  # handed to the consumer, which owns the response
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (_, ids, p) in enumerate(jobs)]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, Exception):
+                    yield sse(stream_error(item))
+                    break
+                i, n, ro = item
+                cached = max(cached, ro.num_cached_tokens)
+                for o in ro.outputs:
+                    if not (o.delta_text or o.delta_token_ids or o.finished):
+                        continue
+                    if o.finished:
+                        completion_tokens += len(o.token_ids)
+                    choice = {
+                        "index": i * n + o.index,
+                        "text": o.delta_text,
+                        "logprobs": None,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason if o.finished else None,
+                    }
+                    if o.logprobs is not None and o.delta_token_ids:
+                        choice["logprobs"] = self._completion_logprobs(o, len(o.delta_token_ids))
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": self.model_name,
+                            "choices": [choice],
+                        }
+                    )
+            else:
+                if include_usage:
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": self.model_name,
+                            "choices": [],
+                            "usage": usage(prompt_tokens, completion_tokens, cached),
+                        }
+                    )
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _final(self, rid: str, ids: list[int], p: SamplingParams, req) -> RequestOutput:
+        last = None
+        try:
+            async for ro in self.llm.generate(rid, ids, p, priority=req.priority, cache_salt=req.cache_salt):
+                last = ro
+        except RequestRejectedError as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is not available: {e}") from e
+        assert last is not None
+        return last
+
+    def _completion_logprobs(self, o: CompletionOutput, last_n: int | None = None) -> dict:
+        lps = o.logprobs or []
+        if last_n is not None:
+            lps = lps[-last_n:]
+        tok = self.llm.tokenizer
+        tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {tok.decode([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps
+            ],
+            "text_offset": _offsets(tokens),
+        }
+
+    # -- chat -----------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(d.get("content"), list):  # content parts: keep the text ones
+                d["content"] = "".join(
+                    part.get("text", "") for part in d["content"] if part.get("type") == "text"
+                )
+            messages.append(d)
+        try:
+            ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        p = self.params(req, len(ids), max_tokens, logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return self._stream_chat(rid, req, ids, p)
+        ro = await self._final(rid, ids, p, req)
+        choices = [
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": {"content": self._chat_logprobs(o.logprobs)} if o.logprobs is not None else None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            for o in ro.outputs
+        ]
+        completion = sum(len(o.token_ids) for o in ro.outputs)
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage(len(ids), completion, ro.num_cached_tokens),
+        }
+
+    async def _stream_chat(
+        self, rid: str, req: ChatCompletionRequest, ids: list[int], p: SamplingParams
+    ) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        for i in range(p.n):
+            yield sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        last: RequestOutput | None = None
+        try:
+            async for ro in self.llm.generate(rid, ids, p, priority=req.priority, cache_salt=req.cache_salt):
+                last = ro
+                for o in ro.outputs:
+                    if not (o.delta_text or o.finished):
+                        continue
+                    choice: dict[str, Any] = {
+                        "index": o.index,
+                        "delta": {"content": o.delta_text} if o.delta_text else {},
+                        "logprobs": None,
+                        "finish_reason": o.finish_reason,
+                    }
+                    if o.logprobs is not None and o.delta_token_ids:
+                        choice["logprobs"] = {
+                            "content": self._chat_logprobs(o.logprobs[-len(o.delta_token_ids) :])
+                        }
+                    yield sse({**head, "choices": [choice]})
+        except Exception as e:
+            yield sse(stream_error(e))
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage and last is not None:
+            completion = sum(len(o.token_ids) for o in last.outputs)
+            yield sse({**head, "choices": [], "usage": usage(len(ids), completion, last.num_cached_tokens)})
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, lps) -> list[dict]:
+        tok = self.llm.tokenizer
+
+        def entry(t: int, v: float) -> dict:
+            s = tok.decode([t], skip_special_tokens=False)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        return [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ]
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def stream_error(e: Exception) -> dict:
+    if isinstance(e, APIError):
+        return error_body(e.status, e.message, e.param)
+    if isinstance(e, RequestRejectedError):
+        return error_body(400, str(e))
+    if isinstance(e, EngineDeadError):
+        return error_body(503, f"the engine is not available: {e}")
+    return error_body(500, f"internal error: {type(e).__name__}")
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, pos = [], 0
+    for t in tokens:
+        out.append(pos)
+        pos += len(t)
+    return out
