@@ -177,6 +177,10 @@ class MPEngineClient(EngineClient):
         return self._dead is None and self._proc is not None and self._proc.is_alive() and fresh
 
     @property
+    def engine_pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def dead_reason(self) -> str | None:
         return self._dead
 

@@ -100,6 +100,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             "max_model_len": info.get("max_model_len"),
             "kv_cache_blocks": info.get("num_blocks"),
             "block_size": info.get("block_size"),
+            "engine_pid": llm.client.engine_pid,
         }
 
     @app.get("/v1/models")

@@ -1,0 +1,62 @@
+"""Start a real `tokenmill serve` on 127.0.0.1 in a subprocess and wait until it is ready."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(*args: str, api_key: str | None = None, timeout: float = 180.0):
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("TOKENMILL_API_KEY", None)
+    if api_key:
+        env["TOKENMILL_API_KEY"] = api_key
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli.main",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early: {proc.stdout.read() if proc.stdout else ''}")
+            try:
+                if httpx.get(f"{base}/v1/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.2)
+        proc.base_url = base  # type: ignore[attr-defined]
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
