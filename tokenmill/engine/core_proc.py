@@ -8,7 +8,12 @@ frontend can tell a live engine from a hung one.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import logging
+import os
+import signal
 import time
 import traceback
 
@@ -25,6 +30,8 @@ HEARTBEAT_S = 1.0
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process: load, announce, then loop until told to stop."""
+    _die_with_parent()
+    parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(input_addr)
@@ -45,7 +52,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     }
     outbox.send(pack(("ready", info)))
     try:
-        _loop(engine, inbox, outbox)
+        _loop(engine, inbox, outbox, parent)
     except Exception:
         outbox.send(pack(("dead", traceback.format_exc(limit=5))))
         raise
@@ -54,7 +61,14 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         inbox.close(linger=0)
 
 
-def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+def _die_with_parent() -> None:
+    """Linux: have the kernel stop this process when the frontend dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     last_sent = 0.0
@@ -84,6 +98,8 @@ def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         if engine.has_unfinished():
             outputs.extend(engine.step())
         now = time.monotonic()
+        if not busy and os.getppid() != parent:
+            return  # the frontend is gone (elsewhere than Linux, where PDEATHSIG would not fire)
         if outputs or now - last_sent >= HEARTBEAT_S:
             outbox.send(pack(("step", [output_to_wire(o) for o in outputs], stats_to_wire(engine.stats()))))
             last_sent = now

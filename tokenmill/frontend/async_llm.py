@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
@@ -27,6 +27,9 @@ class AsyncLLM:
         self.client = client
         self.tokenizer = tokenizer
         self.eos = frozenset(tokenizer.eos_token_ids)
+        # Called with each finished RequestOutput (the server records metrics with it).
+        self.on_finished: Callable[[RequestOutput], None] | None = None
+        self.on_aborted: Callable[[int], None] | None = None  # with the number of sequences cut short
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncLLM:
@@ -81,10 +84,14 @@ class AsyncLLM:
                     self.client.finish(stopped)
                     live.difference_update(stopped)
                 for ro in outs:
+                    if ro.finished and self.on_finished is not None:
+                        self.on_finished(ro)
                     yield ro
         finally:
             if live:
                 self.client.abort(sorted(live))
+                if self.on_aborted is not None:
+                    self.on_aborted(len(live))
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

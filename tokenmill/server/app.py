@@ -11,12 +11,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.metrics import Metrics
 from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.openai_serving import OpenAIServing
 
@@ -41,6 +43,9 @@ class ServerState:
         self.llm = llm
         self.config = config
         self.serving = OpenAIServing(llm, config.model_name)
+        self.metrics = Metrics(llm.client, config.model_name)
+        llm.on_finished = self.metrics.observe
+        llm.on_aborted = self.metrics.observe_aborted
         self.in_flight = 0
         self.draining = False
 
@@ -85,6 +90,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         ok = llm.client.healthy and not state.draining
         msg = "ready" if ok else ("draining" if state.draining else "engine not available")
         return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/version")
     async def version() -> dict:
@@ -168,6 +177,7 @@ async def _generate(request: Request, state: ServerState, make: Callable[[], Awa
     if not state.llm.client.healthy:
         raise APIError(503, f"the engine is not available: {state.llm.client.dead_reason or 'not ready'}")
     if state.in_flight >= state.capacity:
+        state.metrics.observe_failure("rejected_overload")
         raise APIError(
             429,
             f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",

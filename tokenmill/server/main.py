@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 
@@ -18,7 +23,7 @@ log = logging.getLogger("tokenmill.server")
 async def serve(config: ServerConfig, announce: bool = True) -> None:
     llm = await AsyncLLM.start(config.engine)
     app = build_app(llm, config)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.host,
@@ -28,14 +33,7 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
             lifespan="off",
         )
     )
-    original_exit = server.handle_exit
-
-    def handle_exit(sig: int, frame: object) -> None:
-        # SIGTERM/SIGINT: readiness turns false and new requests get 503 while in-flight ones finish.
-        app.state.tm.draining = True
-        original_exit(sig, frame)
-
-    server.handle_exit = handle_exit  # type: ignore[method-assign]
+    server.on_signal = lambda: setattr(app.state.tm, "draining", True)
     if announce:
         base = f"http://{config.host}:{config.port}"
         print(
@@ -52,6 +50,34 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
         await server.serve()
     finally:
         await llm.shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that a SIGTERM/SIGINT ends in a clean exit after the drain.
+
+    uvicorn re-raises the signal once it has stopped, which would kill this process before it can
+    shut the engine process down.
+    """
+
+    on_signal: Callable[[], None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Readiness turns false and new requests get 503 while in-flight ones finish.
+        if self.on_signal is not None:
+            self.on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def run(config: ServerConfig) -> None:

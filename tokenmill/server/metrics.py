@@ -1,0 +1,148 @@
+"""Prometheus metrics, computed in the frontend from engine timestamps (the engine loop stays lean).
+
+Names follow vLLM's with a `tokenmill:` prefix, so existing dashboards need only a rename. The
+queue-to-compute ratio is the source documents' autoscaling signal: queue time divided by compute
+time, here over the requests that finished in the last `window_s` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenmill.engine.client import EngineClient
+from tokenmill.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, client: EngineClient, model_name: str, window_s: float = 60.0) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model_name
+        self.window_s = window_s
+        self._recent: deque[tuple[float, float, float]] = deque()  # (finished at, queue s, compute s)
+        labels = ["model_name"]
+        r = self.registry
+        self.success = Counter(
+            "tokenmill:request_success",
+            "Finished requests by reason",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.failure = Counter(
+            "tokenmill:request_failure", "Requests that failed", [*labels, "kind"], registry=r
+        )
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter(
+            "tokenmill:generation_tokens", "Tokens generated", labels, registry=r
+        )
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist("tokenmill:time_to_first_token_seconds", "Arrival to first token")
+        self.itl = hist(
+            "tokenmill:inter_token_latency_seconds", "Gap between consecutive tokens", ITL_BUCKETS
+        )
+        self.e2e = hist("tokenmill:e2e_request_latency_seconds", "Arrival to last token")
+        self.queue = hist("tokenmill:request_queue_time_seconds", "Arrival to first scheduling")
+        self.prefill = hist("tokenmill:request_prefill_time_seconds", "First scheduling to first token")
+        self.decode = hist("tokenmill:request_decode_time_seconds", "First token to last token")
+        r.register(_EngineCollector(client, self))
+
+    def observe(self, ro: RequestOutput) -> None:
+        """Record a finished request (all its sequences)."""
+        self.prompt_tokens.labels(self.model).inc(len(ro.prompt_token_ids))
+        now = time.monotonic()
+        for o in ro.outputs:
+            self.success.labels(self.model, o.finish_reason or "abort").inc()
+            self.generation_tokens.labels(self.model).inc(len(o.token_ids))
+            m = o.metrics
+            if m is None or m.first_scheduled_time is None:
+                continue
+            queue = m.first_scheduled_time - m.arrival_time
+            self.queue.labels(self.model).observe(queue)
+            end = m.finished_time or now
+            if m.first_token_time is not None:
+                self.ttft.labels(self.model).observe(m.first_token_time - m.arrival_time)
+                self.prefill.labels(self.model).observe(m.first_token_time - m.first_scheduled_time)
+                self.decode.labels(self.model).observe(end - m.first_token_time)
+            self.e2e.labels(self.model).observe(end - m.arrival_time)
+            for a, b in zip(m.token_times, m.token_times[1:], strict=False):
+                self.itl.labels(self.model).observe(b - a)
+            self._recent.append((now, queue, end - m.first_scheduled_time))
+
+    def observe_aborted(self, sequences: int) -> None:
+        self.success.labels(self.model, "abort").inc(sequences)
+
+    def observe_failure(self, kind: str) -> None:
+        self.failure.labels(self.model, kind).inc()
+
+    def queue_to_compute_ratio(self) -> float:
+        cutoff = time.monotonic() - self.window_s
+        while self._recent and self._recent[0][0] < cutoff:
+            self._recent.popleft()
+        compute = sum(c for _, _, c in self._recent)
+        return sum(q for _, q, _ in self._recent) / compute if compute > 0 else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Engine-side state, read from the latest stats the engine process sent."""
+
+    def __init__(self, client: EngineClient, metrics: Metrics) -> None:
+        self.client, self.metrics = client, metrics
+
+    def collect(self):
+        s, m = self.client.stats, self.metrics.model
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], value)
+            return c
+
+        yield gauge(
+            "tokenmill:num_requests_running", "Requests in the running batch", s.num_running if s else 0
+        )
+        yield gauge(
+            "tokenmill:num_requests_waiting", "Requests waiting for the engine", s.num_waiting if s else 0
+        )
+        yield gauge(
+            "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", s.kv_cache_usage if s else 0
+        )
+        yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", s.num_blocks if s else 0)
+        yield gauge(
+            "tokenmill:kv_cache_blocks_in_use",
+            "KV blocks held by requests",
+            round(s.kv_cache_usage * s.num_blocks) if s else 0,
+        )
+        yield counter(
+            "tokenmill:prefix_cache_queries", "Prompt tokens looked up", s.prefix_cache_queries if s else 0
+        )
+        yield counter(
+            "tokenmill:prefix_cache_hits", "Prompt tokens found cached", s.prefix_cache_hits if s else 0
+        )
+        yield counter("tokenmill:num_preemptions", "Requests preempted", s.num_preemptions if s else 0)
+        yield gauge(
+            "tokenmill:queue_to_compute_ratio",
+            f"Queue time / compute time of requests finished in the last {self.metrics.window_s:.0f}s",
+            self.metrics.queue_to_compute_ratio(),
+        )
+        yield gauge(
+            "tokenmill:engine_healthy",
+            "1 while the engine process answers",
+            1.0 if self.client.healthy else 0.0,
+        )
