@@ -124,10 +124,44 @@ class OpenAIServing:
 
     async def _stream_completion(self, rid: str, req: CompletionRequest, jobs) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        created = now()
-        queue: asyncio.Queue = asyncio.Queue()
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
         prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
         completion_tokens, cached = 0, 0
+        try:
+            async for i, n, ro in self._merged(rid, req, jobs):
+                cached = max(cached, ro.num_cached_tokens)
+                for o in ro.outputs:
+                    if not (o.delta_text or o.delta_token_ids or o.finished):
+                        continue
+                    if o.finished:
+                        completion_tokens += len(o.token_ids)
+                    choice = {
+                        "index": i * n + o.index,
+                        "text": o.delta_text,
+                        "logprobs": None,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason if o.finished else None,
+                    }
+                    if o.logprobs is not None and o.delta_token_ids:
+                        choice["logprobs"] = self._completion_logprobs(o, len(o.delta_token_ids))
+                    yield sse({**head, "choices": [choice]})
+        except Exception as e:  # the status line is sent: report the error in the stream
+            yield sse(stream_error(e))
+        else:
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+        yield "data: [DONE]\n\n"
+
+    async def _merged(self, rid: str, req, jobs) -> AsyncIterator[tuple[int, int, RequestOutput]]:
+        """(prompt index, n, output) from the generations of all prompts of one request, as they come."""
+        if len(jobs) == 1:  # the common case needs no extra task and queue hop per token
+            _, ids, p = jobs[0]
+            async for ro in self.llm.generate(
+                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt
+            ):
+                yield 0, p.n, ro
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
             try:
@@ -147,48 +181,10 @@ class OpenAIServing:
                 item = await queue.get()
                 if item is None:
                     done += 1
-                    continue
-                if isinstance(item, Exception):
-                    yield sse(stream_error(item))
-                    break
-                i, n, ro = item
-                cached = max(cached, ro.num_cached_tokens)
-                for o in ro.outputs:
-                    if not (o.delta_text or o.delta_token_ids or o.finished):
-                        continue
-                    if o.finished:
-                        completion_tokens += len(o.token_ids)
-                    choice = {
-                        "index": i * n + o.index,
-                        "text": o.delta_text,
-                        "logprobs": None,
-                        "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason if o.finished else None,
-                    }
-                    if o.logprobs is not None and o.delta_token_ids:
-                        choice["logprobs"] = self._completion_logprobs(o, len(o.delta_token_ids))
-                    yield sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": self.model_name,
-                            "choices": [choice],
-                        }
-                    )
-            else:
-                if include_usage:
-                    yield sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": self.model_name,
-                            "choices": [],
-                            "usage": usage(prompt_tokens, completion_tokens, cached),
-                        }
-                    )
-            yield "data: [DONE]\n\n"
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
         finally:
             for t in tasks:
                 t.cancel()
