@@ -4,10 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 MODEL ?= smollm2-135m
+HOST ?= 127.0.0.1
+PORT ?= 8000
 BENCH_ARGS ?=
 PROMPT ?= Explain in two sentences what a KV cache is.
 
-.PHONY: run test lint bench install clean
+.PHONY: run generate test lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +23,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/tokenmill serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+generate: $(STAMP)
 	$(BIN)/tokenmill generate "$(PROMPT)" --model $(MODEL) --max-tokens 96
 
 test: $(STAMP)
