@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import openai
@@ -143,7 +144,16 @@ def test_64_concurrent_streams(server) -> None:
         await c.close()
         return res
 
+    def successes() -> float:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        found = re.findall(
+            r'^tokenmill:request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)', text, re.M
+        )
+        return float(found[0]) if found else 0.0
+
+    before = successes()
     results = asyncio.run(main())
+    assert successes() - before == 64, "/metrics counts the 64 streams"
     assert len(results) == 64
     for pieces, usage in results:
         assert usage.completion_tokens == 12 and pieces >= 1

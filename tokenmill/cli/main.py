@@ -196,6 +196,9 @@ def serve(
     max_queued_requests: int = typer.Option(
         256, help="requests that may wait beyond max-num-seqs (then 429)"
     ),
+    max_pending_tokens: int = typer.Option(
+        1_000_000, help="prompt tokens in flight before new requests get 429"
+    ),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache budget"),
     threads: int | None = typer.Option(None, help="torch threads in the engine process (default: all cores)"),
     drain_timeout: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM"),
@@ -224,6 +227,7 @@ def serve(
         served_model_name=served_model_name,
         api_key=api_key,
         max_queued_requests=max_queued_requests,
+        max_pending_tokens=max_pending_tokens,
         drain_timeout_s=drain_timeout,
         engine=engine,
     )

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, error_response
 from tokenmill.server.metrics import Metrics
@@ -42,16 +43,14 @@ class ServerState:
     def __init__(self, llm: AsyncLLM, config: ServerConfig) -> None:
         self.llm = llm
         self.config = config
-        self.serving = OpenAIServing(llm, config.model_name)
+        self.admission = Admission(
+            config.engine.scheduler.max_num_seqs + config.max_queued_requests, config.max_pending_tokens
+        )
+        self.serving = OpenAIServing(llm, config.model_name, self.admission)
         self.metrics = Metrics(llm.client, config.model_name)
         llm.on_finished = self.metrics.observe
         llm.on_aborted = self.metrics.observe_aborted
-        self.in_flight = 0
         self.draining = False
-
-    @property
-    def capacity(self) -> int:
-        return self.config.engine.scheduler.max_num_seqs + self.config.max_queued_requests
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -127,12 +126,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _json_model(request, CompletionRequest)
-        return await _generate(request, state, lambda: state.serving.completions(body))
+        return await _generate(request, state, lambda t: state.serving.completions(body, t))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_model(request, ChatCompletionRequest)
-        return await _generate(request, state, lambda: state.serving.chat(body))
+        return await _generate(request, state, lambda t: state.serving.chat(body, t))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -171,34 +170,27 @@ async def _json_model(request: Request, model: type[BaseModel]) -> Any:
         raise APIError(400, _describe(e.errors()), _param(e.errors())) from e
 
 
-async def _generate(request: Request, state: ServerState, make: Callable[[], Awaitable[Any]]) -> Response:
+async def _generate(
+    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]]
+) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
     if not state.llm.client.healthy:
         raise APIError(503, f"the engine is not available: {state.llm.client.dead_reason or 'not ready'}")
-    if state.in_flight >= state.capacity:
-        state.metrics.observe_failure("rejected_overload")
-        raise APIError(
-            429,
-            f"the server is at capacity ({state.in_flight} requests in flight); retry shortly",
-            headers={"Retry-After": "1"},
-        )
-    state.in_flight += 1
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            state.in_flight -= 1
-
     try:
-        result = await _cancel_on_disconnect(request, make())
-    except BaseException:
-        release()
+        ticket = state.admission.admit()
+    except APIError:
+        state.metrics.observe_failure("rejected_overload")
+        raise
+    try:
+        result = await _cancel_on_disconnect(request, make(ticket))
+    except BaseException as e:
+        state.admission.release(ticket)
+        if isinstance(e, APIError) and e.status == 429:
+            state.metrics.observe_failure("rejected_overload")
         raise
     if isinstance(result, dict):
-        release()
+        state.admission.release(ticket)
         return JSONResponse(result)
 
     async def stream() -> AsyncIterator[str]:
@@ -207,7 +199,7 @@ async def _generate(request: Request, state: ServerState, make: Callable[[], Awa
                 yield chunk
         finally:
             await result.aclose()
-            release()
+            state.admission.release(ticket)
 
     return StreamingResponse(stream(), media_type="text/event-stream")
 

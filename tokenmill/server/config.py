@@ -15,6 +15,7 @@ class ServerConfig:
     api_key: str | None = None
     # Admission: requests beyond max_num_seqs that may wait in the engine; more get 429.
     max_queued_requests: int = 256
+    max_pending_tokens: int = 1_000_000  # prompt tokens in flight (a lone request may exceed it)
     drain_timeout_s: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -12,6 +12,7 @@ from tokenmill.engine.client import EngineDeadError, RequestRejectedError
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError, error_body
 from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest, now
 from tokenmill.tokenizer.chat_template import ChatTemplateError
@@ -22,9 +23,10 @@ def sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, admission: Admission) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.admission = admission
 
     # -- input checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -78,7 +80,7 @@ class OpenAIServing:
             return [(x, tok.encode(x)) for x in p]  # type: ignore[union-attr]
         return [(None, list(x)) for x in p]  # type: ignore[arg-type]
 
-    async def completions(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         prompts = self.completion_prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
@@ -88,6 +90,7 @@ class OpenAIServing:
                 raise APIError(400, "prompt must not be empty", "prompt")
             self.vocab_check(ids)
             jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs)))
+        self.admission.add_tokens(ticket, sum(len(ids) for _, ids, _ in jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._stream_completion(rid, req, jobs)
@@ -217,7 +220,7 @@ class OpenAIServing:
         }
 
     # -- chat -----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         messages = []
         for m in req.messages:
@@ -234,6 +237,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         p = self.params(req, len(ids), max_tokens, logprobs)
+        self.admission.add_tokens(ticket, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._stream_chat(rid, req, ids, p)
