@@ -77,7 +77,7 @@ def test_streaming_chat_with_usage(client: openai.OpenAI, llm_bf16: LLM) -> None
 def test_async_client_and_extra_sampling_fields(server) -> None:
     async def main():
         c = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-        r = await c.completions.create(
+        kwargs = dict(
             model="smollm2-135m",
             prompt="List: apple, banana,",
             max_tokens=20,
@@ -88,17 +88,8 @@ def test_async_client_and_extra_sampling_fields(server) -> None:
             logprobs=2,
             extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2},
         )
-        again = await c.completions.create(
-            model="smollm2-135m",
-            prompt="List: apple, banana,",
-            max_tokens=20,
-            temperature=0.8,
-            seed=5,
-            n=2,
-            stop=["\n"],
-            logprobs=2,
-            extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2},
-        )
+        r = await c.completions.create(**kwargs)
+        again = await c.completions.create(**kwargs)
         await c.close()
         return r, again
 
