@@ -51,3 +51,8 @@ def test_chat_streams_a_reply_and_exits() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_serve_unknown_model_is_one_line_error() -> None:
+    r = run("serve", "--model", "no-such-model", "--port", "1")
+    assert r.returncode == 2 and "unknown model" in r.stderr and "Traceback" not in r.stderr

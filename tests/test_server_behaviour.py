@@ -166,3 +166,15 @@ def test_engine_death_is_detected() -> None:
         after = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert after.status_code == 503
         assert re.search(r"tokenmill:engine_healthy\{[^}]*\} 0\.0", httpx.get(f"{base}/metrics").text)
+
+
+def test_non_streaming_disconnect_aborts(server) -> None:
+    base = server.base_url
+    body = {"prompt": "Tell a very long story.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=1.5)  # the client gives up and hangs up
+
+    def idle() -> bool:
+        return metric(httpx.get(f"{base}/metrics").text, "tokenmill:num_requests_running") == 0
+
+    assert wait_until(idle), "a non-streaming request is aborted when its client disconnects"

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
@@ -53,6 +54,28 @@ class ServerState:
         self.draining = False
 
 
+class ApiKeyMiddleware:
+    """Bearer-token check as a plain ASGI middleware.
+
+    (Starlette's BaseHTTPMiddleware would wrap every response stream, adding per-chunk overhead, and
+    hide client disconnects from the endpoints, which need them to abort generation.)
+    """
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if auth != self.expected:
+                response = error_response(
+                    401, "invalid or missing API key: send `Authorization: Bearer <key>`"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     state = ServerState(llm, config)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__)
@@ -66,13 +89,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(400, _describe(e.errors()), _param(e.errors()))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        key = config.api_key
-        open_path = request.url.path in OPEN_PATHS
-        if key and not open_path and request.headers.get("authorization", "") != f"Bearer {key}":
-            return error_response(401, "invalid or missing API key: send `Authorization: Bearer <key>`")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
     # -- health and metadata ------------------------------------------------------------------
     @app.get("/health")
