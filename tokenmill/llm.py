@@ -71,6 +71,13 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, **kwargs)
 
+    def step(self, proc: OutputProcessor) -> list[RequestOutput]:
+        """One engine step, its outputs through the frontend; sequences a stop string ended are finished."""
+        outs, stopped = proc.process(self.engine.step())
+        if stopped:
+            self.engine.finish(stopped, FinishReason.STOP)
+        return outs
+
     def _run(
         self,
         prompts: list[Prompt],
@@ -102,10 +109,7 @@ class LLM:
         with Progress(disable=not use_tqdm, transient=True) as bar:
             task = bar.add_task("generating", total=len(order))
             while self.engine.has_unfinished():
-                outs, stopped = proc.process(self.engine.step())
-                if stopped:
-                    self.engine.finish(stopped, FinishReason.STOP)
-                for ro in outs:
+                for ro in self.step(proc):
                     if ro.finished:
                         finished[ro.request_id] = ro
                         bar.advance(task)

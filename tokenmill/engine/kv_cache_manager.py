@@ -78,7 +78,8 @@ class KVCacheManager:
             extend_block_hashes(
                 req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end
             )
-            for i in range(end // self.block_size):
+            # Blocks that were already full before `start` were named when their step was scheduled.
+            for i in range(start // self.block_size, end // self.block_size):
                 if blocks[i].block_hash is None:
                     self.pool.cache(blocks[i], req.block_hashes[i])
         return True

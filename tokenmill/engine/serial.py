@@ -54,7 +54,7 @@ def request_from_wire(d: dict) -> EngineRequest:
 
 
 def output_to_wire(o: EngineCoreOutput) -> dict:
-    d = dataclasses.asdict(o)
+    d = dict(o.__dict__)  # shallow: asdict's deep copy of every list is wasted work each engine step
     d["finish_reason"] = None if o.finish_reason is None else o.finish_reason.value
     if o.new_logprobs is not None:
         d["new_logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.new_logprobs]

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.request import EngineRequest, FinishReason
+from tokenmill.engine.request import EngineRequest
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,10 +27,7 @@ def stream_ids(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> Itera
     llm.engine.add_request(EngineRequest(cid, prompt_ids, cp, eos))
     try:
         while llm.engine.has_unfinished():
-            outs, stopped = proc.process(llm.engine.step())
-            if stopped:
-                llm.engine.finish(stopped, FinishReason.STOP)
-            for ro in outs:
+            for ro in llm.step(proc):
                 if ro.outputs[0].delta_text:
                     yield ro.outputs[0].delta_text
     finally:
