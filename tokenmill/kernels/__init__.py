@@ -6,6 +6,7 @@ folder; a machine without a C++ compiler falls back to the plain-PyTorch impleme
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +23,12 @@ _failed: str | None = None
 
 
 def build_dir() -> Path:
-    return default_cache_dir() / "kernels" / f"torch-{torch.__version__}"
+    # Keyed by a hash of every source and header: torch's loader only notices changes to the .cpp
+    # files it is given, and a stale build from another checkout must never be picked up.
+    digest = hashlib.sha256()
+    for f in sorted(_CSRC.iterdir()):
+        digest.update(f.name.encode() + f.read_bytes())
+    return default_cache_dir() / "kernels" / f"torch-{torch.__version__}" / digest.hexdigest()[:12]
 
 
 def cpu_kernels() -> ModuleType:

@@ -9,32 +9,12 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_math.h"
+
 static inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
 template <typename T>
 static inline float f(T x) { return static_cast<float>(x); }
-
-// exp(x) from 2^n * 2^r with |r| <= 1/2 and a degree-7 Taylor polynomial of 2^r (relative error
-// < 1e-7 on the range silu needs). Plain arithmetic, so the compiler vectorizes loops over it;
-// std::exp stays a scalar libm call and made silu*mul 4x slower than PyTorch's.
-static inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.4426950408889634f;  // log2(e)
-  const float n = std::nearbyint(t);
-  const float r = (t - n) * 0.6931471805599453f;  // in [-ln2/2, ln2/2]
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // out = x * rsqrt(mean(x^2) + eps) * w, per row. If residual is given: residual += x first (stored in
 // T, as an unfused add would round it), and the normalized value is taken of the new residual.

@@ -29,8 +29,10 @@ class TorchReferenceBackend(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
         nd = meta.num_decode
+        if nd == q.shape[0]:  # a pure decode step: no copy into a combined output
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for seg in meta.prefills:
