@@ -7,22 +7,16 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from tokenmill.cli.bench import bench_app
+from tokenmill.cli.common import console, err, fail
 from tokenmill.weights import catalog
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenmill: serve, measure and size LLMs.")
 models_app = typer.Typer(help="The model catalog.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
-console = Console()
-err = Console(stderr=True, soft_wrap=True)  # one error, one line: never wrapped
-
-
-def fail(message: str) -> None:
-    """One clear line on stderr and exit code 2, never a traceback."""
-    err.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(2)
+app.add_typer(bench_app, name="bench")
 
 
 @models_app.callback()
