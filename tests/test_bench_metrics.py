@@ -129,6 +129,8 @@ def test_poisson_arrivals_have_the_right_rate(rate: float) -> None:
     assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.03)
     # Exponential gaps: the standard deviation equals the mean.
     assert statistics.pstdev(gaps) == pytest.approx(1 / rate, rel=0.05)
+    fixed = list(arrival_offsets(rate, "poisson", random.Random(1), n=40))
+    assert len(fixed) == 40 and fixed[-1] == pytest.approx(39 / rate)  # exact rate for a known count
     const = arrival_offsets(rate, "constant", random.Random(1))
     assert [next(const) for _ in range(4)] == pytest.approx([0, 1 / rate, 2 / rate, 3 / rate])
 
@@ -147,13 +149,47 @@ def test_goodput_search_doubles_then_bisects() -> None:
         att = 1.0 if load.request_rate <= capacity else 0.5
         return _Level({"slo_attainment": att, "goodput": min(load.request_rate, capacity)})
 
-    out = asyncio.run(_search(level, LoadConfig(num_requests=10), GoodputSearch(0.9, 1.0, 8, 4)))
+    out = asyncio.run(
+        _search(
+            level,
+            LoadConfig(num_requests=10),
+            GoodputSearch(0.9, start_rate=1.0, max_doublings=8, bisect_steps=4),
+        )
+    )
     assert tried == [1.0, 2.0, 4.0, 8.0, 6.0, 5.0, 5.5, 5.25]
     assert out["max_good_rate"] == 5.25 and out["first_failing_rate"] == 5.5
     # Starting above capacity halves first.
     tried.clear()
-    out = asyncio.run(_search(level, LoadConfig(num_requests=10), GoodputSearch(0.9, 16.0, 8, 0)))
+    out = asyncio.run(
+        _search(
+            level,
+            LoadConfig(num_requests=10),
+            GoodputSearch(0.9, start_rate=16.0, max_doublings=8, bisect_steps=0),
+        )
+    )
     assert tried == [16.0, 8.0, 4.0] and out["max_good_rate"] == 4.0
+
+
+def test_goodput_search_rejects_rates_the_server_does_not_keep_up_with() -> None:
+    # A short run above capacity can meet its SLOs before the queue has grown; the completion rate
+    # falling behind the arrival rate gives it away.
+    capacity = 3.7
+
+    async def level(load: LoadConfig) -> _Level:
+        r = load.request_rate
+        return _Level({"slo_attainment": 1.0, "goodput": min(r, capacity), "arrival_rate": r,
+                       "completion_rate": min(r, capacity)})  # fmt: skip
+
+    out = asyncio.run(_search(level, LoadConfig(num_requests=10), GoodputSearch(0.9, start_rate=1.0)))
+    assert 3.7 <= out["max_good_rate"] <= 3.7 / 0.9
+    assert not out["probes"][-1]["keeps_up"] or out["probes"][-1]["request_rate"] == out["max_good_rate"]
+
+
+def test_arrival_and_completion_rates() -> None:
+    # Sent every 0.1 s, but completed every 0.2 s: the server falls behind.
+    records = [rec(i, 0.1 * i, [0.2 * i + 0.05, 0.2 * i + 0.1]) for i in range(11)]
+    s = summarize(records, [])
+    assert s["arrival_rate"] == pytest.approx(10.0) and s["completion_rate"] == pytest.approx(5.0)
 
 
 class WordCounter:

@@ -43,10 +43,24 @@ class LoadConfig:
         return f"rate{self.request_rate:g}"
 
 
-def arrival_offsets(rate: float, kind: str, rng: random.Random) -> Iterator[float]:
-    """Seconds from the start at which sessions arrive: Poisson (exponential gaps) or constant."""
+def arrival_offsets(rate: float, kind: str, rng: random.Random, n: int | None = None) -> Iterator[float]:
+    """Seconds from the start at which sessions arrive: Poisson (exponential gaps) or constant.
+
+    With a known count n, Poisson gaps are rescaled so that the n arrivals span exactly (n - 1) / rate,
+    as vLLM does: otherwise a run of a few dozen requests offers a rate off by 10-20% at random, and a
+    goodput search would credit the server with a rate it never saw.
+    """
     if rate <= 0:
         raise ValueError("--request-rate must be positive")
+    if kind == "poisson" and n is not None and n > 1:
+        gaps = [rng.expovariate(rate) for _ in range(n - 1)]
+        scale = (n - 1) / rate / sum(gaps)
+        t = 0.0
+        yield t
+        for g in gaps:
+            t += g * scale
+            yield t
+        return
     t = 0.0
     while True:
         yield t
@@ -122,6 +136,7 @@ async def run_level(
     sessions: Iterator[Session],
     cfg: LoadConfig,
     on_done: Callable[[RequestRecord], None] = lambda r: None,
+    single_turn: bool = True,
 ) -> list[RequestRecord]:
     """Run one load level (after its warm-up); return every record, warm-up ones marked."""
     records: list[RequestRecord] = []
@@ -167,7 +182,9 @@ async def run_level(
                 return await _run_session(client, session, budget, records, t0, False, n, on_done)
 
         start = time.perf_counter()
-        for offset in arrival_offsets(cfg.request_rate, cfg.arrival, random.Random(cfg.seed)):
+        # Sessions of one turn: the request count is the arrival count, and the rate can be made exact.
+        n = cfg.num_requests if cfg.duration_s is None and single_turn else None
+        for offset in arrival_offsets(cfg.request_rate, cfg.arrival, random.Random(cfg.seed), n):
             delay = start + offset - time.perf_counter()
             if deadline is not None and start + offset >= deadline:
                 break

@@ -142,7 +142,7 @@ def _plot_distributions(lv: LevelResult, path: Path) -> None:
                 import numpy as np
 
                 x = float(np.percentile(vals, p))
-                ax.axvline(x, color="#d84b3b", linestyle=style, label=f"p{p} {x:.1f}")
+                ax.axvline(x, color="#d84b3b", linestyle=style, label=f"p{p} {x:.3g}")
             ax.legend()
         ax.set_xlabel(name)
         ax.set_ylabel("requests")
@@ -218,6 +218,13 @@ def print_errors(console: Console, s: dict[str, Any]) -> None:
         )
 
 
+def _kept_up(s: dict[str, Any]) -> float | None:
+    """Completion rate / arrival rate of an open-loop level (below ~0.9: the queue was growing)."""
+    if s.get("request_rate") is None or not s.get("arrival_rate") or s.get("completion_rate") is None:
+        return None
+    return s["completion_rate"] / s["arrival_rate"]
+
+
 def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
     table = Table(title="tokenmill bench: sweep", title_justify="left")
     for col in (
@@ -232,6 +239,7 @@ def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
         "ITL p99",
         "tok/s/user p50",
         "goodput",
+        "done/sent",
     ):
         table.add_column(col, justify="right")
     for s in levels:
@@ -251,6 +259,7 @@ def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
             st("itl_ms", "p99"),
             st("tps_user", "p50"),
             _fmt(s["goodput"]),
+            _fmt(_kept_up(s)),
         )
     console.print(table)
     for s in levels:

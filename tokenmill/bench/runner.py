@@ -32,6 +32,9 @@ class GoodputSearch:
     """Find the highest request rate at which at least `target` of requests meet every SLO."""
 
     target: float = 0.9
+    # A rate also fails if the server completes requests slower than this share of the arrival
+    # rate: its queue is growing, and a longer run would break the SLOs too.
+    keep_up: float = 0.9
     start_rate: float = 1.0
     max_doublings: int = 8
     bisect_steps: int = 4
@@ -68,7 +71,7 @@ async def _run_levels(
             stream = sessions(replace(workload, seed=workload.seed + 1000 * n), counter)
             on_done = progress(load.label, load.num_requests, load.duration_s)
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            records = await run_level(client, stream, load, on_done)
+            records = await run_level(client, stream, load, on_done, single_turn=workload.turns <= 1)
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             summary = summarize(records, slos)
             summary["label"] = load.label
@@ -95,8 +98,19 @@ async def _search(level, base: LoadConfig, s: GoodputSearch) -> dict[str, Any]:
     async def probe(rate: float) -> bool:
         r = await level(replace(base, concurrency=None, request_rate=rate))
         att = r.summary["slo_attainment"]
-        probes.append({"request_rate": rate, "slo_attainment": att, "goodput": r.summary["goodput"]})
-        return att >= s.target
+        arrival, completion = r.summary.get("arrival_rate"), r.summary.get("completion_rate")
+        keeps_up = arrival is None or (completion is not None and completion >= s.keep_up * arrival)
+        probes.append(
+            {
+                "request_rate": rate,
+                "slo_attainment": att,
+                "goodput": r.summary["goodput"],
+                "arrival_rate": arrival,
+                "completion_rate": completion,
+                "keeps_up": keeps_up,
+            }
+        )
+        return att >= s.target and keeps_up
 
     lo, hi = None, None
     rate = s.start_rate

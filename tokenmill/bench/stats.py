@@ -109,6 +109,7 @@ def summarize(records: list[RequestRecord], slos: list[Slo]) -> dict[str, Any]:
     out_tokens = sum(r.osl or 0 for r in ok)
     in_tokens = sum(r.isl or 0 for r in ok)
     good = sum(1 for r in ok if meets_all(r, slos))
+    arrival, completion = _rates(measured, ok)
     per_s = (lambda n: n / duration) if duration else (lambda n: 0.0)
     out.update(
         {
@@ -127,13 +128,28 @@ def summarize(records: list[RequestRecord], slos: list[Slo]) -> dict[str, Any]:
             "goodput": per_s(good),
             "slo_attainment": good / len(measured) if measured else 0.0,
             "osl_sources": dict(Counter(r.osl_source for r in ok)),
+            "arrival_rate": arrival,
+            "completion_rate": completion,
             "conventions": {
                 "percentiles": "numpy linear interpolation; std is the population std",
                 "duration": "last response - first send of the measured requests",
                 "itl": "(e2e - ttft) / (output tokens - 1), per request (vLLM calls it TPOT)",
                 "chunk_gap": "time between consecutive non-empty streamed chunks, pooled (vLLM's ITL)",
                 "goodput": "requests meeting every SLO / duration; slo_attainment = good / measured",
+                "arrival_rate": "(sent - 1) / (last send - first send)",
+                "completion_rate": "(completed - 1) / (last completion - first completion); below the "
+                "arrival rate, the server did not keep up and its queue was growing",
             },
         }
     )
     return out
+
+
+def _rates(measured: list[RequestRecord], ok: list[RequestRecord]) -> tuple[float | None, float | None]:
+    """Requests/s sent and completed, each over its own span, free of the run's start and end effects."""
+
+    def rate(times: list[float]) -> float | None:
+        span = max(times) - min(times) if len(times) > 1 else 0.0
+        return (len(times) - 1) / span if span > 0 else None
+
+    return rate([r.t_send for r in measured]), rate([r.t_end for r in ok if r.t_end is not None])

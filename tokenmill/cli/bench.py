@@ -180,7 +180,7 @@ def bench(
         fixed_osl=fixed_osl,
         extra_body=extra,
     )
-    search = GoodputSearch(target_attainment, search_start_rate) if goodput_search else None
+    search = GoodputSearch(target_attainment, start_rate=search_start_rate) if goodput_search else None
     _run(client_cfg, workload, loads, slos, counter, counter_desc, search, output)
 
 
