@@ -28,7 +28,7 @@ def measure(url: str, model: str, concurrency: int, n: int, counter) -> dict:
     cfg = ClientConfig(base_url=url, model=model, endpoint="chat")
     wl = WorkloadConfig(isl=128, osl=64)
     load = LoadConfig(concurrency=concurrency, num_requests=n, warmup_requests=concurrency)
-    s = run_bench(cfg, wl, [load], [], counter, lambda *a: (lambda r: None)).levels[0].summary
+    s = run_bench(cfg, wl, [load], [], counter, lambda *a: lambda r: None).levels[0].summary
     assert s["failed"] == 0, s["errors"]
     return s
 

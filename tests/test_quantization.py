@@ -39,10 +39,16 @@ def test_q4_1_tensor_is_recovered_exactly(model_path: Path) -> None:
 
 @pytest.mark.slow
 def test_int4_engine_generates_like_bf16() -> None:
-    # Not token-identical (other weights' rounding), but the same model: greedy text mostly agrees.
-    prompt = "The three primary colors are"
+    # Not token-identical (other weights' rounding), so compare next-token predictions along the bf16
+    # model's own greedy continuation (teacher forcing): one near-tie cannot derail the comparison,
+    # as it would when comparing two free-running generations.
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    a = LLM(max_model_len=256).generate(prompt, p)[0].outputs[0].token_ids
-    b = LLM(max_model_len=256, quantization="int4").generate(prompt, p)[0].outputs[0].token_ids
-    same_prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-    assert same_prefix >= 8
+    bf16 = LLM(max_model_len=256)
+    prompt_ids = bf16.tokenizer.encode("The three primary colors are")
+    cont = bf16.generate([prompt_ids], p)[0].outputs[0].token_ids
+    int4 = LLM(max_model_len=256, quantization="int4")
+    prefixes = [prompt_ids + cont[:k] for k in range(len(cont))]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    got = [o.outputs[0].token_ids[0] for o in int4.generate(prefixes, one)]
+    agree = sum(g == c for g, c in zip(got, cont, strict=True)) / len(cont)
+    assert agree >= 0.75, (agree, got, cont)
