@@ -177,8 +177,14 @@ def test_goodput_search_rejects_rates_the_server_does_not_keep_up_with() -> None
 
     async def level(load: LoadConfig) -> _Level:
         r = load.request_rate
-        return _Level({"slo_attainment": 1.0, "goodput": min(r, capacity), "arrival_rate": r,
-                       "completion_rate": min(r, capacity)})  # fmt: skip
+        return _Level(
+            {
+                "slo_attainment": 1.0,
+                "goodput": min(r, capacity),
+                "arrival_rate": r,
+                "completion_rate": min(r, capacity),
+            }
+        )
 
     out = asyncio.run(_search(level, LoadConfig(num_requests=10), GoodputSearch(0.9, start_rate=1.0)))
     assert 3.7 <= out["max_good_rate"] <= 3.7 / 0.9

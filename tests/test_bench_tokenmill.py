@@ -15,17 +15,50 @@ def test_bench_against_tokenmill(tmp_path) -> None:
         out = tmp_path / "completions"
         res = CliRunner().invoke(
             app,
-            ["bench", "--url", f"{proc.base_url}/v1", "--endpoint", "completions", "--concurrency", "4",
-             "--num-requests", "8", "--warmup-requests", "2", "--isl", "64", "--osl", "16",
-             "--slo", "ttft=60s", "--output", str(out)],
-        )  # fmt: skip
+            [
+                "bench",
+                "--url",
+                f"{proc.base_url}/v1",
+                "--endpoint",
+                "completions",
+                "--concurrency",
+                "4",
+                "--num-requests",
+                "8",
+                "--warmup-requests",
+                "2",
+                "--isl",
+                "64",
+                "--osl",
+                "16",
+                "--slo",
+                "ttft=60s",
+                "--output",
+                str(out),
+            ],
+        )
         assert res.exit_code == 0, res.output
         chat = tmp_path / "chat"
         res2 = CliRunner().invoke(
             app,
-            ["bench", "--url", proc.base_url, "--concurrency", "2", "--num-requests", "4", "--turns", "2",
-             "--isl", "32", "--osl", "8", "--output", str(chat)],
-        )  # fmt: skip
+            [
+                "bench",
+                "--url",
+                proc.base_url,
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "4",
+                "--turns",
+                "2",
+                "--isl",
+                "32",
+                "--osl",
+                "8",
+                "--output",
+                str(chat),
+            ],
+        )
         assert res2.exit_code == 0, res2.output
     s = json.loads((out / "summary.json").read_text())
     assert s["config"]["model"] == "smollm2-135m"  # discovered from /v1/models
@@ -40,7 +73,8 @@ def test_bench_against_tokenmill(tmp_path) -> None:
     c = json.loads((chat / "summary.json").read_text())
     assert c["completed"] == 4
     records = json.loads((chat / "run.json").read_text())["records"]
-    first, second = sorted((r for r in records if r["conversation"] == records[0]["conversation"]),
-                           key=lambda r: r["turn"])  # fmt: skip
+    first, second = sorted(
+        (r for r in records if r["conversation"] == records[0]["conversation"]), key=lambda r: r["turn"]
+    )
     # The second turn resends the first question and answer: chat template + 32 + 8 + 32 tokens at least.
     assert second["isl"] >= first["isl"] + 32 + 8

@@ -11,12 +11,14 @@ from rich.table import Table
 
 from tokenmill.cli.bench import bench_app
 from tokenmill.cli.common import console, err, fail
+from tokenmill.cli.size import size_app
 from tokenmill.weights import catalog
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenmill: serve, measure and size LLMs.")
 models_app = typer.Typer(help="The model catalog.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
+app.add_typer(size_app, name="size")
 
 
 @models_app.callback()
