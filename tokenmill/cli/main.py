@@ -198,6 +198,15 @@ def serve(
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache budget"),
     threads: int | None = typer.Option(None, help="torch threads in the engine process (default: all cores)"),
     drain_timeout: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM"),
+    model_repository: Path | None = typer.Option(
+        None, help="Triton-layout model repository served with the KServe v2 protocol under /v2"
+    ),
+    model_control_mode: str = typer.Option("none", help="none, poll or explicit (as Triton)"),
+    load_model: list[str] = typer.Option([], help="model to load at start in explicit mode ('*': all)"),
+    repository_poll_secs: float = typer.Option(15.0, help="rescan interval in poll mode"),
+    model_memory_budget_mb: float | None = typer.Option(
+        None, help="unload least recently used models to stay under this size"
+    ),
 ) -> None:
     """Serve the OpenAI-compatible API (engine core in its own process)."""
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -208,6 +217,12 @@ def serve(
         catalog.resolve(model)
     except catalog.ModelNotFoundError as e:
         fail(str(e))
+    if model_repository is not None and not model_repository.is_dir():
+        fail(f"--model-repository {model_repository} is not a directory")
+    if model_control_mode not in ("none", "poll", "explicit"):
+        fail(f"--model-control-mode {model_control_mode!r}: use none, poll or explicit")
+    if load_model and model_control_mode != "explicit":
+        fail("--load-model applies to --model-control-mode explicit")
     engine = EngineConfig(
         model=model,
         dtype=dtype,
@@ -226,12 +241,17 @@ def serve(
         max_pending_tokens=max_pending_tokens,
         drain_timeout_s=drain_timeout,
         engine=engine,
+        model_repository=str(model_repository) if model_repository else None,
+        model_control_mode=model_control_mode,
+        load_models=load_model,
+        repository_poll_secs=repository_poll_secs,
+        model_memory_budget_mb=model_memory_budget_mb,
     )
     from tokenmill.engine.client import EngineDeadError
 
     try:
         run(config)
-    except EngineDeadError as e:
+    except (EngineDeadError, ValueError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         pass

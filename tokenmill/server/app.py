@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,19 @@ from tokenmill.server.metrics import Metrics
 from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.openai_serving import OpenAIServing
 
-OPEN_PATHS = {"/health", "/v1/health/live", "/v1/health/ready", "/metrics", "/v1/version", "/v1/metadata"}
+if TYPE_CHECKING:
+    from tokenmill.triton.repository import ModelRepository
+
+OPEN_PATHS = {
+    "/health",
+    "/v1/health/live",
+    "/v1/health/ready",
+    "/metrics",
+    "/v1/version",
+    "/v1/metadata",
+    "/v2/health/live",
+    "/v2/health/ready",
+}
 
 
 class TokenizeRequest(BaseModel):
@@ -76,10 +88,17 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository | None = None) -> FastAPI:
     state = ServerState(llm, config)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__)
     app.state.tm = state
+    if repository is not None:
+        from tokenmill.triton.http import build_router
+        from tokenmill.triton.stats import TritonMetrics
+
+        # Triton's metric names go to the same /metrics as the LLM's.
+        repository.metrics = TritonMetrics(state.metrics.registry)
+        app.include_router(build_router(repository))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

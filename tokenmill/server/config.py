@@ -17,6 +17,12 @@ class ServerConfig:
     max_queued_requests: int = 256
     max_pending_tokens: int = 1_000_000  # prompt tokens in flight (a lone request may exceed it)
     drain_timeout_s: float = 30.0
+    # KServe v2 model repository (Triton's flags); None: the OpenAI API only.
+    model_repository: str | None = None
+    model_control_mode: str = "none"
+    load_models: list[str] = field(default_factory=list)
+    repository_poll_secs: float = 15.0
+    model_memory_budget_mb: float | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -22,7 +23,18 @@ log = logging.getLogger("tokenmill.server")
 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
     llm = await AsyncLLM.start(config.engine)
-    app = build_app(llm, config)
+    repo = None
+    if config.model_repository:
+        from tokenmill.triton.repository import ModelRepository
+
+        repo = ModelRepository(
+            Path(config.model_repository),
+            config.model_control_mode,
+            config.load_models,
+            config.repository_poll_secs,
+            config.model_memory_budget_mb,
+        )
+    app = build_app(llm, config, repo)
     server = _Server(
         uvicorn.Config(
             app,
@@ -47,8 +59,12 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
             flush=True,
         )
     try:
+        if repo is not None:
+            await repo.start()
         await server.serve()
     finally:
+        if repo is not None:
+            await repo.close()
         await llm.shutdown()
 
 

@@ -1,0 +1,266 @@
+"""Model repository pieces on their own: config.pbtxt, tensors, the dynamic and sequence batchers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenmill.triton import dtypes
+from tokenmill.triton.backends import Instance, Request
+from tokenmill.triton.config import load_config
+from tokenmill.triton.pbtxt import ConfigError, parse
+from tokenmill.triton.scheduling import DynamicBatcher, InferError, Scheduler
+from tokenmill.triton.sequence import SequenceBatcher
+from tokenmill.triton.stats import ModelStats
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+
+
+def write(tmp_path: Path, text: str, name: str = "m") -> Path:
+    d = tmp_path / name
+    (d / "1").mkdir(parents=True, exist_ok=True)
+    (d / "config.pbtxt").write_text(text)
+    return d
+
+
+def test_every_example_config_parses() -> None:
+    names = sorted(p.name for p in EXAMPLES.iterdir() if (p / "config.pbtxt").exists())
+    assert names == ["accumulator", "batch_probe", "linear_onnx", "pipeline", "preprocess", "sleeper"]
+    cfgs = {n: load_config(EXAMPLES / n) for n in names}
+    assert cfgs["linear_onnx"].backend == "onnxruntime" and cfgs["linear_onnx"].dynamic_batching == {
+        "preferred_batch_size": [4, 8],
+        "max_queue_delay_microseconds": 2000,
+    }
+    assert cfgs["sleeper"].instance_count == 2 and cfgs["sleeper"].parameters == {"sleep_ms": "100"}
+    assert [s["model_name"] for s in cfgs["pipeline"].ensemble_steps] == ["preprocess", "linear_onnx"]
+    assert len(cfgs["accumulator"].sequence_batching["control_input"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            'name: "m"\nbackend: "python"\nmax_batch_sise: 4\n',
+            r"config.pbtxt:3: unknown field 'max_batch_sise'",
+        ),
+        (
+            'backend: "python"\ninput [ { name: "X" data_type: TYPE_FLOAT dims: [1] } ]',
+            r":2: field 'input.data_type'",
+        ),
+        (
+            'backend: "python"\n\noptimization { }\n',
+            r":3: field 'optimization' is not supported by tokenmill",
+        ),
+        ('backend: "python"\nmax_batch_size: "four"\n', r":2: field 'max_batch_size' must be an integer"),
+        ('backend: "tensorrt"\n', "backend 'tensorrt' is not supported"),
+        ('name: "other"\nbackend: "python"\n', "differs from the directory name"),
+        ('backend: "python"\ndynamic_batching { }\n', "needs max_batch_size > 0"),
+        ('backend: "python"\ninput [ { name: "X" ', "missing '}'"),
+        (
+            'backend: "python"\nmax_batch_size: 4\ndynamic_batching { preferred_batch_size: [8] }',
+            "larger than max_batch_size",
+        ),
+        (
+            'backend: "python"\nsequence_batching { state [ { input_name: "S" } ] }',
+            "'sequence_batching.state' is not",
+        ),
+    ],
+)
+def test_config_errors_name_line_and_field(tmp_path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_pbtxt_syntax_variants() -> None:
+    fields = parse('a: 1 b { c: "x" } d: [1, 2] d: 3 e < f: true > # comment\n g: -1.5e2')
+    assert [f.name for f in fields] == ["a", "b", "d", "d", "d", "e", "g"]
+    assert fields[-1].value == -150.0
+
+
+@pytest.mark.parametrize("dt", ["FP32", "INT64", "UINT8", "BOOL", "FP16", "BYTES"])
+def test_tensor_round_trips(dt: str) -> None:
+    if dt == "BYTES":
+        a = np.array([b"ab", b"", "héllo".encode()], dtype=object).reshape(3, 1)
+    else:
+        a = (np.arange(6) % 2 if dt == "BOOL" else np.arange(6)).astype(dtypes.NUMPY[dt]).reshape(2, 3)
+    back = dtypes.from_binary(dtypes.to_binary(a), dt, list(a.shape))
+    assert back.shape == a.shape and (back == a).all()
+    js = dtypes.from_json(dtypes.to_json(a), dt, list(a.shape))
+    assert (js == a).all()
+    with pytest.raises(ValueError, match="needs"):
+        dtypes.from_json([1, 2, 3], "FP32", [2, 2])
+
+
+class Recorder(Instance):
+    """Records the batch sizes it executes; waits `delay` seconds per execution."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay, self.batches = delay, []
+
+    def execute(self, reqs):
+        self.batches.append(len(reqs))
+        time.sleep(self.delay)
+        return [{"Y": r.inputs["X"] * 2} for r in reqs]
+
+
+def cfg_for(tmp_path, dyn: str, max_batch: int = 8):
+    return load_config(
+        write(
+            tmp_path,
+            f'backend: "python"\nmax_batch_size: {max_batch}\n'
+            'input [ { name: "X" data_type: TYPE_FP32 dims: [1] } ]\n'
+            'output [ { name: "Y" data_type: TYPE_FP32 dims: [1] } ]\n' + dyn,
+        )
+    )
+
+
+def req(v: float = 1.0, **kw) -> Request:
+    return Request({"X": np.array([[v]], np.float32)}, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_dynamic_batcher_prefers_preferred_sizes(tmp_path) -> None:
+    cfg = cfg_for(
+        tmp_path, "dynamic_batching { preferred_batch_size: [2, 4] max_queue_delay_microseconds: 500000 }"
+    )
+    inst = Recorder(delay=0.05)
+
+    async def main():
+        b = DynamicBatcher(cfg, [inst], ModelStats("m", "1"))
+        outs = await asyncio.gather(*(b.submit(req(i)) for i in range(10)))
+        await b.close()
+        return outs
+
+    outs = run(main())
+    assert [float(o["Y"][0, 0]) for o in outs] == [2.0 * i for i in range(10)]
+    # 10 requests: batches of the largest preferred size (4, 4), then the 2 left as a preferred 2.
+    assert inst.batches == [4, 4, 2]
+
+
+def test_dynamic_batcher_delay_is_bounded(tmp_path) -> None:
+    cfg = cfg_for(
+        tmp_path, "dynamic_batching { preferred_batch_size: [4] max_queue_delay_microseconds: 100000 }"
+    )
+    inst = Recorder()
+
+    async def main():
+        b = DynamicBatcher(cfg, [inst], ModelStats("m", "1"))
+        t0 = time.perf_counter()
+        await asyncio.gather(b.submit(req()), b.submit(req()))  # 2 < preferred 4: waits out the delay
+        dt = time.perf_counter() - t0
+        await b.close()
+        return dt
+
+    dt = run(main())
+    assert inst.batches == [2] and 0.09 <= dt < 0.3
+
+
+def test_queue_policy_rejects_overflow_and_timeouts(tmp_path) -> None:
+    cfg = cfg_for(
+        tmp_path,
+        "dynamic_batching { max_queue_delay_microseconds: 0 default_queue_policy { "
+        "max_queue_size: 2 timeout_action: REJECT default_timeout_microseconds: 30000 } }",
+        max_batch=1,
+    )
+    inst = Recorder(delay=0.1)
+
+    async def main():
+        b = DynamicBatcher(cfg, [inst], ModelStats("m", "1"))
+        tasks = [asyncio.ensure_future(b.submit(req())) for _ in range(4)]
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        await b.close()
+        return res
+
+    res = run(main())
+    errors = [r for r in res if isinstance(r, InferError)]
+    assert any("maximum queue size" in e.message for e in errors)
+    assert any("timeout" in e.message for e in errors)
+    assert all(e.status == 503 for e in errors) and not isinstance(res[0], Exception)
+
+
+def test_priority_levels_go_first(tmp_path) -> None:
+    cfg = cfg_for(tmp_path, "dynamic_batching { priority_levels: 2 default_priority_level: 2 }", max_batch=1)
+    order = []
+
+    class Ordered(Recorder):
+        def execute(self, reqs):
+            order.append(reqs[0].request_id)
+            time.sleep(0.05)
+            return [{"Y": r.inputs["X"]} for r in reqs]
+
+    async def main():
+        b = DynamicBatcher(cfg, [Ordered()], ModelStats("m", "1"))
+        first = asyncio.ensure_future(b.submit(req(request_id="busy")))
+        await asyncio.sleep(0.01)
+        low = [asyncio.ensure_future(b.submit(req(request_id=f"low{i}"))) for i in range(2)]
+        high = asyncio.ensure_future(b.submit(req(request_id="high", priority=1)))
+        await asyncio.gather(first, high, *low)
+        await b.close()
+
+    run(main())
+    assert order == ["busy", "high", "low0", "low1"]
+
+
+def test_more_instances_raise_throughput(tmp_path) -> None:
+    cfg = cfg_for(tmp_path, "", max_batch=0)
+    cfg.max_batch_size = 0
+
+    def elapsed(n: int) -> float:
+        async def main():
+            s = Scheduler(cfg, [Recorder(delay=0.05) for _ in range(n)], ModelStats("m", "1"))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(s.submit(Request({"X": np.ones((1,), np.float32)})) for _ in range(8)))
+            dt = time.perf_counter() - t0
+            await s.close()
+            return dt
+
+        return run(main())
+
+    one, two = elapsed(1), elapsed(2)
+    assert one > 0.38 and two < one * 0.65
+
+
+def test_sequence_batcher_pins_and_orders(tmp_path) -> None:
+    text = (
+        'backend: "python"\nmax_batch_size: 2\ninput [ { name: "X" data_type: TYPE_FP32 dims: [1] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [1] } ]\nsequence_batching { control_input [\n'
+        '{ name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [0, 1] } ] },\n'
+        '{ name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] } ] }\n'
+        "instance_group [ { count: 2 } ]"
+    )
+    cfg = load_config(write(tmp_path, text))
+    seen: dict[int, list] = {0: [], 1: []}
+
+    class Seq(Instance):
+        def __init__(self, i):
+            self.i = i
+
+        def execute(self, reqs):
+            for r in reqs:
+                seen[self.i].append(
+                    (int(r.inputs["CORRID"][0]), int(r.inputs["START"][0]), float(r.inputs["X"][0, 0]))
+                )
+            return [{"Y": r.inputs["X"]} for r in reqs]
+
+    async def main():
+        b = SequenceBatcher(cfg, [Seq(0), Seq(1)], ModelStats("m", "1"))
+        await asyncio.gather(
+            *(b.submit(req(v, correlation_id=7, flags=1 if v == 0 else 0)) for v in range(1)),
+            *(b.submit(req(v, correlation_id=9, flags=1 if v == 0 else 0)) for v in range(1)),
+        )
+        for v in range(1, 4):
+            await asyncio.gather(b.submit(req(v, correlation_id=7)), b.submit(req(v, correlation_id=9)))
+        await b.close()
+
+    run(main())
+    # Each sequence stays on one instance, in order, with START only on its first request.
+    by_seq = {c: [(s, x) for i in seen for (c2, s, x) in seen[i] if c2 == c] for c in (7, 9)}
+    assert by_seq[7] == [(1, 0.0), (0, 1.0), (0, 2.0), (0, 3.0)] and by_seq[9] == by_seq[7]
+    assert {c for c, _, _ in seen[0]} != {c for c, _, _ in seen[1]}

@@ -1,0 +1,212 @@
+"""Model backends: Python (Triton's TritonPythonModel interface), ONNX Runtime, and PyTorch.
+
+An instance executes one batch at a time, on a worker thread of the server (ONNX Runtime and PyTorch
+release the GIL while computing, and so does a Python model that waits). A batch is a list of
+requests; tensor backends concatenate them along the batch dimension and split the outputs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.triton.config import ModelConfig
+
+
+class ModelError(Exception):
+    """A failure of the model's own code or files (reported as the protocol's INTERNAL error)."""
+
+
+@dataclass
+class Request:
+    inputs: dict[str, np.ndarray]
+    requested_outputs: list[str] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    request_id: str = ""
+    correlation_id: int | str = 0
+    flags: int = 0
+    priority: int = 0
+    timeout_us: int = 0
+
+    def batch_size(self, cfg: ModelConfig) -> int:
+        if not cfg.batched or not self.inputs:
+            return 1
+        return int(next(iter(self.inputs.values())).shape[0])
+
+
+Outputs = dict[str, np.ndarray]
+
+
+class Instance:
+    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+        raise NotImplementedError
+
+    def finalize(self) -> None:
+        pass
+
+
+def _model_file(version_dir: Path, cfg: ModelConfig, default: str) -> Path:
+    path = version_dir / (cfg.raw.get("default_model_filename") or default)
+    if not path.exists():
+        raise ModelError(f"{cfg.name}: {path} not found")
+    return path
+
+
+class PythonInstance(Instance):
+    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int, module: Any) -> None:
+        self.cfg = cfg
+        self.model = module.TritonPythonModel()
+        args = {
+            "model_config": json.dumps(cfg.to_json()),
+            "model_instance_kind": "CPU",
+            "model_instance_name": f"{cfg.name}_{index}",
+            "model_instance_device_id": "0",
+            "model_repository": str(version_dir.parent),
+            "model_version": version_dir.name,
+            "model_name": cfg.name,
+        }
+        if hasattr(self.model, "initialize"):
+            self.model.initialize(args)
+
+    @staticmethod
+    def load_module(cfg: ModelConfig, version_dir: Path) -> Any:
+        from tokenmill.triton import pb_utils
+
+        sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+        path = _model_file(version_dir, cfg, "model.py")
+        name = f"tokenmill_triton_model_{cfg.name}_{version_dir.name}_{id(cfg)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "TritonPythonModel"):
+            raise ModelError(f"{path} defines no TritonPythonModel class")
+        return module
+
+    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+        from tokenmill.triton import pb_utils
+
+        pb_reqs = [
+            pb_utils.InferenceRequest(
+                model_name=self.cfg.name,
+                inputs=[pb_utils.Tensor(n, a) for n, a in r.inputs.items()],
+                requested_output_names=r.requested_outputs or [o.name for o in self.cfg.outputs],
+                request_id=r.request_id,
+                correlation_id=r.correlation_id,
+                flags=r.flags,
+                parameters=r.parameters,
+            )
+            for r in reqs
+        ]
+        result = self.model.execute(pb_reqs)
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        if not isinstance(result, list) or len(result) != len(reqs):
+            n = len(result) if isinstance(result, list) else type(result).__name__
+            raise ModelError(f"{self.cfg.name}: execute() returned {n} responses for {len(reqs)} requests")
+        out: list[Outputs | Exception] = []
+        for resp in result:
+            if resp.has_error():
+                out.append(resp.error())
+            else:
+                out.append({t.name(): t.as_numpy() for t in resp.output_tensors()})
+        return out
+
+    def finalize(self) -> None:
+        if hasattr(self.model, "finalize"):
+            self.model.finalize()
+
+
+class _BatchingInstance(Instance):
+    """Runs a batch as one call: inputs concatenated along the batch dimension (batched models)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> Outputs:
+        raise NotImplementedError
+
+    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+        names = [o.name for o in self.cfg.outputs]
+        if not self.cfg.batched:
+            return [self.run(r.inputs, names) for r in reqs]
+        sizes = [r.batch_size(self.cfg) for r in reqs]
+        merged = {n: np.concatenate([r.inputs[n] for r in reqs]) for n in reqs[0].inputs}
+        out = self.run(merged, names)
+        bounds = np.cumsum([0, *sizes])
+        return [{n: a[bounds[i] : bounds[i + 1]] for n, a in out.items()} for i in range(len(reqs))]
+
+
+class OnnxInstance(_BatchingInstance):
+    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int) -> None:
+        super().__init__(cfg)
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        # One thread per instance: instances are the unit of concurrency (instance_group.count).
+        opts.intra_op_num_threads = int(cfg.parameters.get("intra_op_thread_count", "1"))
+        opts.inter_op_num_threads = 1
+        path = _model_file(version_dir, cfg, "model.onnx")
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise ModelError(f"{cfg.name}: cannot load {path}: {e}") from None
+        have = {i.name for i in self.session.get_inputs()}
+        missing = [t.name for t in cfg.inputs if t.name not in have]
+        if missing:
+            raise ModelError(
+                f"{cfg.name}: model.onnx has no input named {', '.join(missing)} (it has {sorted(have)})"
+            )
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> Outputs:
+        res = self.session.run(outputs, inputs)
+        return dict(zip(outputs, res, strict=True))
+
+
+class TorchInstance(_BatchingInstance):
+    """TorchScript (model.pt) or torch.export (model.pt2); inputs in config order, outputs likewise."""
+
+    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int) -> None:
+        super().__init__(cfg)
+        import torch
+
+        path = _model_file(version_dir, cfg, "model.pt")
+        try:
+            if path.suffix == ".pt2":
+                self.module = torch.export.load(str(path)).module()
+            else:
+                self.module = torch.jit.load(str(path), map_location="cpu").eval()
+        except Exception as e:  # torch raises a variety of types for a bad file
+            raise ModelError(f"{cfg.name}: cannot load {path}: {e}") from None
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> Outputs:
+        import torch
+
+        args = [
+            torch.from_numpy(np.ascontiguousarray(inputs[t.name]))
+            for t in self.cfg.inputs
+            if t.name in inputs
+        ]
+        with torch.inference_mode():
+            res = self.module(*args)
+        if isinstance(res, dict):
+            return {n: res[n].numpy() for n in outputs}
+        if isinstance(res, torch.Tensor):
+            res = (res,)
+        return {n: t.numpy() for n, t in zip(outputs, res, strict=False)}
+
+
+def create_instances(cfg: ModelConfig, version_dir: Path) -> list[Instance]:
+    if cfg.backend == "python":
+        module = PythonInstance.load_module(cfg, version_dir)
+        return [PythonInstance(cfg, version_dir, i, module) for i in range(cfg.instance_count)]
+    cls = {"onnxruntime": OnnxInstance, "pytorch": TorchInstance}[cfg.backend]
+    return [cls(cfg, version_dir, i) for i in range(cfg.instance_count)]

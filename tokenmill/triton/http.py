@@ -1,0 +1,310 @@
+"""KServe v2 over HTTP (Triton's routes): health, metadata, config, infer (JSON and binary tensors),
+repository index / load / unload, statistics. Errors are {"error": message} with the protocol's codes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import tokenmill
+from tokenmill.triton import dtypes
+from tokenmill.triton.backends import Request as InferRequest
+from tokenmill.triton.pb_utils import (
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+)
+from tokenmill.triton.repository import ModelRepository
+from tokenmill.triton.scheduling import InferError
+
+EXTENSIONS = [
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "model_configuration",
+    "schedule_policy",
+    "sequence",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+]
+HEADER_LEN = "inference-header-content-length"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def build_router(repo: ModelRepository) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v2/health/live")
+    async def live() -> Response:
+        return Response(status_code=200)
+
+    @r.get("/v2/health/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if repo.all_ready() else 400)
+
+    @r.get("/v2")
+    async def server_metadata() -> dict:
+        return {"name": "tokenmill", "version": tokenmill.__version__, "extensions": EXTENSIONS}
+
+    @r.post("/v2/repository/index")
+    async def index(request: Request) -> Response:
+        body = await request.body()
+        ready_only = False
+        if body.strip():
+            try:
+                ready_only = bool(json.loads(body).get("ready", False))
+            except (json.JSONDecodeError, AttributeError):
+                return _error(400, "repository index body must be a JSON object")
+        return JSONResponse(repo.index(ready_only))
+
+    @r.post("/v2/repository/models/{name}/load")
+    async def load(name: str, request: Request) -> Response:
+        params = await _params(request)
+        if params is None:
+            return _error(400, "load body must be a JSON object")
+        if any(k.startswith("file:") or k == "config" for k in params):
+            return _error(400, "loading with a config or file overrides is not supported by tokenmill")
+        try:
+            await repo.load(name)
+        except InferError as e:
+            return _error(e.status, e.message)
+        return Response(status_code=200)
+
+    @r.post("/v2/repository/models/{name}/unload")
+    async def unload(name: str, request: Request) -> Response:
+        params = await _params(request)
+        if params is None:
+            return _error(400, "unload body must be a JSON object")
+        try:
+            await repo.unload(name, bool(params.get("unload_dependents", False)))
+        except InferError as e:
+            return _error(e.status, e.message)
+        return Response(status_code=200)
+
+    @r.get("/v2/models/stats")
+    async def all_stats() -> dict:
+        return {
+            "model_stats": [v.stats.to_json() for e in repo.entries.values() for v in e.versions.values()]
+        }
+
+    def _routes(suffix: str, method: str):
+        def deco(fn):
+            getattr(r, method)(f"/v2/models/{{name}}{suffix}")(fn)
+            getattr(r, method)(f"/v2/models/{{name}}/versions/{{version}}{suffix}")(fn)
+            return fn
+
+        return deco
+
+    @_routes("/stats", "get")
+    async def stats(name: str, version: str | None = None) -> Response:
+        try:
+            if version is None:
+                e = repo.entries.get(name)
+                if e is None or not e.versions:
+                    repo.get(name)  # raises the right error
+                return JSONResponse({"model_stats": [v.stats.to_json() for v in e.versions.values()]})
+            return JSONResponse({"model_stats": [repo.get(name, version).stats.to_json()]})
+        except InferError as e:
+            return _error(e.status, e.message)
+
+    @_routes("/ready", "get")
+    async def model_ready(name: str, version: str | None = None) -> Response:
+        return Response(status_code=200 if repo.ready(name, version) else 400)
+
+    @_routes("/config", "get")
+    async def config(name: str, version: str | None = None) -> Response:
+        try:
+            return JSONResponse(repo.get(name, version).cfg.to_json())
+        except InferError as e:
+            return _error(e.status, e.message)
+
+    @_routes("", "get")
+    async def model_metadata(name: str, version: str | None = None) -> Response:
+        try:
+            v = repo.get(name, version)
+        except InferError as e:
+            return _error(e.status, e.message)
+        cfg = v.cfg
+        versions = sorted(repo.entries[name].versions, key=int)
+        return JSONResponse(
+            {
+                "name": name,
+                "versions": versions,
+                "platform": cfg.platform or cfg.backend,
+                "inputs": [t.metadata(cfg.batched) for t in cfg.inputs],
+                "outputs": [t.metadata(cfg.batched) for t in cfg.outputs],
+            }
+        )
+
+    @_routes("/infer", "post")
+    async def infer(name: str, request: Request, version: str | None = None) -> Response:
+        try:
+            body = _decompress(await request.body(), request.headers.get("content-encoding"))
+            req, binary_out, req_id = _parse_infer(repo, name, version, body, request.headers.get(HEADER_LEN))
+            v = repo.get(name, version)
+            out = await repo.infer(name, version, req)
+        except InferError as e:
+            return _error(e.status, e.message)
+        return _infer_response(name, v.version, req_id, out, binary_out)
+
+    return r
+
+
+async def _params(request: Request) -> dict | None:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        d = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    p = d.get("parameters", {})
+    return p if isinstance(p, dict) else None
+
+
+def _decompress(body: bytes, encoding: str | None) -> bytes:
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error) as e:
+        raise InferError(400, f"cannot decompress the {encoding} request body: {e}") from None
+    return body
+
+
+def _parse_infer(
+    repo: ModelRepository, name: str, version: str | None, body: bytes, header_len: str | None
+) -> tuple[InferRequest, dict[str, bool], str]:
+    if header_len is not None:
+        try:
+            n = int(header_len)
+        except ValueError:
+            raise InferError(
+                400, f"Inference-Header-Content-Length {header_len!r} is not an integer"
+            ) from None
+        if n == 0:
+            return _raw_binary(repo, name, version, body)
+        head, blob = body[:n], body[n:]
+    else:
+        head, blob = body, b""
+    try:
+        d = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InferError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or not isinstance(d.get("inputs"), list):
+        raise InferError(400, "an infer request needs an 'inputs' list")
+    params = d.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InferError(400, "'parameters' must be an object")
+    inputs: dict[str, np.ndarray] = {}
+    pos = 0
+    for t in d["inputs"]:
+        try:
+            tname, shape, dt = t["name"], [int(x) for x in t["shape"]], t["datatype"]
+        except (KeyError, TypeError, ValueError):
+            raise InferError(
+                400, "every input needs a name, a shape (list of integers) and a datatype"
+            ) from None
+        if dt not in dtypes.NUMPY:
+            raise InferError(400, f"input {tname!r}: unknown datatype {dt!r}")
+        tparams = t.get("parameters") or {}
+        try:
+            if "binary_data_size" in tparams:
+                size = int(tparams["binary_data_size"])
+                if pos + size > len(blob):
+                    raise InferError(400, f"input {tname!r}: binary data ends before {size} bytes")
+                inputs[tname] = dtypes.from_binary(blob[pos : pos + size], dt, shape)
+                pos += size
+            elif "data" in t:
+                inputs[tname] = dtypes.from_json(t["data"], dt, shape)
+            else:
+                raise InferError(400, f"input {tname!r} has neither data nor binary_data_size")
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InferError(400, f"input {tname!r}: {e}") from None
+    default_binary = bool(params.get("binary_data_output", False))
+    binary_out: dict[str, bool] = {}
+    requested = None
+    if isinstance(d.get("outputs"), list):
+        requested = []
+        for o in d["outputs"]:
+            if not isinstance(o, dict) or "name" not in o:
+                raise InferError(400, "every requested output needs a name")
+            requested.append(o["name"])
+            binary_out[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", default_binary))
+    flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) | (
+        TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0
+    )
+    req = InferRequest(
+        inputs,
+        requested,
+        parameters={k: v for k, v in params.items() if not k.startswith("binary_data")},
+        request_id=str(d.get("id", "")),
+        correlation_id=params.get("sequence_id", 0),
+        flags=flags,
+        priority=int(params.get("priority", 0) or 0),
+        timeout_us=int(params.get("timeout", 0) or 0),
+    )
+    if default_binary and requested is None:
+        binary_out = {"*": True}
+    return req, binary_out, str(d.get("id", ""))
+
+
+def _raw_binary(repo: ModelRepository, name: str, version: str | None, body: bytes):
+    cfg = repo.get(name, version).cfg
+    if len(cfg.inputs) != 1:
+        raise InferError(
+            400, "a raw binary request (Inference-Header-Content-Length: 0) needs a one-input model"
+        )
+    t = cfg.inputs[0]
+    dims = [1] if t.datatype == "BYTES" else list(t.dims)
+    if dims.count(-1) > 1:
+        raise InferError(400, "a raw binary request needs at most one variable dimension")
+    item = dtypes.NUMPY[t.datatype].itemsize if t.datatype != "BYTES" else 1
+    if -1 in dims:
+        known = int(np.prod([d for d in dims if d != -1])) or 1
+        dims[dims.index(-1)] = len(body) // (item * known)
+    shape = ([1] if cfg.batched else []) + dims
+    try:
+        arr = dtypes.from_binary(body, t.datatype, shape)
+    except ValueError as e:
+        raise InferError(400, f"raw binary input {t.name!r}: {e}") from None
+    return InferRequest({t.name: arr}), {"*": True}, ""
+
+
+def _infer_response(
+    name: str, version: str, req_id: str, out: dict[str, np.ndarray], binary: dict[str, bool]
+) -> Response:
+    outputs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for oname, arr in out.items():
+        entry: dict[str, Any] = {"name": oname, "datatype": dtypes.protocol_of(arr), "shape": list(arr.shape)}
+        if binary.get(oname, binary.get("*", False)):
+            blob = dtypes.to_binary(arr)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = dtypes.to_json(arr)
+        outputs.append(entry)
+    head = {"model_name": name, "model_version": version, "outputs": outputs}
+    if req_id:
+        head["id"] = req_id
+    body = json.dumps(head).encode()
+    if not blobs:
+        return Response(body, media_type="application/json")
+    return Response(
+        body + b"".join(blobs),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(body))},
+    )

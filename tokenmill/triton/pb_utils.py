@@ -1,0 +1,228 @@
+"""The names a Triton Python-backend model imports (`import triton_python_backend_utils as pb_utils`).
+
+Registered under that module name when the first Python model loads, so existing model.py files run
+unchanged. Tensors live in host memory (numpy); BLS calls (`InferenceRequest.exec`) go back into the
+server's model repository.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tokenmill.triton.dtypes import CONFIG_TO_PROTOCOL, NUMPY, protocol_of
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+# Set by the repository: (model name, version, request) -> response, run from a model's thread.
+_bls_hook: Callable[[InferenceRequest], InferenceResponse] | None = None
+
+
+class TritonError(Exception):
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, msg: str, code: int = INTERNAL) -> None:
+        super().__init__(msg)
+        self._msg, self._code = msg, code
+
+    def message(self) -> str:
+        return self._msg
+
+    def code(self) -> int:
+        return self._code
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class Tensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        if not isinstance(array, np.ndarray):
+            raise TritonModelException(f"Tensor {name!r} needs a numpy array, got {type(array).__name__}")
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def triton_dtype(self) -> str:
+        return protocol_of(self._array)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self):
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, capsule) -> Tensor:
+        return Tensor(name, np.from_dlpack(capsule))
+
+
+class InferenceRequest:
+    """A request a model receives in execute(), or one it builds for a BLS call."""
+
+    def __init__(
+        self,
+        model_name: str = "",
+        inputs: list[Tensor] | None = None,
+        requested_output_names: list[str] | None = None,
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        flags: int = 0,
+        model_version: int = -1,
+        parameters: dict | str | None = None,
+        timeout: int = 0,
+        **_: Any,
+    ) -> None:
+        self._model_name, self._inputs = model_name, list(inputs or [])
+        self._outputs = list(requested_output_names or [])
+        self._id, self._corr, self._flags, self._version = request_id, correlation_id, flags, model_version
+        self._params = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._timeout = timeout
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
+
+    def request_id(self) -> str:
+        return self._id
+
+    def correlation_id(self) -> int | str:
+        return self._corr
+
+    def flags(self) -> int:
+        return self._flags
+
+    def parameters(self) -> str:
+        return self._params
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        if decoupled:
+            raise TritonModelException("decoupled BLS calls are not supported by tokenmill")
+        if _bls_hook is None:
+            raise TritonModelException("BLS calls need a running tokenmill server")
+        return _bls_hook(self)
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        import asyncio
+
+        return await asyncio.to_thread(self.exec, decoupled)
+
+    def get_response_sender(self):
+        raise TritonModelException("decoupled models are not supported by tokenmill")
+
+
+class InferenceResponse:
+    def __init__(
+        self,
+        output_tensors: list[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict | None = None,
+    ) -> None:
+        self._tensors, self._error, self._params = list(output_tensors or []), error, parameters or {}
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
+    return next((t for t in model_config.get("input", []) if t.get("name") == name), None)
+
+
+def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
+    return next((t for t in model_config.get("output", []) if t.get("name") == name), None)
+
+
+def triton_string_to_numpy(type_string: str) -> type:
+    return NUMPY[CONFIG_TO_PROTOCOL[type_string]].type
+
+
+def triton_to_numpy_type(datatype: str) -> type:
+    return NUMPY[datatype.removeprefix("TYPE_") if datatype.startswith("TYPE_") else datatype].type
+
+
+def numpy_to_triton_type(dtype: Any) -> str:
+    return protocol_of(np.empty(0, dtype=dtype))
+
+
+def serialize_byte_tensor(arr: np.ndarray) -> np.ndarray:
+    parts = []
+    for b in arr.reshape(-1):
+        b = b if isinstance(b, bytes) else str(b).encode()
+        parts.append(struct.pack("<I", len(b)) + b)
+    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
+    items, pos = [], 0
+    while pos < len(encoded):
+        (n,) = struct.unpack_from("<I", encoded, pos)
+        items.append(encoded[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return np.array(items, dtype=object)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
+
+
+class Logger:
+    _log = logging.getLogger("tokenmill.triton.model")
+
+    @classmethod
+    def log_info(cls, msg: str) -> None:
+        cls._log.info(msg)
+
+    @classmethod
+    def log_warn(cls, msg: str) -> None:
+        cls._log.warning(msg)
+
+    @classmethod
+    def log_error(cls, msg: str) -> None:
+        cls._log.error(msg)
+
+    @classmethod
+    def log_verbose(cls, msg: str) -> None:
+        cls._log.debug(msg)
