@@ -9,7 +9,7 @@ PORT ?= 8000
 BENCH_ARGS ?=
 PROMPT ?= Explain in two sentences what a KV cache is.
 
-.PHONY: run generate test lint bench install clean
+.PHONY: run triton generate test lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -25,16 +25,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tokenmill serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# The OpenAI API plus the example KServe v2 model repository (its ONNX model is built first).
+triton: $(STAMP)
+	$(BIN)/python examples/make_onnx_model.py
+	$(BIN)/tokenmill serve --model $(MODEL) --host $(HOST) --port $(PORT) --model-repository examples/model_repository
+
 generate: $(STAMP)
 	$(BIN)/tokenmill generate "$(PROMPT)" --model $(MODEL) --max-tokens 96
 
 test: $(STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks
+	$(BIN)/ruff check tokenmill tests benchmarks examples
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks
-	$(BIN)/ruff format --check tokenmill tests benchmarks
+	$(BIN)/ruff check tokenmill tests benchmarks examples
+	$(BIN)/ruff format --check tokenmill tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py $(BENCH_ARGS)

@@ -13,7 +13,7 @@ from tokenmill.triton import dtypes
 from tokenmill.triton.backends import Instance, Request
 from tokenmill.triton.config import load_config
 from tokenmill.triton.pbtxt import ConfigError, parse
-from tokenmill.triton.scheduling import DynamicBatcher, InferError, Scheduler
+from tokenmill.triton.scheduling import DefaultScheduler, DynamicBatcher, InferError
 from tokenmill.triton.sequence import SequenceBatcher
 from tokenmill.triton.stats import ModelStats
 
@@ -214,7 +214,7 @@ def test_more_instances_raise_throughput(tmp_path) -> None:
 
     def elapsed(n: int) -> float:
         async def main():
-            s = Scheduler(cfg, [Recorder(delay=0.05) for _ in range(n)], ModelStats("m", "1"))
+            s = DefaultScheduler(cfg, [Recorder(delay=0.05) for _ in range(n)], ModelStats("m", "1"))
             t0 = time.perf_counter()
             await asyncio.gather(*(s.submit(Request({"X": np.ones((1,), np.float32)})) for _ in range(8)))
             dt = time.perf_counter() - t0
@@ -264,3 +264,162 @@ def test_sequence_batcher_pins_and_orders(tmp_path) -> None:
     by_seq = {c: [(s, x) for i in seen for (c2, s, x) in seen[i] if c2 == c] for c in (7, 9)}
     assert by_seq[7] == [(1, 0.0), (0, 1.0), (0, 2.0), (0, 3.0)] and by_seq[9] == by_seq[7]
     assert {c for c, _, _ in seen[0]} != {c for c, _, _ in seen[1]}
+
+
+def _copy(src: str, dst: Path, name: str | None = None) -> Path:
+    import shutil
+
+    target = dst / (name or src)
+    shutil.copytree(EXAMPLES / src, target)
+    if name:
+        cfg = target / "config.pbtxt"
+        cfg.write_text(cfg.read_text().replace(f'name: "{src}"', f'name: "{name}"'))
+    return target
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "export"])
+def test_pytorch_backend(tmp_path, kind: str) -> None:
+    import torch
+
+    from tokenmill.triton.repository import ModelRepository
+
+    d = write(
+        tmp_path,
+        'platform: "pytorch_libtorch"\nmax_batch_size: 4\n'
+        'input [ { name: "A" data_type: TYPE_FP32 dims: [2] },\n'
+        '        { name: "B" data_type: TYPE_FP32 dims: [2] } ]\n'
+        'output [ { name: "SUM" data_type: TYPE_FP32 dims: [2] },\n'
+        '         { name: "DIFF" data_type: TYPE_FP32 dims: [2] } ]\n'
+        'default_model_filename: "model.pt2"',
+        name="addsub",
+    )
+
+    class AddSub(torch.nn.Module):
+        def forward(self, a, b):
+            return a + b, a - b
+
+    if kind == "torchscript":
+        (d / "config.pbtxt").write_text((d / "config.pbtxt").read_text().replace("model.pt2", "model.pt"))
+        torch.jit.script(AddSub()).save(str(d / "1" / "model.pt"))
+    else:
+        batch = torch.export.Dim("batch", max=64)
+        ep = torch.export.export(
+            AddSub(), (torch.ones(2, 2), torch.ones(2, 2)), dynamic_shapes=({0: batch}, {0: batch})
+        )
+        torch.export.save(ep, str(d / "1" / "model.pt2"))
+
+    async def main():
+        repo = ModelRepository(tmp_path)
+        await repo.start()
+        a, b = np.array([[1, 2], [3, 4]], np.float32), np.ones((2, 2), np.float32)
+        out = await repo.infer("addsub", None, Request({"A": a, "B": b}))
+        await repo.close()
+        return a, b, out
+
+    a, b, out = run(main())
+    np.testing.assert_array_equal(out["SUM"], a + b)
+    np.testing.assert_array_equal(out["DIFF"], a - b)
+
+
+def test_poll_mode_picks_up_changes_and_explicit_rules(tmp_path) -> None:
+    from tokenmill.triton.repository import ModelRepository
+
+    _copy("sleeper", tmp_path)
+
+    async def main():
+        repo = ModelRepository(tmp_path, mode="poll", poll_secs=3600)
+        await repo.start()
+        assert [m["name"] for m in repo.index()] == ["sleeper"]
+        _copy("preprocess", tmp_path)
+        await repo.rescan()  # what the poller does every poll interval
+        assert repo.ready("preprocess")
+        with pytest.raises(InferError, match="polling"):
+            await repo.load("preprocess")
+        import shutil
+
+        shutil.rmtree(tmp_path / "sleeper")
+        await repo.rescan()
+        assert not repo.ready("sleeper")
+        await repo.close()
+
+    run(main())
+
+
+def test_memory_budget_unloads_least_recently_used(tmp_path) -> None:
+    from tokenmill.triton.repository import ModelRepository
+
+    for name in ("p1", "p2"):
+        d = _copy("preprocess", tmp_path, name)
+        (d / "1" / "weights.bin").write_bytes(b"\0" * 600_000)  # ~0.6 MB each
+
+    async def main():
+        repo = ModelRepository(tmp_path, mode="explicit", memory_budget_mb=1.0)
+        await repo.start()
+        await repo.load("p1")
+        raw = np.ones((1, 4), np.int32)
+        await repo.infer("p1", None, Request({"RAW": raw}))
+        await repo.load("p2")  # does not fit beside p1: p1 goes
+        states = {m["name"]: m["state"] for m in repo.index()}
+        await repo.close()
+        return states
+
+    assert run(main()) == {"p1": "UNAVAILABLE", "p2": "READY"}
+
+
+def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
+    from tokenmill.triton.repository import ModelRepository
+
+    for n in ("preprocess", "pipeline", "sleeper"):
+        _copy(n, tmp_path)
+    # A Python stand-in for linear_onnx with the same interface keeps this test free of ONNX files.
+    d = write(
+        tmp_path,
+        'name: "linear_onnx"\nbackend: "python"\nmax_batch_size: 8\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [4] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [2] } ]',
+        name="linear_onnx",
+    )
+    (d / "1" / "model.py").write_text(
+        "import numpy as np\nimport triton_python_backend_utils as pb\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        xs = [pb.get_input_tensor_by_name(r, 'X').as_numpy() for r in requests]\n"
+        "        return [pb.InferenceResponse([pb.Tensor('Y', x[:, :2])]) for x in xs]\n"
+    )
+
+    async def main():
+        repo = ModelRepository(tmp_path, mode="explicit", load_models=["pipeline"])
+        await repo.start()
+        ready = {n: repo.ready(n) for n in ("pipeline", "preprocess", "linear_onnx", "sleeper")}
+        out = await repo.infer("pipeline", None, Request({"RAW": np.array([[2, 4, 6, 8]], np.int32)}))
+        await repo.unload("pipeline", unload_dependents=True)
+        after = {n: repo.ready(n) for n in ("pipeline", "preprocess", "linear_onnx")}
+        await repo.close()
+        return ready, out, after
+
+    ready, out, after = run(main())
+    assert ready == {"pipeline": True, "preprocess": True, "linear_onnx": True, "sleeper": False}
+    np.testing.assert_array_equal(out["Y"], [[1.0, 2.0]])
+    assert after == {"pipeline": False, "preprocess": False, "linear_onnx": False}
+
+
+def test_requests_are_served_in_arrival_order(tmp_path) -> None:
+    # Clients sending back to back must not starve each other (a request that just finished may not
+    # re-take the instance before the ones already waiting).
+    cfg = cfg_for(tmp_path, "", max_batch=0)
+
+    async def main():
+        s = DefaultScheduler(cfg, [Recorder(delay=0.01)], ModelStats("m", "1"))
+        worst = []
+
+        async def client():
+            for _ in range(5):
+                t = time.perf_counter()
+                await s.submit(Request({"X": np.ones((1,), np.float32)}))
+                worst.append(time.perf_counter() - t)
+
+        await asyncio.gather(*(client() for _ in range(4)))
+        await s.close()
+        return max(worst)
+
+    assert run(main()) < 0.12  # about 4 executions of 10 ms; starvation would be ~0.2 s

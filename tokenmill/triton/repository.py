@@ -24,7 +24,7 @@ from tokenmill.triton.config import ModelConfig, load_config
 from tokenmill.triton.dtypes import protocol_of
 from tokenmill.triton.ensemble import check_graph, run_ensemble
 from tokenmill.triton.pbtxt import ConfigError
-from tokenmill.triton.scheduling import DynamicBatcher, InferError, Scheduler
+from tokenmill.triton.scheduling import DefaultScheduler, DynamicBatcher, InferError, Scheduler
 from tokenmill.triton.sequence import SequenceBatcher
 from tokenmill.triton.stats import ModelStats, TritonMetrics
 
@@ -206,7 +206,7 @@ class ModelRepository:
                 elif cfg.dynamic_batching is not None:
                     sched = DynamicBatcher(cfg, instances, stats)
                 else:
-                    sched = Scheduler(cfg, instances, stats)
+                    sched = DefaultScheduler(cfg, instances, stats)
             out[v] = Version(v, cfg, sched, stats, size)
         if not out:
             raise ModelError(f"{cfg.name}: no version folder to serve in {model_dir}")

@@ -41,7 +41,7 @@ class Pending:
 
 
 class Scheduler:
-    """Base: a pool of instances on worker threads; each submitted request runs alone."""
+    """Base: a pool of instances on worker threads, and how a batch runs on one of them."""
 
     def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
         self.cfg, self.instances, self.stats = cfg, instances, stats
@@ -51,14 +51,7 @@ class Scheduler:
             self.free.put_nowait(i)
 
     async def submit(self, req: Request) -> Outputs:
-        p = Pending(req, req.batch_size(self.cfg), asyncio.get_running_loop().create_future())
-        self.stats.enqueued()
-        idx = await self.free.get()
-        try:
-            await self.run_batch(idx, [p])
-        finally:
-            self.free.put_nowait(idx)
-        return await p.future
+        raise NotImplementedError
 
     async def run_batch(self, idx: int, batch: list[Pending]) -> None:
         """Execute on instance idx and settle every request's future (never raises)."""
@@ -92,7 +85,7 @@ class DynamicBatcher(Scheduler):
     def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
         super().__init__(cfg, instances, stats)
         d = cfg.dynamic_batching or {}
-        self.max_batch = cfg.max_batch_size
+        self.max_batch = max(1, cfg.max_batch_size)
         self.preferred = sorted(d.get("preferred_batch_size", []))
         self.delay_ns = int(d.get("max_queue_delay_microseconds", 0)) * 1000
         self.levels = max(1, int(d.get("priority_levels", 0)))
@@ -226,3 +219,22 @@ class DynamicBatcher(Scheduler):
             if not p.future.done():
                 p.future.set_exception(InferError(503, f"model {self.cfg.name!r} was unloaded"))
         await super().close()
+
+
+class DefaultScheduler(DynamicBatcher):
+    """No dynamic batching: each request executes alone, in arrival order, on the next free instance.
+
+    (A FIFO queue with its own dispatcher, not a free-instance queue that requests take from: with
+    the latter, the request that just finished re-takes its instance before the waiting ones wake.)
+    """
+
+    def _pick(self, must_send: bool) -> list[Pending] | None:
+        order = self._ordered()
+        return order[:1] or None
+
+    async def submit(self, req: Request) -> Outputs:
+        p = Pending(req, req.batch_size(self.cfg), asyncio.get_running_loop().create_future())
+        self.queues[1].append(p)
+        self.stats.enqueued()
+        self.arrived.set()
+        return await p.future
