@@ -423,3 +423,52 @@ def test_requests_are_served_in_arrival_order(tmp_path) -> None:
         return max(worst)
 
     assert run(main()) < 0.12  # about 4 executions of 10 ms; starvation would be ~0.2 s
+
+
+def test_delay_action_serves_timed_out_requests_last(tmp_path) -> None:
+    cfg = cfg_for(
+        tmp_path,
+        "dynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "priority_queue_policy { key: 2 value { timeout_action: DELAY "
+        "default_timeout_microseconds: 20000 } } }",
+        max_batch=1,
+    )
+    order = []
+
+    class Ordered(Recorder):
+        def execute(self, reqs):
+            order.append(reqs[0].request_id)
+            time.sleep(0.05)
+            return [{"Y": r.inputs["X"]} for r in reqs]
+
+    async def main():
+        b = DynamicBatcher(cfg, [Ordered()], ModelStats("m", "1"))
+        busy = asyncio.ensure_future(b.submit(req(request_id="busy", priority=1)))
+        await asyncio.sleep(0.005)
+        late = asyncio.ensure_future(b.submit(req(request_id="delayed")))  # level 2: times out, DELAYed
+        await asyncio.sleep(0.03)
+        hi = asyncio.ensure_future(b.submit(req(request_id="high", priority=1)))
+        res = await asyncio.gather(busy, late, hi)
+        await b.close()
+        return res
+
+    res = run(main())
+    assert order == ["busy", "high", "delayed"] and len(res) == 3  # delayed, not rejected
+
+
+def test_failed_reload_keeps_the_loaded_model(tmp_path) -> None:
+    from tokenmill.triton.repository import ModelRepository
+
+    d = _copy("preprocess", tmp_path)
+
+    async def main():
+        repo = ModelRepository(tmp_path, mode="explicit", load_models=["preprocess"])
+        await repo.start()
+        (d / "config.pbtxt").write_text((d / "config.pbtxt").read_text() + "\nbogus: 1\n")
+        with pytest.raises(InferError, match="unknown field 'bogus'"):
+            await repo.load("preprocess")
+        ok = repo.ready("preprocess")
+        await repo.close()
+        return ok
+
+    assert run(main())

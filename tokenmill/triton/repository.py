@@ -165,9 +165,9 @@ class ModelRepository:
                             await self._load_locked(step["model_name"])
                 versions = await self._make_versions(model_dir, cfg)
             except (ConfigError, ModelError, ValueError, OSError, ImportError, SyntaxError, InferError) as e:
-                entry.state, entry.reason = UNAVAILABLE, str(getattr(e, "message", e))
-                if not entry.versions:
-                    entry.state = UNAVAILABLE
+                # A failed reload keeps serving what was loaded before (as Triton does).
+                entry.reason = str(getattr(e, "message", e))
+                entry.state = READY if entry.versions else UNAVAILABLE
                 log.error("model %s failed to load: %s", name, entry.reason)
                 if strict:
                     raise InferError(400, f"failed to load {name!r}: {entry.reason}") from None
