@@ -107,6 +107,18 @@ class Recorder(Instance):
         return [{"Y": r.inputs["X"] * 2} for r in reqs]
 
 
+class Ordered(Instance):
+    """Executes one request at a time, 50 ms each, recording the order of request ids."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def execute(self, reqs):
+        self.order.append(reqs[0].request_id)
+        time.sleep(0.05)
+        return [{"Y": r.inputs["X"]} for r in reqs]
+
+
 def cfg_for(tmp_path, dyn: str, max_batch: int = 8):
     return load_config(
         write(
@@ -187,16 +199,10 @@ def test_queue_policy_rejects_overflow_and_timeouts(tmp_path) -> None:
 
 def test_priority_levels_go_first(tmp_path) -> None:
     cfg = cfg_for(tmp_path, "dynamic_batching { priority_levels: 2 default_priority_level: 2 }", max_batch=1)
-    order = []
-
-    class Ordered(Recorder):
-        def execute(self, reqs):
-            order.append(reqs[0].request_id)
-            time.sleep(0.05)
-            return [{"Y": r.inputs["X"]} for r in reqs]
+    inst = Ordered()
 
     async def main():
-        b = DynamicBatcher(cfg, [Ordered()], ModelStats("m", "1"))
+        b = DynamicBatcher(cfg, [inst], ModelStats("m", "1"))
         first = asyncio.ensure_future(b.submit(req(request_id="busy")))
         await asyncio.sleep(0.01)
         low = [asyncio.ensure_future(b.submit(req(request_id=f"low{i}"))) for i in range(2)]
@@ -205,7 +211,7 @@ def test_priority_levels_go_first(tmp_path) -> None:
         await b.close()
 
     run(main())
-    assert order == ["busy", "high", "low0", "low1"]
+    assert inst.order == ["busy", "high", "low0", "low1"]
 
 
 def test_more_instances_raise_throughput(tmp_path) -> None:
@@ -433,16 +439,10 @@ def test_delay_action_serves_timed_out_requests_last(tmp_path) -> None:
         "default_timeout_microseconds: 20000 } } }",
         max_batch=1,
     )
-    order = []
-
-    class Ordered(Recorder):
-        def execute(self, reqs):
-            order.append(reqs[0].request_id)
-            time.sleep(0.05)
-            return [{"Y": r.inputs["X"]} for r in reqs]
+    inst = Ordered()
 
     async def main():
-        b = DynamicBatcher(cfg, [Ordered()], ModelStats("m", "1"))
+        b = DynamicBatcher(cfg, [inst], ModelStats("m", "1"))
         busy = asyncio.ensure_future(b.submit(req(request_id="busy", priority=1)))
         await asyncio.sleep(0.005)
         late = asyncio.ensure_future(b.submit(req(request_id="delayed")))  # level 2: times out, DELAYed
@@ -453,7 +453,7 @@ def test_delay_action_serves_timed_out_requests_last(tmp_path) -> None:
         return res
 
     res = run(main())
-    assert order == ["busy", "high", "delayed"] and len(res) == 3  # delayed, not rejected
+    assert inst.order == ["busy", "high", "delayed"] and len(res) == 3  # delayed, not rejected
 
 
 def test_failed_reload_keeps_the_loaded_model(tmp_path) -> None:
