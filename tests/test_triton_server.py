@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixture import running_server
+from server_fixture import free_port, running_server
 
 tritonclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -36,9 +36,12 @@ def repo(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo):
+    grpc_port = free_port()
     with running_server(
-        "--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "*"
-    ) as proc:
+        "--model-repository", str(repo), "--model-control-mode", "explicit", "--load-model", "*",
+        "--grpc-port", str(grpc_port),
+    ) as proc:  # fmt: skip
+        proc.grpc_url = f"127.0.0.1:{grpc_port}"
         yield proc
 
 
@@ -190,3 +193,35 @@ def test_metrics_use_triton_names(client, server) -> None:
         "tokenmill:request_success",
     ):
         assert name in text, name
+
+
+def test_grpc_front(server) -> None:
+    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a dependency")
+    c = grpc.InferenceServerClient(server.grpc_url)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("linear_onnx")
+    assert c.get_server_metadata().name == "tokenmill"
+    meta = c.get_model_metadata("linear_onnx", as_json=True)
+    assert meta["inputs"] == [{"name": "X", "datatype": "FP32", "shape": ["-1", "4"]}]
+    cfg = c.get_model_config("pipeline", as_json=True)["config"]
+    assert cfg["ensemble_scheduling"]["step"][1]["input_map"] == {"X": "scaled"}
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    inp = grpc.InferInput("X", [2, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    r = c.infer("linear_onnx", [inp], outputs=[grpc.InferRequestedOutput("Y")])
+    np.testing.assert_allclose(r.as_numpy("Y"), x @ W + B, rtol=1e-6)
+    # Sequences over gRPC, and errors with gRPC status codes.
+    for value, start, end, want in ((5, True, False, 5), (6, False, True, 11)):
+        v = grpc.InferInput("VALUE", [1, 1], "INT32")
+        v.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+        res = c.infer("accumulator", [v], sequence_id=77, sequence_start=start, sequence_end=end)
+        assert int(res.as_numpy("SUM")[0, 0]) == want
+    bad = grpc.InferInput("X", [1, 3], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 3), np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        c.infer("linear_onnx", [bad])
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        c.get_model_metadata("nope")
+    assert any(m.name == "pipeline" for m in c.get_model_repository_index().models)
+    stats = c.get_inference_statistics("linear_onnx", as_json=True)["model_stats"][0]
+    assert int(stats["inference_count"]) >= 2
+    c.close()

@@ -207,6 +207,7 @@ def serve(
     model_memory_budget_mb: float | None = typer.Option(
         None, help="unload least recently used models to stay under this size"
     ),
+    grpc_port: int = typer.Option(8001, help="KServe v2 gRPC port when serving a model repository (0: off)"),
 ) -> None:
     """Serve the OpenAI-compatible API (engine core in its own process)."""
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -246,6 +247,7 @@ def serve(
         load_models=load_model,
         repository_poll_secs=repository_poll_secs,
         model_memory_budget_mb=model_memory_budget_mb,
+        grpc_port=grpc_port,
     )
     from tokenmill.engine.client import EngineDeadError
 

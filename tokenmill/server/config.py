@@ -23,6 +23,7 @@ class ServerConfig:
     load_models: list[str] = field(default_factory=list)
     repository_poll_secs: float = 15.0
     model_memory_budget_mb: float | None = None
+    grpc_port: int = 8001  # KServe v2 over gRPC, with a model repository; 0: off
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property

@@ -58,11 +58,18 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
             file=sys.stderr,
             flush=True,
         )
+    grpc_server = None
     try:
         if repo is not None:
             await repo.start()
+            if config.grpc_port:
+                from tokenmill.triton.grpc_front import start_grpc
+
+                grpc_server = await start_grpc(repo, config.host, config.grpc_port)
         await server.serve()
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=config.drain_timeout_s)
         if repo is not None:
             await repo.close()
         await llm.shutdown()

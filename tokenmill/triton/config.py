@@ -181,8 +181,21 @@ class ModelConfig:
         return next((t for t in self.inputs if t.name == name), None)
 
     def to_json(self) -> dict[str, Any]:
-        """The configuration as the model_configuration extension returns it (Triton's JSON names)."""
-        d = dict(self.raw)
+        """The configuration as Triton's JSON (the model_configuration extension, and what a Python
+        model's initialize() gets): proto field names, and protobuf maps as objects."""
+        import copy
+
+        d = copy.deepcopy(self.raw)
+        if "parameters" in d:
+            d["parameters"] = {p["key"]: p.get("value", {}) for p in d["parameters"]}
+        dyn = d.get("dynamic_batching", {})
+        if "priority_queue_policy" in dyn:
+            dyn["priority_queue_policy"] = {
+                str(p["key"]): p.get("value", {}) for p in dyn["priority_queue_policy"]
+            }
+        for step in d.get("ensemble_scheduling", {}).get("step", []):
+            for key in ("input_map", "output_map"):
+                step[key] = {m["key"]: m["value"] for m in step.get(key, [])}
         d["name"], d["backend"], d["max_batch_size"] = self.name, self.backend, self.max_batch_size
         if self.platform:
             d["platform"] = self.platform

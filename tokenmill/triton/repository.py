@@ -152,6 +152,10 @@ class ModelRepository:
                 "--model-control-mode explicit to load and unload models",
             )
         model_dir = self.root / name
+        if not (model_dir / "config.pbtxt").is_file():
+            if strict:
+                raise InferError(400, f"failed to load {name!r}: no such model in {self.root}")
+            return
         async with self.lock:
             entry = self.entries.setdefault(name, Entry(name))
             entry.state, entry.reason = LOADING, ""

@@ -8,8 +8,8 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters", [])
-        self.sleep_s = float(next(p["value"]["string_value"] for p in params if p["key"] == "sleep_ms")) / 1e3
+        params = json.loads(args["model_config"])["parameters"]  # a map, as in Triton
+        self.sleep_s = float(params["sleep_ms"]["string_value"]) / 1e3
 
     def execute(self, requests):
         time.sleep(self.sleep_s)

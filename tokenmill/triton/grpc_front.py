@@ -1,0 +1,203 @@
+"""KServe v2 over gRPC (Triton's `inference.GRPCInferenceService`, port 8001 by default).
+
+The message and service classes are the generated ones shipped in the `tritonclient[grpc]` package,
+so the wire format is exactly what Triton's own clients speak. Unary calls only: health, metadata,
+config, infer (typed contents or raw_input_contents; outputs always as raw_output_contents),
+statistics and the repository calls; ModelStreamInfer (decoupled streaming) is not offered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+import tokenmill
+from tokenmill.triton import dtypes
+from tokenmill.triton.backends import Request
+from tokenmill.triton.http import EXTENSIONS
+from tokenmill.triton.pb_utils import (
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+)
+from tokenmill.triton.repository import ModelRepository
+from tokenmill.triton.scheduling import InferError
+
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    503: grpc.StatusCode.UNAVAILABLE,
+    500: grpc.StatusCode.INTERNAL,
+}
+# InferTensorContents field for each datatype.
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def _param(p: service_pb2.InferParameter) -> Any:
+    kind = p.WhichOneof("parameter_choice")
+    return getattr(p, kind) if kind else None
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: InferError) -> None:
+    await context.abort(_STATUS.get(e.status, grpc.StatusCode.UNKNOWN), e.message)
+
+
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repo: ModelRepository) -> None:
+        self.repo = repo
+
+    async def ServerLive(self, request, context):  # noqa: N802 (the service's method names)
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):  # noqa: N802
+        return service_pb2.ServerReadyResponse(ready=self.repo.all_ready())
+
+    async def ModelReady(self, request, context):  # noqa: N802
+        return service_pb2.ModelReadyResponse(ready=self.repo.ready(request.name, request.version or None))
+
+    async def ServerMetadata(self, request, context):  # noqa: N802
+        return service_pb2.ServerMetadataResponse(
+            name="tokenmill", version=tokenmill.__version__, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(self, request, context):  # noqa: N802
+        try:
+            v = self.repo.get(request.name, request.version or None)
+        except InferError as e:
+            await _abort(context, e)
+        cfg = v.cfg
+        tm = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=cfg.name,
+            versions=sorted(self.repo.entries[cfg.name].versions, key=int),
+            platform=cfg.platform or cfg.backend,
+            inputs=[tm(**t.metadata(cfg.batched)) for t in cfg.inputs],
+            outputs=[tm(**t.metadata(cfg.batched)) for t in cfg.outputs],
+        )
+
+    async def ModelConfig(self, request, context):  # noqa: N802
+        try:
+            v = self.repo.get(request.name, request.version or None)
+        except InferError as e:
+            await _abort(context, e)
+        cfg = json_format.ParseDict(
+            v.cfg.to_json(), model_config_pb2.ModelConfig(), ignore_unknown_fields=True
+        )
+        return service_pb2.ModelConfigResponse(config=cfg)
+
+    async def ModelStatistics(self, request, context):  # noqa: N802
+        try:
+            if request.name:
+                versions = (
+                    [self.repo.get(request.name, request.version)]
+                    if request.version
+                    else list(self.repo.entries[request.name].versions.values())
+                )
+                if not versions:
+                    self.repo.get(request.name)
+            else:
+                versions = [v for e in self.repo.entries.values() for v in e.versions.values()]
+        except (InferError, KeyError) as e:
+            await _abort(context, e if isinstance(e, InferError) else InferError(404, f"unknown model: {e}"))
+        stats = [{k: val for k, val in v.stats.to_json().items()} for v in versions]
+        return json_format.ParseDict(
+            {"model_stats": stats}, service_pb2.ModelStatisticsResponse(), ignore_unknown_fields=True
+        )
+
+    async def RepositoryIndex(self, request, context):  # noqa: N802
+        idx = service_pb2.RepositoryIndexResponse.ModelIndex
+        return service_pb2.RepositoryIndexResponse(models=[idx(**m) for m in self.repo.index(request.ready)])
+
+    async def RepositoryModelLoad(self, request, context):  # noqa: N802
+        if any(k == "config" or k.startswith("file:") for k in request.parameters):
+            await _abort(context, InferError(400, "loading with config or file overrides is not supported"))
+        try:
+            await self.repo.load(request.model_name)
+        except InferError as e:
+            await _abort(context, e)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):  # noqa: N802
+        deps = request.parameters.get("unload_dependents")
+        try:
+            await self.repo.unload(request.model_name, bool(deps and _param(deps)))
+        except InferError as e:
+            await _abort(context, e)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    async def ModelInfer(self, request, context):  # noqa: N802
+        try:
+            req = _request(request)
+            v = self.repo.get(request.model_name, request.model_version or None)
+            out = await self.repo.infer(request.model_name, request.model_version or None, req)
+        except InferError as e:
+            await _abort(context, e)
+        resp = service_pb2.ModelInferResponse(
+            model_name=request.model_name, model_version=v.version, id=request.id
+        )
+        for name, arr in out.items():
+            resp.outputs.add(name=name, datatype=dtypes.protocol_of(arr), shape=list(arr.shape))
+            resp.raw_output_contents.append(dtypes.to_binary(arr))
+        return resp
+
+
+def _request(r: service_pb2.ModelInferRequest) -> Request:
+    inputs: dict[str, np.ndarray] = {}
+    raw = list(r.raw_input_contents)
+    if raw and len(raw) != len(r.inputs):
+        raise InferError(400, f"{len(raw)} raw_input_contents for {len(r.inputs)} inputs")
+    for i, t in enumerate(r.inputs):
+        if t.datatype not in dtypes.NUMPY:
+            raise InferError(400, f"input {t.name!r}: unknown datatype {t.datatype!r}")
+        shape = list(t.shape)
+        try:
+            if raw:
+                inputs[t.name] = dtypes.from_binary(raw[i], t.datatype, shape)
+            else:
+                values = list(getattr(t.contents, _CONTENTS[t.datatype]))
+                if t.datatype == "BYTES":
+                    arr = np.array(values, dtype=object)
+                    inputs[t.name] = arr.reshape(shape)
+                else:
+                    inputs[t.name] = dtypes.from_json(values, t.datatype, shape)
+        except ValueError as e:
+            raise InferError(400, f"input {t.name!r}: {e}") from None
+    params = {k: _param(p) for k, p in r.parameters.items()}
+    flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) | (
+        TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0
+    )
+    return Request(
+        inputs,
+        [o.name for o in r.outputs] or None,
+        parameters=params,
+        request_id=r.id,
+        correlation_id=params.get("sequence_id", 0) or 0,
+        flags=flags,
+        priority=int(params.get("priority", 0) or 0),
+        timeout_us=int(params.get("timeout", 0) or 0),
+    )
+
+
+async def start_grpc(repo: ModelRepository, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(repo), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise ValueError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    return server
