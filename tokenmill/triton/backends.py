@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import json
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,13 @@ class Request:
 Outputs = dict[str, np.ndarray]
 
 
-class Instance:
+class Instance(ABC):
+    @abstractmethod
     def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
-        raise NotImplementedError
+        """One result per request: its outputs, or the exception that failed it."""
 
-    def finalize(self) -> None:
-        pass
+    def finalize(self) -> None:  # noqa: B027 (optional hook: most backends have nothing to release)
+        return None
 
 
 def _model_file(version_dir: Path, cfg: ModelConfig, default: str) -> Path:
@@ -125,14 +127,15 @@ class PythonInstance(Instance):
             self.model.finalize()
 
 
-class _BatchingInstance(Instance):
+class _BatchingInstance(Instance, ABC):
     """Runs a batch as one call: inputs concatenated along the batch dimension (batched models)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
 
+    @abstractmethod
     def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> Outputs:
-        raise NotImplementedError
+        """The named outputs for one (possibly merged) batch of inputs."""
 
     def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
         names = [o.name for o in self.cfg.outputs]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class Pending:
     deadline_ns: int | None = None
 
 
-class Scheduler:
+class Scheduler(ABC):
     """Base: a pool of instances on worker threads, and how a batch runs on one of them."""
 
     def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
@@ -50,8 +51,9 @@ class Scheduler:
         for i in range(len(instances)):
             self.free.put_nowait(i)
 
+    @abstractmethod
     async def submit(self, req: Request) -> Outputs:
-        raise NotImplementedError
+        """Queue the request; return its outputs once a batch holding it has run."""
 
     async def run_batch(self, idx: int, batch: list[Pending]) -> None:
         """Execute on instance idx and settle every request's future (never raises)."""
