@@ -29,6 +29,23 @@ def normalize_base_url(url: str) -> str:
     return url if parts.path not in ("", "/") else url + "/v1"
 
 
+def discover_model(base: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """The first model /models lists; ValueError saying what to do when there is none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base}/models", headers=headers, timeout=min(timeout, 30.0))
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {base}/models ({e}); is the server up?") from None
+    if resp.status_code != 200:
+        raise ValueError(
+            f"{base}/models answered HTTP {resp.status_code}; pass --model (and --api-key if needed)"
+        )
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{base}/models lists no model; pass --model") from None
+
+
 @dataclass
 class ClientConfig:
     base_url: str
@@ -161,14 +178,6 @@ class OpenAIClient:
                         text_parts.append(text)
                     record.t_end = now
         return False
-
-    async def discover_model(self) -> str:
-        resp = await self.http.get("/models")
-        resp.raise_for_status()
-        data = resp.json().get("data") or []
-        if not data:
-            raise ValueError(f"{self.cfg.base_url}/models lists no models: pass --model")
-        return str(data[0]["id"])
 
 
 def _choice_text(obj: dict[str, Any], stream: bool) -> str:

@@ -24,7 +24,6 @@ class FakeServer:
     def __init__(self, first_token_ms: float, itl_ms: float, fail_every: int = 0) -> None:
         self.first_s, self.itl_s, self.fail_every = first_token_ms / 1e3, itl_ms / 1e3, fail_every
         self.counter = itertools.count(1)
-        self.requests = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -52,7 +51,6 @@ class FakeServer:
             return _send_json(writer, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         if method != "POST" or not path.endswith(("/chat/completions", "/completions")):
             return _send_json(writer, 404, {"error": {"message": f"no route {method} {path}", "code": 404}})
-        self.requests += 1
         if self.fail_every and next(self.counter) % self.fail_every == 0:
             return _send_json(writer, 500, {"error": {"message": "injected failure", "code": 500}})
         req = json.loads(body)

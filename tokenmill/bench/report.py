@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -139,8 +140,6 @@ def _plot_distributions(lv: LevelResult, path: Path) -> None:
         if vals:
             ax.hist(vals, bins=min(40, max(5, len(vals) // 3)), color="#3b7dd8", edgecolor="white")
             for p, style in ((50, "-"), (99, "--")):
-                import numpy as np
-
                 x = float(np.percentile(vals, p))
                 ax.axvline(x, color="#d84b3b", linestyle=style, label=f"p{p} {x:.3g}")
             ax.legend()

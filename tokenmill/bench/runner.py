@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tokenmill.bench.client import ClientConfig, OpenAIClient
+from tokenmill.bench.client import ClientConfig, OpenAIClient, discover_model
 from tokenmill.bench.load import LoadConfig, run_level
 from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.stats import Slo, summarize
@@ -60,10 +60,12 @@ async def _run_levels(
     search: GoodputSearch | None,
 ) -> BenchResult:
     count = (lambda text: len(counter.encode(text, add_special_tokens=False))) if counter else None
+    if not client_cfg.model:
+        client_cfg.model = await asyncio.to_thread(
+            discover_model, client_cfg.base_url, client_cfg.api_key, client_cfg.timeout_s
+        )
     client = OpenAIClient(client_cfg, count)
     try:
-        if not client_cfg.model:
-            client_cfg.model = await client.discover_model()
         levels: list[LevelResult] = []
 
         async def level(load: LoadConfig) -> LevelResult:

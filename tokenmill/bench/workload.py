@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-WORDS_PER_TOKEN = 0.75  # the usual rule of thumb for English, used only without a tokenizer
+WORDS_PER_TOKEN = 0.75  # the usual rule of thumb for English (bench without a tokenizer; sizing)
 
 # Use-case shapes from the source documents (../shared/seeds/002: translation, generation,
 # summarization, reasoning; 000: chatbot, question answering/RAG; 004: 2000 in / 200 out).

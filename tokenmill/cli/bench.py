@@ -82,7 +82,7 @@ def bench(
     """Run a benchmark; results go to OUTPUT/summary.json, run.json, records.csv and plots."""
     if ctx.invoked_subcommand is not None:
         return
-    from tokenmill.bench.client import ClientConfig, normalize_base_url
+    from tokenmill.bench.client import ClientConfig, discover_model, normalize_base_url
     from tokenmill.bench.load import LoadConfig
     from tokenmill.bench.runner import GoodputSearch
     from tokenmill.bench.stats import parse_slos
@@ -161,7 +161,10 @@ def bench(
         seed=seed,
     )
     if model is None:  # the tokenizer choice depends on the model, so find it out first
-        model = _discover_model(base, api_key, timeout)
+        try:
+            model = discover_model(base, api_key, timeout)
+        except ValueError as e:
+            fail(str(e))
     try:
         counter, counter_desc = load_counter(tokenizer, model)
         if input_file is not None:  # read it now: a bad file is a one-line error, not a failed run
@@ -182,22 +185,6 @@ def bench(
     )
     search = GoodputSearch(target_attainment, start_rate=search_start_rate) if goodput_search else None
     _run(client_cfg, workload, loads, slos, counter, counter_desc, search, output)
-
-
-def _discover_model(base: str, api_key: str | None, timeout: float) -> str:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(f"{base}/models", headers=headers, timeout=min(timeout, 30.0))
-    except httpx.HTTPError as e:
-        fail(f"cannot reach {base}/models ({e}); is the server up?")
-    if resp.status_code != 200:
-        fail(f"{base}/models answered HTTP {resp.status_code}; pass --model (and --api-key if needed)")
-    try:
-        return str(resp.json()["data"][0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        fail(f"{base}/models lists no model; pass --model")
 
 
 def _run(client_cfg, workload, loads, slos, counter, counter_desc, search, output) -> None:

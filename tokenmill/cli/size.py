@@ -127,6 +127,10 @@ def size_cmd(
         raise typer.Exit(1)
 
 
+def _shape(c: dict) -> str:
+    return f"TP{c['tp']}" + (f" x PP{c['pp']}" if c["pp"] > 1 else "") + (" EP" if c["ep"] else "")
+
+
 def _print_sizing(s: dict, per_server: int) -> None:
     i = s["inputs"]
     for note in (i["isl_conversion"], i["osl_conversion"]):
@@ -142,7 +146,7 @@ def _print_sizing(s: dict, per_server: int) -> None:
             console.print(f"[red]{n}[/red]")
         return
     c = s["chosen"]
-    shape = f"TP{c['tp']}" + (f" x PP{c['pp']}" if c["pp"] > 1 else "") + (" (EP)" if c["ep"] else "")
+    shape = _shape(c)
     console.print(
         f"[bold]{s['servers']} servers[/bold] ({s['gpus']} x {s['gpu']}, {per_server} per server) for "
         f"{s['peak_rps']:g} req/s of {s['model']['name']} in {s['precision']}"
@@ -170,7 +174,7 @@ def _print_sizing(s: dict, per_server: int) -> None:
     console.print(t)
     alt = Table("shape", "in flight", "TTFT ms", "ITL ms", "req/s/server", "servers", title="alternatives")
     for a in s["alternatives"]:
-        shape = f"TP{a['tp']}" + (f" PP{a['pp']}" if a["pp"] > 1 else "") + (" EP" if a["ep"] else "")
+        shape = _shape(a)
         alt.add_row(
             shape,
             str(a["concurrency_per_instance"]),

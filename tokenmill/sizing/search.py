@@ -15,11 +15,10 @@ from typing import Any
 
 from scipy.stats import poisson
 
+from tokenmill.bench.workload import WORDS_PER_TOKEN
 from tokenmill.sizing.arch import Arch
 from tokenmill.sizing.hardware import Factors, Gpu
 from tokenmill.sizing.roofline import Deployment, Prediction, predict
-
-WORDS_PER_TOKEN = 0.75
 
 
 def peak_rps(average: float, percentile: float) -> int:

@@ -37,6 +37,30 @@ class Request:
     priority: int = 0
     timeout_us: int = 0
 
+    @classmethod
+    def from_protocol(
+        cls, inputs: dict[str, np.ndarray], outputs: list[str] | None, params: dict[str, Any], request_id: str
+    ) -> Request:
+        """A request from KServe v2 parameters (sequence_id/start/end, priority, timeout)."""
+        from tokenmill.triton.pb_utils import (
+            TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
+            TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+        )
+
+        flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) | (
+            TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0
+        )
+        return cls(
+            inputs,
+            outputs,
+            parameters={k: v for k, v in params.items() if not k.startswith("binary_data")},
+            request_id=request_id,
+            correlation_id=params.get("sequence_id", 0) or 0,
+            flags=flags,
+            priority=int(params.get("priority", 0) or 0),
+            timeout_us=int(params.get("timeout", 0) or 0),
+        )
+
     def batch_size(self, cfg: ModelConfig) -> int:
         if not cfg.batched or not self.inputs:
             return 1

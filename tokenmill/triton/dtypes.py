@@ -54,16 +54,21 @@ def to_json(arr: np.ndarray) -> list:
     return arr.reshape(-1).tolist()
 
 
+def bytes_elements(blob: bytes) -> np.ndarray:
+    """The elements of serialized BYTES data: each a 4-byte little-endian length, then the bytes."""
+    items, pos = [], 0
+    while pos < len(blob):
+        if pos + 4 > len(blob):
+            raise ValueError("BYTES data ends inside a length prefix")
+        (n,) = struct.unpack_from("<I", blob, pos)
+        items.append(blob[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return np.array(items, dtype=object)
+
+
 def from_binary(blob: bytes, datatype: str, shape: list[int]) -> np.ndarray:
     if datatype == "BYTES":
-        items, pos = [], 0
-        while pos < len(blob):
-            if pos + 4 > len(blob):
-                raise ValueError("BYTES data ends inside a length prefix")
-            (n,) = struct.unpack_from("<I", blob, pos)
-            items.append(blob[pos + 4 : pos + 4 + n])
-            pos += 4 + n
-        arr = np.array(items, dtype=object)
+        arr = bytes_elements(blob)
     else:
         dt = NUMPY[datatype].newbyteorder("<")
         if len(blob) % dt.itemsize:

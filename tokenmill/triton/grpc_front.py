@@ -19,10 +19,6 @@ import tokenmill
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import Request
 from tokenmill.triton.http import EXTENSIONS
-from tokenmill.triton.pb_utils import (
-    TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
-    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
-)
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
 
@@ -179,19 +175,10 @@ def _request(r: service_pb2.ModelInferRequest) -> Request:
         except ValueError as e:
             raise InferError(400, f"input {t.name!r}: {e}") from None
     params = {k: _param(p) for k, p in r.parameters.items()}
-    flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) | (
-        TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0
-    )
-    return Request(
-        inputs,
-        [o.name for o in r.outputs] or None,
-        parameters=params,
-        request_id=r.id,
-        correlation_id=params.get("sequence_id", 0) or 0,
-        flags=flags,
-        priority=int(params.get("priority", 0) or 0),
-        timeout_us=int(params.get("timeout", 0) or 0),
-    )
+    try:
+        return Request.from_protocol(inputs, [o.name for o in r.outputs] or None, params, r.id)
+    except (TypeError, ValueError):
+        raise InferError(400, "priority and timeout parameters must be integers") from None
 
 
 async def start_grpc(repo: ModelRepository, host: str, port: int) -> grpc.aio.Server:

@@ -16,10 +16,6 @@ from fastapi.responses import JSONResponse, Response
 import tokenmill
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import Request as InferRequest
-from tokenmill.triton.pb_utils import (
-    TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
-    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
-)
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
 
@@ -243,19 +239,10 @@ def _parse_infer(
                 raise InferError(400, "every requested output needs a name")
             requested.append(o["name"])
             binary_out[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", default_binary))
-    flags = (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0) | (
-        TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0
-    )
-    req = InferRequest(
-        inputs,
-        requested,
-        parameters={k: v for k, v in params.items() if not k.startswith("binary_data")},
-        request_id=str(d.get("id", "")),
-        correlation_id=params.get("sequence_id", 0),
-        flags=flags,
-        priority=int(params.get("priority", 0) or 0),
-        timeout_us=int(params.get("timeout", 0) or 0),
-    )
+    try:
+        req = InferRequest.from_protocol(inputs, requested, params, str(d.get("id", "")))
+    except (TypeError, ValueError):
+        raise InferError(400, "priority and timeout parameters must be integers") from None
     if default_binary and requested is None:
         binary_out = {"*": True}
     return req, binary_out, str(d.get("id", ""))

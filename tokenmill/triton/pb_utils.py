@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from tokenmill.triton import dtypes
 from tokenmill.triton.dtypes import CONFIG_TO_PROTOCOL, NUMPY, protocol_of
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -188,20 +188,11 @@ def numpy_to_triton_type(dtype: Any) -> str:
 
 
 def serialize_byte_tensor(arr: np.ndarray) -> np.ndarray:
-    parts = []
-    for b in arr.reshape(-1):
-        b = b if isinstance(b, bytes) else str(b).encode()
-        parts.append(struct.pack("<I", len(b)) + b)
-    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+    return np.frombuffer(dtypes.to_binary(np.asarray(arr, dtype=object)), dtype=np.uint8)
 
 
 def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
-    items, pos = [], 0
-    while pos < len(encoded):
-        (n,) = struct.unpack_from("<I", encoded, pos)
-        items.append(encoded[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-    return np.array(items, dtype=object)
+    return dtypes.bytes_elements(bytes(encoded))
 
 
 def using_decoupled_model_transaction_policy(model_config: dict) -> bool:

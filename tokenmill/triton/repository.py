@@ -158,16 +158,8 @@ class ModelRepository:
             return
         async with self.lock:
             entry = self.entries.setdefault(name, Entry(name))
-            entry.state, entry.reason = LOADING, ""
             try:
-                cfg = load_config(model_dir)
-                if cfg.backend == "ensemble":
-                    check_graph(cfg)
-                    for step in cfg.ensemble_steps:
-                        dep = self.entries.get(step["model_name"])
-                        if dep is None or dep.state != READY:
-                            await self._load_locked(step["model_name"])
-                versions = await self._make_versions(model_dir, cfg)
+                await self._load_locked(name)
             except (ConfigError, ModelError, ValueError, OSError, ImportError, SyntaxError, InferError) as e:
                 # A failed reload keeps serving what was loaded before (as Triton does).
                 entry.reason = str(getattr(e, "message", e))
@@ -175,22 +167,29 @@ class ModelRepository:
                 log.error("model %s failed to load: %s", name, entry.reason)
                 if strict:
                     raise InferError(400, f"failed to load {name!r}: {entry.reason}") from None
-                return
-            old = entry.versions
-            entry.versions, entry.state, entry.reason = versions, READY, ""
-            entry.signature = _signature(model_dir)
-            for v in old.values():
-                if v.scheduler is not None:
-                    await v.scheduler.close()
 
     async def _load_locked(self, name: str) -> None:
-        """Load a dependency while the lock is held (ensemble steps)."""
-        if not (self.root / name / "config.pbtxt").is_file():
-            raise ValueError(f"ensemble step model {name!r} is not in the repository")
+        """Load (or reload) a model with the lock held; an ensemble first loads its steps that are not
+        ready. Raises on failure and leaves what was loaded before in place."""
+        model_dir = self.root / name
+        if not (model_dir / "config.pbtxt").is_file():
+            raise ValueError(f"model {name!r} is not in the repository")
         entry = self.entries.setdefault(name, Entry(name))
-        cfg = load_config(self.root / name)
-        entry.versions = await self._make_versions(self.root / name, cfg)
-        entry.state, entry.reason, entry.signature = READY, "", _signature(self.root / name)
+        entry.state, entry.reason = LOADING, ""
+        cfg = load_config(model_dir)
+        if cfg.backend == "ensemble":
+            check_graph(cfg)
+            for step in cfg.ensemble_steps:
+                dep = self.entries.get(step["model_name"])
+                if dep is None or dep.state != READY:
+                    await self._load_locked(step["model_name"])
+        versions = await self._make_versions(model_dir, cfg)
+        old = entry.versions
+        entry.versions, entry.state, entry.reason = versions, READY, ""
+        entry.signature = _signature(model_dir)
+        for v in old.values():
+            if v.scheduler is not None:
+                await v.scheduler.close()
 
     async def _make_versions(self, model_dir: Path, cfg: ModelConfig) -> dict[str, Version]:
         out = {}

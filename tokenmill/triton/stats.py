@@ -73,9 +73,6 @@ class ModelStats:
     )
     pending: int = 0
 
-    def _m(self):
-        return self.metrics
-
     def enqueued(self) -> None:
         self.pending += 1
         if self.metrics:
