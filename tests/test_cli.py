@@ -42,15 +42,24 @@ def test_generate_prints_text() -> None:
 
 @pytest.mark.slow
 def test_chat_streams_a_reply_and_exits() -> None:
+    question = "What is the capital of France?"
     r = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli.main", "chat", "--temperature", "0", "--max-tokens", "20"],
-        input="What is the capital of France?\n/exit\n",
+        input=f"{question}\n/exit\n",
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    # The reference is the offline API on the same settings, not what a tiny bf16 model happens to
+    # say: its answer to this question hangs on a near-tie (0.08 nats in float32) that bf16 rounding
+    # on one CPU or another can flip.
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(enable_prefix_caching=False, kv_cache_memory_gb=0.1, max_model_len=1024)
+    p = SamplingParams(temperature=0, max_tokens=20)
+    expected = llm.chat([{"role": "user", "content": question}], p)[0].outputs[0].text
+    assert expected.strip() and expected in r.stdout, (expected, r.stdout)
 
 
 def test_serve_unknown_model_is_one_line_error() -> None:

@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.models.linear import QuantizedLinear
+from tokenmill.quality.fidelity import compare, forced_run
+from tokenmill.quality.prompts import chat_prompts
 from tokenmill.weights.gguf_file import GGUFFile
 
 
@@ -40,15 +42,13 @@ def test_q4_1_tensor_is_recovered_exactly(model_path: Path) -> None:
 @pytest.mark.slow
 def test_int4_engine_generates_like_bf16() -> None:
     # Not token-identical (other weights' rounding), so compare next-token predictions along the bf16
-    # model's own greedy continuation (teacher forcing): one near-tie cannot derail the comparison,
-    # as it would when comparing two free-running generations.
-    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    bf16 = LLM(max_model_len=256)
-    prompt_ids = bf16.tokenizer.encode("The three primary colors are")
-    cont = bf16.generate([prompt_ids], p)[0].outputs[0].token_ids
-    int4 = LLM(max_model_len=256, quantization="int4")
-    prefixes = [prompt_ids + cont[:k] for k in range(len(cont))]
-    one = SamplingParams(temperature=0, max_tokens=1)
-    got = [o.outputs[0].token_ids[0] for o in int4.generate(prefixes, one)]
-    agree = sum(g == c for g, c in zip(got, cont, strict=True)) / len(cont)
-    assert agree >= 0.75, (agree, got, cont)
+    # model's own greedy continuations (teacher forcing, tokenmill/quality/fidelity.py) over 16 chat
+    # prompts: one near-tie cannot derail the comparison, as it would between free-running generations.
+    common = {"max_model_len": 512, "kv_cache_memory_gb": 0.1, "enable_prefix_caching": False}
+    bf16 = LLM(**common)
+    prompts = chat_prompts(bf16.tokenizer)
+    ref = forced_run(bf16, prompts, 24)
+    del bf16
+    int4 = LLM(quantization="int4", **common)
+    f = compare(ref, forced_run(int4, prompts, 24, ref))
+    assert f.top1_agreement >= 0.75, f

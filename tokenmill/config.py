@@ -31,7 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
-    # fused norm/rope/silu); "auto": the C++ kernels on a CPU if they build, else the reference.
+    # fused norm/rope/silu) at the best instruction-set level this CPU runs; a level name ("avx2",
+    # "avx512", "avx512_bf16"): that build, to test the path another CPU takes; "auto": the C++ kernels
+    # on a CPU if they build and run here, else the reference with a one-line warning.
     kernels: str = "auto"
     # None: weights in `dtype`. "int4": weight-only 4-bit (groups of 32) for decode-sized batches, the
     # precision of a Q4_0/Q4_1 GGUF file; larger batches use the dtype copy.

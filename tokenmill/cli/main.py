@@ -59,17 +59,35 @@ def models_pull(
 
 
 @app.command()
-def kernels() -> None:
+def kernels(
+    all_levels: bool = typer.Option(
+        False,
+        "--all",
+        help="Also build every lower instruction-set level this CPU runs (the tests use them).",
+    ),
+) -> None:
     """Build (once per machine) and check tokenmill's C++ CPU kernels."""
-    from tokenmill.kernels import build_dir, cpu_kernels
+    from tokenmill.kernels import build_dir, cpu_kernels, default_level
+    from tokenmill.kernels.isa import all_levels, cpu_summary
 
-    t0 = time.perf_counter()
+    console.print(f"CPU: {cpu_summary()}")
     try:
-        cpu_kernels()
+        levels = [default_level()]
     except RuntimeError as e:
         err.print(f"[yellow]warning:[/yellow] {e}; the plain-PyTorch kernels will be used", highlight=False)
         return
-    console.print(f"CPU kernels ready in {time.perf_counter() - t0:.1f}s ({build_dir()})")
+    if all_levels:
+        levels += [lv for lv in all_levels() if lv.supported() and lv != levels[0]]
+    for lv in levels:
+        t0 = time.perf_counter()
+        try:
+            cpu_kernels(lv.name)
+        except RuntimeError as e:
+            err.print(
+                f"[yellow]warning:[/yellow] {e}; the plain-PyTorch kernels will be used", highlight=False
+            )
+            return
+        console.print(f"CPU kernels ({lv.name}) ready in {time.perf_counter() - t0:.1f}s ({build_dir(lv)})")
 
 
 def _engine_kwargs(

@@ -1,7 +1,9 @@
 """tokenmill's own C++ CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
-Compilation takes about half a minute and is cached per machine and torch version under the cache
-folder; a machine without a C++ compiler falls back to the plain-PyTorch implementations.
+One build per instruction-set level (tokenmill/kernels/isa.py); the best level this CPU runs is used.
+Compilation takes about half a minute per level and is cached per level, torch version and source
+hash under the cache folder; a machine without a C++ compiler, or an x86 CPU without AVX2, falls back
+to the plain-PyTorch implementations with a one-line warning.
 """
 
 from __future__ import annotations
@@ -13,45 +15,67 @@ from types import ModuleType
 
 import torch
 
+from tokenmill.kernels.isa import IsaLevel, best_level, get_level
 from tokenmill.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_decode.cpp", "fused_ops.cpp"]
-_module: ModuleType | None = None
-_failed: str | None = None
+_modules: dict[str, ModuleType] = {}
+_failed: dict[str, str] = {}
 
 
-def build_dir() -> Path:
-    # Keyed by a hash of every source and header: torch's loader only notices changes to the .cpp
-    # files it is given, and a stale build from another checkout must never be picked up.
-    digest = hashlib.sha256()
+def build_dir(level: IsaLevel) -> Path:
+    # Keyed by a hash of every source and header and of the flags: torch's loader only notices
+    # changes to the .cpp files it is given, and a stale build must never be picked up.
+    digest = hashlib.sha256(" ".join(level.flags).encode())
     for f in sorted(_CSRC.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())
-    return default_cache_dir() / "kernels" / f"torch-{torch.__version__}" / digest.hexdigest()[:12]
+    return (
+        default_cache_dir()
+        / "kernels"
+        / f"torch-{torch.__version__}"
+        / f"{level.name}-{digest.hexdigest()[:12]}"
+    )
 
 
-def cpu_kernels() -> ModuleType:
-    """The compiled extension; raises RuntimeError if it cannot be built here."""
-    global _module, _failed
-    if _module is not None:
-        return _module
-    if _failed is not None:
-        raise RuntimeError(_failed)
+def default_level() -> IsaLevel:
+    level = best_level()
+    if level is None:
+        raise RuntimeError("this CPU has no AVX2; the C++ kernels need at least AVX2")
+    return level
+
+
+def cpu_kernels(level: str | None = None) -> ModuleType:
+    """The compiled extension for `level` (default: the best this CPU runs); RuntimeError if it cannot be
+    built or run here."""
+    lv = default_level() if level is None else get_level(level)
+    if lv.name in _modules:
+        return _modules[lv.name]
+    if lv.name in _failed:
+        raise RuntimeError(_failed[lv.name])
+    if not lv.supported():
+        raise RuntimeError(f"this CPU cannot run the {lv.name} build of the kernels")
     try:
         from torch.utils.cpp_extension import load
 
-        d = build_dir()
+        d = build_dir(lv)
         d.mkdir(parents=True, exist_ok=True)
-        _module = load(
-            name="tokenmill_cpu_kernels",
+        module = load(
+            name=f"tokenmill_cpu_kernels_{lv.name}",
             sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # PyTorch's own flags for its kernels: no errno or FP-exception side effects, which is what
+            # lets GCC vectorize rounding and min/max loops. Not -ffast-math: the order of float sums
+            # stays the code's.
+            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *lv.flags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(d),
             verbose=False,
         )
     except Exception as e:
-        _failed = f"could not build the CPU kernels: {e}"
-        raise RuntimeError(_failed) from e
-    return _module
+        _failed[lv.name] = f"could not build the CPU kernels ({lv.name}): {e}"
+        raise RuntimeError(_failed[lv.name]) from e
+    if module.isa_level() != lv.name:  # the build must be the one its flags say
+        raise RuntimeError(f"kernel build mismatch: asked for {lv.name}, got {module.isa_level()}")
+    _modules[lv.name] = module
+    return module

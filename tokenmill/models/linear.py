@@ -10,14 +10,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_packing_works: bool | None = None
+
+
+def _probe_packing() -> bool:
+    # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on an
+    # AVX2-only CPU; trying it once on a tiny weight is the one check that cannot disagree with it.
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    global _packing_works
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    if _packing_works is None:
+        _packing_works = _probe_packing()
+    return _packing_works
 
 
 class PackedLinear(nn.Module):

@@ -52,10 +52,11 @@ class TorchOps:
 class CpuFusedOps(TorchOps):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, level: str | None = None) -> None:
+        """`level`: an instruction-set build of the kernels (tokenmill/kernels/isa.py); default the best."""
         from tokenmill.kernels import cpu_kernels
 
-        self.k = cpu_kernels()
+        self.k = cpu_kernels(level)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self.k.rms_norm(x, w, eps)
@@ -81,15 +82,21 @@ class CpuFusedOps(TorchOps):
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:
-    """ "torch", "cpu" (fused C++), or "auto": fused on a CPU when the kernels build, else torch."""
-    if name not in ("auto", "torch", "cpu"):
-        raise ValueError(f"unknown ops implementation {name!r}; available: auto, torch, cpu")
+    """ "torch", "cpu" (fused C++ at the best instruction-set level this CPU runs), a level name
+    (tokenmill/kernels/isa.py, e.g. "avx2": that build, for testing the paths other CPUs take), or
+    "auto": fused on a CPU when the kernels build, else torch with a one-line warning."""
+    from tokenmill.kernels.isa import level_names
+
+    if name not in ("auto", "torch", "cpu", *level_names()):
+        raise ValueError(
+            f"unknown kernels {name!r}; available: auto, torch, cpu, {', '.join(level_names())}"
+        )
     if name == "torch" or (name == "auto" and device_type != "cpu"):
         return TorchOps()
     try:
-        return CpuFusedOps()
+        return CpuFusedOps(None if name in ("auto", "cpu") else name)
     except RuntimeError as e:
-        if name == "cpu":
+        if name != "auto":
             raise
         log.warning("%s; using plain PyTorch ops", e)
         return TorchOps()

@@ -1,6 +1,8 @@
 // Python bindings of tokenmill's CPU kernels (one extension module, several sources).
 #include <torch/extension.h>
 
+#include <string>
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -8,11 +10,27 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin_signed);
+torch::Tensor to_bf16(torch::Tensor x);
+
+// Which build this is, from the compiler's own macros (checked against the level asked for at load).
+static std::string isa_level() {
+#if defined(TM_AVX512_BF16)
+  return "avx512_bf16";
+#elif defined(__x86_64__) && defined(__AVX512F__)
+  return "avx512";
+#elif defined(__x86_64__) && defined(__AVX2__)
+  return "avx2";
+#else
+  return "native";
+#endif
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa_level", &isa_level, "the instruction-set level this build was compiled for");
   m.def("paged_decode", &paged_decode, "decode attention through block tables");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
+  m.def("to_bf16", &to_bf16, "float32 -> bfloat16 with the kernels' own rounding");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
 }

@@ -13,34 +13,31 @@
 
 static inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
-template <typename T>
-static inline float f(T x) { return static_cast<float>(x); }
-
 // out = x * rsqrt(mean(x^2) + eps) * w, per row. If residual is given: residual += x first (stored in
 // T, as an unfused add would round it), and the normalized value is taken of the new residual.
 template <typename T>
 static void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t rows, int64_t n,
                           int64_t x_stride, float eps) {
+  std::vector<float> wf(n);
+  load_f32(w, wf.data(), n);
   at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(n);
+    std::vector<float> buf(n), xf(n);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      float ss = 0.f;
+      load_f32(x + r * x_stride, buf.data(), n);
       if (residual) {
+        // The sum is rounded to T and stored, as an unfused add would; the norm is of the rounded sum.
         T* rr = residual + r * n;
-        for (int64_t i = 0; i < n; ++i) {
-          T s = static_cast<T>(f(rr[i]) + f(xr[i]));
-          rr[i] = s;
-          buf[i] = f(s);
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) buf[i] = f(xr[i]);
+        load_f32(rr, xf.data(), n);
+        for (int64_t i = 0; i < n; ++i) xf[i] += buf[i];
+        store_f32(xf.data(), rr, n);
+        load_f32(rr, buf.data(), n);
       }
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
       const float inv = 1.f / std::sqrt(ss / n + eps);
-      T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(buf[i] * inv * f(w[i]));
+      for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * inv * wf[i];
+      store_f32(buf.data(), out + r * n, n);
     }
   });
 }
@@ -77,13 +74,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
     const scalar_t* in = gu.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+      std::vector<float> g(n), u(n);
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* g = in + r * 2 * n;
-        const scalar_t* u = g + n;
-        for (int64_t i = 0; i < n; ++i) {
-          const float x = f(g[i]);
-          o[r * n + i] = static_cast<scalar_t>(x / (1.f + exp_approx(-x)) * f(u[i]));
-        }
+        load_f32(in + r * 2 * n, g.data(), n);
+        load_f32(in + r * 2 * n + n, u.data(), n);
+        for (int64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        store_f32(g.data(), o + r * n, n);
       }
     });
   });
@@ -104,19 +100,27 @@ void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_for(heads * D), [&](int64_t begin, int64_t end) {
-      std::vector<float> x(D);
+      std::vector<float> x(D), y(D);
       for (int64_t r = begin; r < end; ++r) {
         const float* cr = c + p[r] * D;
         const float* sr = s + p[r] * D;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* v = base + r * stride + h * D;
-          for (int64_t d = 0; d < D; ++d) x[d] = f(v[d]);
-          for (int64_t d = 0; d < D; ++d) {
-            const float rolled = x[d < half ? d + half : d - half];
-            v[d] = static_cast<scalar_t>(x[d] * cr[d] + rolled * sr[d]);
-          }
+          load_f32(v, x.data(), D);
+          for (int64_t d = 0; d < half; ++d) y[d] = x[d] * cr[d] + x[d + half] * sr[d];
+          for (int64_t d = half; d < D; ++d) y[d] = x[d] * cr[d] + x[d - half] * sr[d];
+          store_f32(y.data(), v, D);
         }
       }
     });
   });
+}
+
+// float32 -> bfloat16 through the kernels' own store (store_f32), exposed so tests can hold every
+// instruction-set build's rounding against PyTorch's.
+torch::Tensor to_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous());
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16));
+  store_f32(x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), x.numel());
+  return out;
 }

@@ -97,9 +97,9 @@ static void decode_kernel(
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
-        T* op = out + (b * H + h0 + h) * D;
-        for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[h * D + d] * inv[h]);
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv[h];
       }
+      store_f32(acc.data(), out + (b * H + h0) * D, nh * D);
     }
   });
 }

@@ -1,15 +1,20 @@
 // Small float helpers shared by the CPU kernels, written as plain arithmetic so that loops over them
-// vectorize under -O3 -march=native (libm calls and c10's conversions stay scalar).
+// vectorize under -O3 at every instruction-set level (libm calls and c10's conversions stay scalar).
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(TM_AVX512_BF16)
+#include <immintrin.h>
+#endif
 
 // exp(x) from 2^n * 2^r with |r| <= 1/2 and a degree-7 Taylor polynomial of 2^r (relative error
 // < 1e-7 on the range silu needs). Plain arithmetic, so the compiler vectorizes loops over it;
-// std::exp stays a scalar libm call and made silu*mul 4x slower than PyTorch's.
+// std::exp stays a scalar libm call and made silu*mul 4x slower than PyTorch's. Loops over it
+// vectorize only with -fno-trapping-math (kernels/__init__.py): without it the AVX2 build ran
+// silu*mul 10x slower than the AVX-512 one.
 static inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.4426950408889634f;  // log2(e)
@@ -46,4 +51,35 @@ inline void load_f32<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
     std::memcpy(&v, &bits, sizeof(v));
     dst[i] = v;
   }
+}
+
+// Store n floats as T, rounded to nearest even (as PyTorch's .to(bfloat16) rounds).
+template <typename T>
+static inline void store_f32(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// One float to bfloat16 bits, rounded to nearest even; NaN stays a (quiet) NaN. Branch-free, so a loop
+// over it vectorizes (c10's conversion has a branch and stays scalar).
+static inline uint16_t bf16_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  const uint16_t rounded = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
+template <>
+inline void store_f32<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(TM_AVX512_BF16)
+  // The CPU's own conversion (vcvtneps2bf16): 16 at a time, round to nearest even like bf16_bits,
+  // except that it flushes float32 subnormals to zero, far below bfloat16's resolution of a result.
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), reinterpret_cast<const __m256i&>(h));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) d[j] = bf16_bits(src[j]);
 }

@@ -17,8 +17,9 @@ from tokenmill.models.attention.torch_ref import TorchReferenceBackend
 class CpuPagedBackend(TorchReferenceBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        self.kernels = cpu_kernels()
+    def __init__(self, level: str | None = None) -> None:
+        """`level`: an instruction-set build of the kernel (tokenmill/kernels/isa.py); default the best."""
+        self.kernels = cpu_kernels(level)
 
     def _decode(
         self,

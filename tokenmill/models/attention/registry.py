@@ -13,18 +13,23 @@ BACKEND_NAMES = ("auto", "torch", "cpu")
 
 
 def get_backend(name: str, device_type: str = "cpu") -> AttentionBackend:
-    """ "torch": the plain-PyTorch reference; "cpu": the paged C++ decode kernel; "auto": the fastest
-    one that works on this device (falling back to the reference if the kernel cannot be built)."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
+    """ "torch": the plain-PyTorch reference; "cpu": the paged C++ decode kernel at the best
+    instruction-set level this CPU runs; a level name (e.g. "avx2"): that build of the kernel; "auto":
+    the fastest one that works on this device (falling back to the reference if the kernel cannot be
+    built)."""
+    from tokenmill.kernels.isa import level_names
+
+    if name not in (*BACKEND_NAMES, *level_names()):
+        names = ", ".join((*BACKEND_NAMES, *level_names()))
+        raise ValueError(f"unknown attention backend {name!r}; available: {names}")
     if name == "torch" or (name == "auto" and device_type != "cpu"):
         return TorchReferenceBackend()
     from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 
     try:
-        return CpuPagedBackend()
-    except Exception as e:  # a machine without a compiler: slower, still correct
-        if name == "cpu":
+        return CpuPagedBackend(None if name in ("auto", "cpu") else name)
+    except Exception as e:  # a machine without a compiler or without AVX2: slower, still correct
+        if name != "auto":
             raise
         log.warning("paged CPU attention kernel unavailable (%s); using the reference backend", e)
         return TorchReferenceBackend()

@@ -1,0 +1,142 @@
+"""Every instruction-set build of the C++ kernels against float64 references, on whatever CPU runs this.
+
+The kernels are compiled per level (tokenmill/kernels/isa.py). Each level this CPU can run is built and
+checked here; a level it cannot run is skipped, saying so. On the project's machines (AVX-512 with
+BF16, with or without AMX) every level runs, so the AVX2 build a laptop gets is tested too.
+
+Bounds: a bfloat16 result may differ from the exact value by the final rounding, half a unit in the
+last place, at most 2**-8 of its size; everything before that rounding is float32, whose error is far
+below it. A kernel that accumulated in bfloat16 would miss these bounds by an order of magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels.isa import cpu_summary, get_level, level_names
+from tokenmill.models.rope import RotaryEmbedding
+
+BF16_RTOL = 2**-8 * 1.02  # the final rounding, plus float32's share
+FP32_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=level_names())
+def kernels(request):
+    level = get_level(request.param)
+    if not level.supported():
+        pytest.skip(f"this CPU cannot run the {level.name} build: it has {cpu_summary()}")
+    return cpu_kernels(level.name)
+
+
+def check(out: torch.Tensor, exact: torch.Tensor, atol: float) -> None:
+    """|out - exact| <= rtol * |exact| + atol elementwise, rtol by out's dtype."""
+    rtol = BF16_RTOL if out.dtype == torch.bfloat16 else FP32_RTOL
+    err = (out.double() - exact).abs()
+    bound = rtol * exact.abs() + atol
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (
+        f"{int((err > bound).sum())} of {err.numel()} outside the bound; worst: got "
+        f"{out.flatten()[worst].item()}, exact {exact.flatten()[worst].item()}"
+    )
+
+
+def test_the_build_is_the_level_asked_for(kernels, request) -> None:
+    assert kernels.isa_level() == request.node.callspec.params["kernels"]
+
+
+def test_bf16_rounding_is_pytorchs(kernels) -> None:
+    g = torch.Generator().manual_seed(0)
+    # Random bit patterns, exact ties (low half 0x8000) of both parities, and the special values.
+    bits = torch.randint(0, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64)
+    bits[:4096] = (bits[:4096] & ~0xFFFF) | 0x8000
+    x = (bits.to(torch.int32)).view(torch.float32)
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.4e38, -3.4e38])])
+    x = x.contiguous()
+    got, want = kernels.to_bf16(x), x.to(torch.bfloat16)
+    normal = x.abs() >= torch.finfo(torch.float32).tiny
+    nan = x.isnan()
+    assert torch.equal(got.isnan(), nan)
+    same = got.view(torch.int16) == want.view(torch.int16)
+    assert bool(same[normal & ~nan].all()), "normal numbers round to nearest even, as PyTorch does"
+    # float32 subnormals: PyTorch keeps them, the AVX512-BF16 instruction flushes them to zero;
+    # either way the error is at most 2**-126.
+    sub = ~normal & ~nan & (x != 0)
+    assert bool(((got.float() - want.float()).abs()[sub] <= 2**-126).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_norms(kernels, dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+
+    def exact_norm(v: torch.Tensor) -> torch.Tensor:
+        v = v.double()
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+
+    check(kernels.rms_norm(x, w, 1e-5), exact_norm(x), atol=1e-6)
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    summed = residual + x  # PyTorch's own add in dtype: what the fused add must store
+    out = kernels.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, summed), "the residual is updated in place, rounded as an unfused add"
+    check(out, exact_norm(summed), atol=1e-6)
+    # Strided rows (a slice of a wider tensor), as the model passes them.
+    wide = torch.randn(rows, 700, generator=g).to(dtype)
+    check(kernels.rms_norm(wide[:, :576], w, 1e-5), exact_norm(wide[:, :576]), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul(kernels, dtype: torch.dtype, rows: int) -> None:
+    gu = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    gate, up = gu.double().chunk(2, dim=-1)
+    # Large |gate| too: exp's range clamp must not bend silu's tails.
+    check(kernels.silu_mul(gu), gate * torch.sigmoid(gate) * up, atol=1e-6)
+    tails = torch.tensor([[-100.0, -30.0, 30.0, 100.0, 1.0, 1.0, 1.0, 1.0]], dtype=dtype)
+    g2, u2 = tails.double().chunk(2, dim=-1)
+    check(kernels.silu_mul(tails), g2 * torch.sigmoid(g2) * u2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place(kernels, dtype: torch.dtype) -> None:
+    rope = RotaryEmbedding(64, 4096, 10000.0)
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(40, (4 + 2 + 2) * 64, generator=g) * 2).to(dtype)
+    pos = torch.randint(0, 4096, (40,), generator=g)
+    x = qkv[:, : 6 * 64].double().view(40, 6, 64)
+    c = rope.cos[pos].double().unsqueeze(1)
+    s = rope.sin_signed[pos].double().unsqueeze(1)
+    exact = (x * c + x.roll(32, dims=-1) * s).view(40, -1)
+    out = qkv.clone()
+    kernels.rope_(out, 6, 64, pos, rope.cos, rope.sin_signed)
+    check(out[:, : 6 * 64], exact, atol=1e-6)
+    assert torch.equal(out[:, 6 * 64 :], qkv[:, 6 * 64 :]), "v is left alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(1, 9, 3), (6, 9, 3), (40, 8, 8), (3, 32, 8)])
+def test_paged_decode(kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int) -> None:
+    d, bs, pool = 64, 16, 512
+    g = torch.Generator().manual_seed(batch * heads)
+    k_cache = (torch.randn(pool, bs, kv_heads, d, generator=g) * 2).to(dtype)
+    v_cache = torch.randn(pool, bs, kv_heads, d, generator=g).to(dtype)
+    q = (torch.randn(batch, heads, d, generator=g) * 2).to(dtype)
+    ctx = torch.randint(1, 8 * bs, (batch,), generator=g)
+    ctx[0] = 1  # a sequence of one token, and one ending exactly on a block edge
+    ctx[-1] = 2 * bs
+    width = int((ctx.max() + bs - 1) // bs)
+    tables = torch.randperm(pool, generator=g)[: batch * width].view(batch, width).long()
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, ctx, d**-0.5)
+    for b in range(batch):
+        n = int(ctx[b])
+        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
+        k = k_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
+        exact = torch.einsum("ht,thd->hd", p, v)
+        check(out[b], exact, atol=1e-5)
