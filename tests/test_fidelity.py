@@ -32,9 +32,9 @@ def test_default_bf16_tracks_float32_at_least_as_closely_as_pytorch_bf16() -> No
         del llm
     plain, default = figures["torch"], figures["auto"]
     # Both are bf16 approximations of the same float32 model; which one rounds closer at a given
-    # position is chance. The margins (25% on the mean KL, 2 points of top-1) are well above that
-    # chance over 768 positions and far below what a lost-precision path shows: the int4 weights, for
-    # one, sit at several times the bf16 KL.
+    # position is chance. The margins (25% on the mean KL, 2 points of top-1) allow for that chance
+    # over 768 positions (measured: the two paths within 10% of each other, either side, on AMD Zen 4)
+    # and stay below what a real loss of precision costs: int4 weights double the mean KL.
     assert default.mean_kl <= 1.25 * plain.mean_kl, figures
     assert default.top1_agreement >= plain.top1_agreement - 0.02, figures
     assert plain.top1_agreement > 0.9, figures  # the reference comparison itself is sane

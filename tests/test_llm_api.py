@@ -34,11 +34,14 @@ def test_finish_reasons(llm_bf16: LLM) -> None:
         0
     ]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
-    chat = llm_bf16.chat(
-        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200)
-    )
+    # EOS made the greedy choice by a logit bias (whether the model itself would end here is the
+    # model's business, and a near-tie on some CPU), held back for min_tokens.
+    eos = min(llm_bf16.tokenizer.eos_token_ids)
+    p = SamplingParams(temperature=0, max_tokens=200, logit_bias={eos: 100.0}, min_tokens=3)
+    chat = llm_bf16.chat([{"role": "user", "content": "Say hello."}], p)
     assert chat[0].outputs[0].finish_reason == "stop"
-    assert chat[0].outputs[0].stop_reason in llm_bf16.tokenizer.eos_token_ids
+    ids = chat[0].outputs[0].token_ids
+    assert chat[0].outputs[0].stop_reason == eos and len(ids) == 4 and ids[-1] == eos and eos not in ids[:3]
 
 
 def test_stop_strings(llm_bf16: LLM) -> None:
@@ -46,8 +49,9 @@ def test_stop_strings(llm_bf16: LLM) -> None:
         "Once upon a time", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     )[0]
     text = base.outputs[0].text
-    stop = text[10:14]
-    assert stop.strip(), "the greedy continuation should have text to stop on"
+    # A 4-character piece from the middle of the continuation, whatever the model said.
+    start = next(i for i in range(10, len(text) - 4) if text[i : i + 4].strip())
+    stop = text[start : start + 4]
     cut = text[: text.find(stop)]
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
     out = llm_bf16.generate("Once upon a time", p)[0].outputs[0]
