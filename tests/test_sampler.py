@@ -272,3 +272,47 @@ def test_logprobs_of_a_sampled_token():
         assert res.token_id == t
         assert res.logprob == pytest.approx(math.log(P3[t]), abs=1e-5)
         assert [tok for tok, _ in res.top] == [0, 1, 2]
+
+
+# -- parameters at the edge of what the API accepts (issue #11: each of these once killed the engine) --
+
+
+def extreme(**params) -> Request:
+    """A request whose params skip validation, as a router or remote client could hand them over."""
+    req = make_req(output=(1, 2), prompt=(0, 1, 2))
+    for k, v in params.items():
+        setattr(req.params, k, v)
+    return req
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0, "repetition_penalty": 1e-300},
+        {"temperature": 1.0, "repetition_penalty": 1e300},
+        {"temperature": 1e-300},
+        {"temperature": 1.0, "top_k": 10**30},
+        {"temperature": 0.0, "stop_token_ids": [10**6, -(10**6)], "min_tokens": 5},
+        {"temperature": 1.0, "logit_bias": {0: math.inf, 1: -math.inf, 10**9: 1.0}},
+        {"temperature": 1.0, "logit_bias": {0: -math.inf, 1: -math.inf, 2: -math.inf, 3: -math.inf}},
+    ],
+)
+def test_extreme_parameters_give_a_token_not_an_error(params: dict) -> None:
+    reqs = [extreme(**params), make_req("ok", temperature=0.0)]
+    res = Sampler(0)(rows([1.0, 3.0, 2.0, 0.5], [0.1, 0.2, 5.0, 0.3]), reqs)
+    assert res.errors == {} and all(0 <= t < 4 for t in res.token_ids)
+    assert res.token_ids[1] == 2, "the well-behaved neighbour is unaffected"
+
+
+def test_a_request_that_breaks_sampling_fails_alone(monkeypatch) -> None:
+    s = Sampler(0)
+    real = s._sample
+
+    def flaky(logits, reqs):
+        if any(r.request_id == "bad" for r in reqs):
+            raise RuntimeError("boom")
+        return real(logits, reqs)
+
+    monkeypatch.setattr(s, "_sample", flaky)
+    res = s(rows([0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]), [greedy(), make_req("bad"), greedy()])
+    assert res.errors == {1: "RuntimeError"} and res.token_ids == [1, -1, 2]

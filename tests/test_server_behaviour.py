@@ -162,6 +162,7 @@ def test_engine_death_is_detected() -> None:
         r = asyncio.run(main())
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/v1/health/ready").status_code == 503
+        assert httpx.get(f"{base}/v1/health/live").status_code == 503, "a dead engine is not live"
         assert httpx.get(f"{base}/health").status_code == 503
         after = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert after.status_code == 503

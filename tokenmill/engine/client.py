@@ -35,6 +35,10 @@ class RequestRejectedError(ValueError):
     """The engine refused a request (e.g. a prompt longer than the context)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request (details in its log, under the request id); others go on."""
+
+
 class EngineClient(ABC):
     """Requests in, per-request streams of EngineCoreOutput back."""
 

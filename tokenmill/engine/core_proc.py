@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import time
-import traceback
 
 import zmq
 
@@ -53,8 +52,10 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     outbox.send(pack(("ready", info)))
     try:
         _loop(engine, inbox, outbox, parent)
-    except Exception:
-        outbox.send(pack(("dead", traceback.format_exc(limit=5))))
+    except Exception as e:
+        # The traceback goes to this process's log; clients are told only that the engine failed.
+        log.exception("the engine loop failed")
+        outbox.send(pack(("dead", f"the engine process failed ({type(e).__name__}); see the server log")))
         raise
     finally:
         outbox.close(linger=500)

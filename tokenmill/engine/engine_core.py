@@ -131,6 +131,11 @@ class EngineCore:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        p = req.sampling_params
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", list(p.logit_bias))):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")
         self.scheduler.add_request(Request(req, self.max_model_len))
 
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -148,10 +153,21 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        req_ids, result = self.runner.execute(out, self.kv)
+        try:
+            req_ids, result = self.runner.execute(out, self.kv)
+        except Exception:
+            # Nothing a request carries should make a forward pass fail (its inputs were checked on
+            # arrival), so this is a bug: the step's requests end with an error, the engine goes on.
+            # Blocks this step was filling may hold partial KV under a published hash: drop the cache.
+            ids = [s.request.request_id for s in out.scheduled]
+            log.exception("engine step failed; its %d requests end with an error: %s", len(ids), ids)
+            failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
+            self.kv.pool.reset_prefix_cache()
+            return [self._output(r, [], None, []) for r in failed]
         self.num_steps += 1
         self.num_batched_tokens_total += out.num_batched_tokens
-        sampled = dict(zip(req_ids, result.token_ids, strict=True))
+        errors = {req_ids[i] for i in result.errors}
+        sampled = {r: t for r, t in zip(req_ids, result.token_ids, strict=True) if r not in errors}
         lps = dict(zip(req_ids, result.logprobs, strict=True))
         outputs = []
         for req in self.scheduler.update(out, sampled):
@@ -161,6 +177,9 @@ class EngineCore:
                     req, [req.output_token_ids[-1]], [lp] if lp is not None else None, req.token_times[-1:]
                 )
             )
+        if errors:
+            failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
+            outputs.extend(self._output(r, [], None, []) for r in failed)
         return outputs
 
     def _output(

@@ -22,6 +22,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # the engine failed on this request (details in the engine's log); others go on
 
 
 @dataclass

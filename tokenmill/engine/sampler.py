@@ -8,6 +8,7 @@ Logprobs are those of the model's raw distribution (before any of the above), as
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,10 +23,15 @@ class TokenLogprobs:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Row index -> what went wrong, for requests that could not be sampled (their token id is -1).
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -33,6 +39,27 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+        """Sample the batch; a request whose parameters make sampling fail fails alone."""
+        try:
+            return self._sample(logits, reqs)
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
+        tokens: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        errors: dict[int, str] = {}
+        for i, r in enumerate(reqs):
+            try:
+                one = self._sample(logits[i : i + 1], [r])
+                tokens.append(one.token_ids[0])
+                lps.append(one.logprobs[0])
+            except Exception as e:
+                log.exception("sampling failed for request %s", r.request_id)
+                tokens.append(-1)
+                lps.append(None)
+                errors[i] = type(e).__name__
+        return SampleResult(tokens, lps, errors)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
         logits = logits.float()
         raw = logits
         logits = self._apply_penalties(logits, reqs)
@@ -97,6 +124,7 @@ class Sampler:
                 row.index_add_(0, ids, vals)
             if len(r.output_token_ids) < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                banned = {t for t in banned if 0 <= t < vocab}  # ids past the vocabulary never come up
                 if banned:
                     row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
             if p.repetition_penalty != 1.0:
@@ -107,6 +135,11 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)
                 counts = counts[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            # Extreme but accepted parameters (a tiny repetition penalty, huge biases) can overflow;
+            # NaN would poison the draw, so such logits become impossible tokens instead.
+            torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+            if not bool(torch.isfinite(row).any()):
+                row.zero_()  # every token ruled out: no choice is better than another
         return logits
 
     @staticmethod
@@ -120,7 +153,7 @@ class Sampler:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[-1]
             rank = torch.arange(vocab).unsqueeze(0)
-            k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k]).unsqueeze(1)
             drop = rank >= k
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # top-p: drop a token once the mass before it already reaches p (the first always stays).
@@ -130,4 +163,12 @@ class Sampler:
             drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        return logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        # A row that is not a distribution (temperatures so small that logits overflow): the draw
+        # becomes the argmax, which is what such a temperature asks for.
+        bad = ~torch.isfinite(probs).all(dim=-1)
+        if bool(bad.any()):
+            rows = bad.nonzero()[:, 0]
+            best = logits[rows].nan_to_num(nan=-torch.inf).argmax(-1)
+            probs[rows] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+        return probs

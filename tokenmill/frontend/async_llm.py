@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.client import EngineClient, MPEngineClient
+from tokenmill.engine.client import EngineClient, MPEngineClient, RequestFailedError
 from tokenmill.engine.engine_core import EngineCoreOutput
-from tokenmill.engine.request import EngineRequest
+from tokenmill.engine.request import EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -79,6 +79,10 @@ class AsyncLLM:
                 for out in batch:
                     if out.finish_reason is not None:
                         live.discard(out.request_id)
+                    if out.finish_reason == FinishReason.ERROR:
+                        raise RequestFailedError(
+                            f"the engine failed on request {request_id}; the server log has the details"
+                        )
                 outs, stopped = proc.process(batch)
                 if stopped:
                     self.client.finish(stopped)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,41 +12,33 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware
+from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.server.openai_serving import OpenAIServing
+from tokenmill.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenId
+from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
+from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenmill.triton.repository import ModelRepository
 
-OPEN_PATHS = {
-    "/health",
-    "/v1/health/live",
-    "/v1/health/ready",
-    "/metrics",
-    "/v1/version",
-    "/v1/metadata",
-    "/v2/health/live",
-    "/v2/health/ready",
-}
 
 
 class TokenizeRequest(BaseModel):
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class ServerState:
@@ -66,28 +57,6 @@ class ServerState:
         self.draining = False
 
 
-class ApiKeyMiddleware:
-    """Bearer-token check as a plain ASGI middleware.
-
-    (Starlette's BaseHTTPMiddleware would wrap every response stream, adding per-chunk overhead, and
-    hide client disconnects from the endpoints, which need them to abort generation.)
-    """
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if auth != self.expected:
-                response = error_response(
-                    401, "invalid or missing API key: send `Authorization: Bearer <key>`"
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository | None = None) -> FastAPI:
     state = ServerState(llm, config)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__)
@@ -98,7 +67,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 
         # Triton's metric names go to the same /metrics as the LLM's.
         repository.metrics = TritonMetrics(state.metrics.registry)
-        app.include_router(build_router(repository))
+        app.include_router(build_router(repository, int(config.max_request_body_mb * 2**20)))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -110,6 +79,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * 2**20))
 
     # -- health and metadata ------------------------------------------------------------------
     @app.get("/health")
@@ -118,13 +88,24 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         return Response(status_code=200 if ok else 503)
 
     @app.get("/v1/health/live")
-    async def live() -> dict:
-        return {"object": "health.response", "message": "live"}
+    async def live() -> JSONResponse:
+        # Live means the engine is: a dead or hung engine makes an orchestrator restart the server.
+        ok = llm.client.healthy
+        msg = "live" if ok else "engine not available"
+        return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
 
     @app.get("/v1/health/ready")
     async def ready() -> JSONResponse:
-        ok = llm.client.healthy and not state.draining
-        msg = "ready" if ok else ("draining" if state.draining else "engine not available")
+        # Ready means a request sent now would be taken: not draining, engine up, capacity left.
+        if state.draining:
+            msg = "draining"
+        elif not llm.client.healthy:
+            msg = "engine not available"
+        elif state.admission.full:
+            msg = "at capacity"
+        else:
+            msg = "ready"
+        ok = msg == "ready"
         return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -175,7 +156,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         body = await _json_model(request, TokenizeRequest)
         tok = llm.tokenizer
         if body.messages is not None:
-            ids = tok.encode_chat(body.messages, add_generation_prompt=body.add_generation_prompt)
+            messages = [chat_message_dict(m) for m in body.messages]
+            try:
+                ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
         elif body.prompt is not None:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -196,9 +181,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 async def _json_model(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+        data = parse_json(raw)
+    except BodyError as e:
+        raise APIError(400, str(e)) from e
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:

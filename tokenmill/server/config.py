@@ -17,6 +17,8 @@ class ServerConfig:
     max_queued_requests: int = 256
     max_pending_tokens: int = 1_000_000  # prompt tokens in flight (a lone request may exceed it)
     drain_timeout_s: float = 30.0
+    # Request bodies, compressed or after decompression (KServe's gzip/deflate), are capped at this.
+    max_request_body_mb: float = 64.0
     # KServe v2 model repository (Triton's flags); None: the OpenAI API only.
     model_repository: str | None = None
     model_control_mode: str = "none"

@@ -65,7 +65,7 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
             if config.grpc_port:
                 from tokenmill.triton.grpc_front import start_grpc
 
-                grpc_server = await start_grpc(repo, config.host, config.grpc_port)
+                grpc_server = await start_grpc(repo, config.host, config.grpc_port, config.api_key)
         await server.serve()
     finally:
         if grpc_server is not None:

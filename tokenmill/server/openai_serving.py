@@ -8,13 +8,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tokenmill.engine.client import EngineDeadError, RequestRejectedError
+from tokenmill.engine.client import EngineDeadError, RequestFailedError, RequestRejectedError
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError, error_body
-from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest, now
+from tokenmill.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, now
 from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 
@@ -90,7 +90,7 @@ class OpenAIServing:
                 raise APIError(400, "prompt must not be empty", "prompt")
             self.vocab_check(ids)
             jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs)))
-        self.admission.add_tokens(ticket, sum(len(ids) for _, ids, _ in jobs))
+        self.admission.add_work(ticket, sum(p.n for _, _, p in jobs), sum(len(ids) for _, ids, _ in jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._stream_completion(rid, req, jobs)
@@ -201,6 +201,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, f"the engine is not available: {e}") from e
+        except RequestFailedError as e:
+            raise APIError(500, str(e)) from e
         assert last is not None
         return last
 
@@ -224,12 +226,7 @@ class OpenAIServing:
         self.check_model(req.model)
         messages = []
         for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(d.get("content"), list):  # content parts: keep the text ones
-                d["content"] = "".join(
-                    part.get("text", "") for part in d["content"] if part.get("type") == "text"
-                )
-            messages.append(d)
+            messages.append(chat_message_dict(m))
         try:
             ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:
@@ -237,7 +234,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         p = self.params(req, len(ids), max_tokens, logprobs)
-        self.admission.add_tokens(ticket, len(ids))
+        self.admission.add_work(ticket, p.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return self._stream_chat(rid, req, ids, p)
@@ -330,6 +327,18 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
     }
 
 
+def chat_message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: text content (parts joined), never null (an
+    assistant message that only carried tool calls has content null in OpenAI's API)."""
+    d = m.model_dump(exclude_none=True)
+    content = d.get("content")
+    if isinstance(content, list):
+        d["content"] = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+    elif content is None:
+        d["content"] = ""
+    return d
+
+
 def stream_error(e: Exception) -> dict:
     if isinstance(e, APIError):
         return error_body(e.status, e.message, e.param)
@@ -337,6 +346,8 @@ def stream_error(e: Exception) -> dict:
         return error_body(400, str(e))
     if isinstance(e, EngineDeadError):
         return error_body(503, f"the engine is not available: {e}")
+    if isinstance(e, RequestFailedError):
+        return error_body(500, str(e))
     return error_body(500, f"internal error: {type(e).__name__}")
 
 

@@ -8,6 +8,7 @@ statistics and the repository calls; ModelStreamInfer (decoupled streaming) is n
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 import grpc
@@ -181,8 +182,36 @@ def _request(r: service_pb2.ModelInferRequest) -> Request:
         raise InferError(400, "priority and timeout parameters must be integers") from None
 
 
-async def start_grpc(repo: ModelRepository, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
+# Health stays open with a key set, as on HTTP: probes carry no credentials.
+OPEN_METHODS = {"ServerLive", "ServerReady"}
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """`authorization: Bearer <key>` metadata on every call but the health ones (what tritonclient
+    sends with `headers={"authorization": ...}`), as the HTTP front requires the same header."""
+
+    def __init__(self, key: str) -> None:
+        self.expected = f"Bearer {key}".encode()
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            msg = "invalid or missing API key: send `authorization: Bearer <key>`"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):  # noqa: ANN001, ANN201
+        if details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
+            return await continuation(details)
+        auth = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(auth.encode() if isinstance(auth, str) else auth, self.expected):
+            return await continuation(details)
+        return self._deny
+
+
+async def start_grpc(
+    repo: ModelRepository, host: str, port: int, api_key: str | None = None
+) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(repo), server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise ValueError(f"cannot listen for gRPC on {host}:{port}")

@@ -4,7 +4,7 @@ repository index / load / unload, statistics. Errors are {"error": message} with
 
 from __future__ import annotations
 
-import gzip
+import asyncio
 import json
 import zlib
 from typing import Any
@@ -36,7 +36,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def build_router(repo: ModelRepository) -> APIRouter:
+def build_router(repo: ModelRepository, max_body_bytes: int = 64 * 2**20) -> APIRouter:
     r = APIRouter()
 
     @r.get("/v2/health/live")
@@ -144,7 +144,10 @@ def build_router(repo: ModelRepository) -> APIRouter:
     @_routes("/infer", "post")
     async def infer(name: str, request: Request, version: str | None = None) -> Response:
         try:
-            body = _decompress(await request.body(), request.headers.get("content-encoding"))
+            raw = await request.body()
+            encoding = request.headers.get("content-encoding")
+            # Off the event loop: inflating even up to the limit takes a while, and health checks wait.
+            body = await asyncio.to_thread(_decompress, raw, encoding, max_body_bytes) if encoding else raw
             req, binary_out, req_id = _parse_infer(repo, name, version, body, request.headers.get(HEADER_LEN))
             v = repo.get(name, version)
             out = await repo.infer(name, version, req)
@@ -169,15 +172,33 @@ async def _params(request: Request) -> dict | None:
     return p if isinstance(p, dict) else None
 
 
-def _decompress(body: bytes, encoding: str | None) -> bytes:
+def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """gzip/deflate bodies inflated in pieces, stopping as soon as the output passes `limit`: a body of
+    1 MB that inflates to 1 GB costs at most `limit` bytes and the time to produce them."""
+    if encoding not in ("gzip", "deflate"):
+        return body
+    # wbits: 16 + 15 reads a gzip header, 15 a zlib (HTTP "deflate") one.
+    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    out: list[bytes] = []
+    size = 0
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error) as e:
+        data = d.decompress(body, 1 << 20)
+        while True:
+            size += len(data)
+            if size > limit:
+                raise InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
+            out.append(data)
+            if not d.unconsumed_tail:
+                break
+            data = d.decompress(d.unconsumed_tail, 1 << 20)
+        out.append(d.flush())
+        if size + len(out[-1]) > limit:
+            raise InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
+    except zlib.error as e:
         raise InferError(400, f"cannot decompress the {encoding} request body: {e}") from None
-    return body
+    if not d.eof:
+        raise InferError(400, f"the {encoding} request body is truncated")
+    return b"".join(out)
 
 
 def _parse_infer(
