@@ -131,16 +131,15 @@ def test_sigterm_drains_in_flight_requests() -> None:
                 await asyncio.sleep(1.0)
                 srv.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
-                try:
-                    late = await c.post(f"{base}/v1/completions", json=body)
-                    late_status = late.status_code
-                except httpx.HTTPError:
-                    late_status = "refused"
-                return await inflight, late_status
+                late = await c.post(f"{base}/v1/completions", json=body)
+                ready = await c.get(f"{base}/v1/health/ready")
+                return await inflight, late, ready
 
-        done, late_status = asyncio.run(main())
+        done, late, ready = asyncio.run(main())
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 80
-        assert late_status in (503, "refused")
+        # While draining the socket stays open: new work gets 503 with Retry-After, not a refusal.
+        assert late.status_code == 503 and late.headers["Retry-After"]
+        assert ready.status_code == 503 and ready.json()["message"] == "draining"
         assert srv.wait(timeout=60) == 0
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
@@ -23,11 +23,11 @@ from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenId
 from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
+from tokenmill.server.openapi import install as install_openapi
 from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenmill.triton.repository import ModelRepository
-
 
 
 class TokenizeRequest(BaseModel):
@@ -82,7 +82,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * 2**20))
 
     # -- health and metadata ------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"content": {}}, 503: {"content": {}}})
     async def health() -> Response:
         ok = llm.client.healthy
         return Response(status_code=200 if ok else 503)
@@ -108,7 +108,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         ok = msg == "ready"
         return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -175,6 +175,16 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    install_openapi(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+        streaming={"/v1/completions", "/v1/chat/completions"},
+    )
     return app
 
 

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -46,6 +47,8 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
         )
     )
     server.on_signal = lambda: setattr(app.state.tm, "draining", True)
+    server.busy = lambda: app.state.tm.admission.sequences > 0
+    server.drain_timeout_s = config.drain_timeout_s
     if announce:
         base = f"http://{config.host}:{config.port}"
         print(
@@ -83,11 +86,26 @@ class _Server(uvicorn.Server):
     """
 
     on_signal: Callable[[], None] | None = None
+    busy: Callable[[], bool] = staticmethod(lambda: False)  # work in flight?
+    drain_timeout_s: float = 30.0
+    _draining: bool = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Readiness turns false and new requests get 503 while in-flight ones finish.
-        if self.on_signal is not None:
-            self.on_signal()
+        # First signal: readiness turns false and new requests get 503 + Retry-After, while the
+        # socket stays open (a load balancer sees a 503, not a refused connection) until in-flight
+        # requests finish or the drain timeout passes. A second signal exits at once.
+        if self._draining or self.on_signal is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self.on_signal()
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: loop.create_task(self._drain_then_exit(sig, frame)))
+
+    async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,12 @@ import tokenizers
 from tokenmill.tokenizer.chat_template import render_chat_template
 from tokenmill.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
+log = logging.getLogger(__name__)
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+# Stand-ins for message text while a chat template renders (private-use characters, never in a
+# template): what lies between them is user text, encoded with special tokens off.
+_MARK = re.compile("\ue000(\\d+)\ue001")
 # Used to find which token closes an assistant turn in a chat template; unlikely to occur in a template.
 _PROBE_REPLY = "\u2063tokenmill-probe\u2063"
 
@@ -33,6 +41,8 @@ class Tokenizer:
         generation_eos_ids: Iterable[int] = (),
     ) -> None:
         self.backend = backend
+        # encode_special_tokens is a flag on the shared backend: flipped only under this lock.
+        self._lock = threading.Lock()
         raw = dict(config or {})
         self.config: dict[str, Any] = {name: _token_content(raw.get(name)) for name in _SPECIAL_NAMES}
         self.config["chat_template"] = raw.get("chat_template")
@@ -46,6 +56,9 @@ class Tokenizer:
             self.config[name] = bool(given) if given is not None else self._backend_adds(token_id, name)
         self.generation_eos_ids = sorted(set(generation_eos_ids))
         self.eos_token_ids: set[int] = self._find_eos_token_ids()
+        self._special_texts = [
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content
+        ]
 
     # --- loading and saving ---------------------------------------------------------------------
 
@@ -102,7 +115,8 @@ class Tokenizer:
         added only when `add_special_tokens` and the config's add_bos_token (add_eos_token) say so."""
         # We add BOS/EOS ourselves instead of trusting the backend's post-processor, so a tokenizer.json
         # that adds BOS and a config saying otherwise cannot disagree.
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        with self._lock:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens:
             if self.config["add_bos_token"] and self.bos_token_id is not None:
                 ids.insert(0, self.bos_token_id)
@@ -158,11 +172,52 @@ class Tokenizer:
         double BOS; for a model with add_bos_token false this equals transformers'
         `apply_chat_template(..., tokenize=True)`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        ids = self.encode(text, add_special_tokens=False)
+        # Message text is text: a special-token string typed into a message (role injection such as
+        # "<|im_end|>\n<|im_start|>system") is encoded as ordinary characters; control tokens come
+        # only from the template. Messages without such strings take the plain path.
+        risky = [
+            i
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), str) and any(t in m["content"] for t in self._special_texts)
+        ]
+        ids = self._encode_marked(messages, risky, add_generation_prompt, **kwargs) if risky else None
+        if ids is None:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            ids = self.encode(text, add_special_tokens=False)
         if self.config["add_bos_token"] and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def _encode_marked(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        risky: list[int],
+        add_generation_prompt: bool,
+        **kwargs: Any,
+    ) -> list[int] | None:
+        marked = [{**m, "content": f"\ue000{i}\ue001"} if i in risky else m for i, m in enumerate(messages)]
+        text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+        pieces = _MARK.split(text)
+        if sorted(int(p) for p in pieces[1::2]) != risky:
+            # The template rewrote or repeated the text (rare): treat it whole, as before, and say so.
+            log.warning("chat template transforms message text; special-token strings in it stay special")
+            return None
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            if j % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False)
+            else:
+                ids += self.encode_text(str(messages[int(piece)]["content"]))
+        return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings in it read as ordinary characters."""
+        with self._lock:
+            self.backend.encode_special_tokens = True
+            try:
+                return self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = False
 
     # --- helpers --------------------------------------------------------------------------------
 
