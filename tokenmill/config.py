@@ -30,6 +30,9 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Fewer threads while other processes crowd the cores, all of them again once the machine is
+    # quiet (engine/thread_governor.py): a busy neighbour costs its share, not a 70x stall.
+    adaptive_threads: bool = True
     # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
     # fused norm/rope/silu) at the best instruction-set level this CPU runs; a level name ("avx2",
     # "avx512", "avx512_bf16"): that build, to test the path another CPU takes; "auto": the C++ kernels

@@ -215,6 +215,9 @@ def serve(
     ),
     kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache budget"),
     threads: int | None = typer.Option(None, help="torch threads in the engine process (default: all cores)"),
+    adaptive_threads: bool = typer.Option(
+        True, help="use fewer engine threads while other processes crowd the cores (see docs/benchmarks.md)"
+    ),
     drain_timeout: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM"),
     model_repository: Path | None = typer.Option(
         None, help="Triton-layout model repository served with the KServe v2 protocol under /v2"
@@ -248,6 +251,7 @@ def serve(
         quantization=quantization,
         max_model_len=max_model_len,
         num_threads=threads,
+        adaptive_threads=adaptive_threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
         cache=CacheConfig(kv_cache_memory_gb=kv_cache_memory_gb),
     )

@@ -19,6 +19,7 @@ from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.runner import ModelRunner
 from tokenmill.engine.sampler import TokenLogprobs
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.thread_governor import make_governor
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import build_model
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -65,6 +66,7 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.governor = make_governor(config.adaptive_threads)
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
         self.dtype = DTYPES[config.dtype]
@@ -166,6 +168,8 @@ class EngineCore:
             return [self._output(r, [], None, []) for r in failed]
         self.num_steps += 1
         self.num_batched_tokens_total += out.num_batched_tokens
+        if self.governor is not None:
+            self.governor.tick()
         errors = {req_ids[i] for i in result.errors}
         sampled = {r: t for r, t in zip(req_ids, result.token_ids, strict=True) if r not in errors}
         lps = dict(zip(req_ids, result.logprobs, strict=True))
