@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -60,3 +62,18 @@ def running_server(*args: str, api_key: str | None = None, timeout: float = 180.
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def example_repository(dest: Path) -> Path:
+    """A copy of examples/model_repository under `dest`, with its ONNX model built."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    root = dest / "model_repository"
+    shutil.copytree(examples / "model_repository", root)
+    sys.path.insert(0, str(examples))
+    try:
+        import make_onnx_model
+
+        make_onnx_model.make(root)
+    finally:
+        sys.path.remove(str(examples))
+    return root

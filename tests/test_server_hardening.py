@@ -9,34 +9,23 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
-import sys
 import zlib
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from server_fixture import free_port, running_server
+from server_fixture import example_repository, free_port, running_server
 
 pytestmark = pytest.mark.slow
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("repo") / "model_repository"
-    shutil.copytree(EXAMPLES / "model_repository", root)
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import make_onnx_model
-
-        make_onnx_model.make(root)
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    root = example_repository(tmp_path_factory.mktemp("repo"))
     grpc_port = free_port()
     with running_server(
         "--model-repository", str(root), "--grpc-port", str(grpc_port), "--max-num-seqs", "8",

@@ -2,36 +2,24 @@
 
 from __future__ import annotations
 
-import shutil
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from server_fixture import free_port, running_server
+from server_fixture import example_repository, free_port, running_server
 
 tritonclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 W = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 2.0]], dtype=np.float32)
 B = np.array([0.5, -0.5], dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("repo") / "model_repository"
-    shutil.copytree(EXAMPLES / "model_repository", root)
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import make_onnx_model
-
-        make_onnx_model.make(root)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return root
+    return example_repository(tmp_path_factory.mktemp("repo"))
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ _BODY_ERRORS = {
     "500": "the engine failed on this request (the message names the request id)",
 }
 _REF = "#/components/schemas/{model}"
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 
 
 def install(app: FastAPI, bodies: dict[str, type[BaseModel]], streaming: set[str]) -> None:
@@ -60,7 +61,8 @@ def install(app: FastAPI, bodies: dict[str, type[BaseModel]], streaming: set[str
                     ok = responses.setdefault("200", {"description": "Successful Response"})
                     content = ok.setdefault("content", {})
                     content.setdefault("application/json", {"schema": {}})
-                    content["text/event-stream"] = {"schema": {"type": "string"}}
+                    # Server-sent events: each `data:` line a JSON chunk, the last `[DONE]`.
+                    content["text/event-stream"] = {"schema": _SSE_EVENT}
         app.openapi_schema = doc
         return doc
 
