@@ -34,6 +34,19 @@ def onednn_packing_available(weight: torch.Tensor) -> bool:
     return _packing_works
 
 
+def row_bucket(m: int) -> int:
+    """The row count a matmul of `m` rows runs at: exact up to 16, then rounded up to a multiple of 8
+    (to 512), 32 (to 1024), 64 beyond: about 110 shapes up to a 2048-token budget. oneDNN and the
+    allocator keep state per distinct shape, and a server's steps come in every size up to the token
+    budget: unbucketed, 600 distinct row counts of one layer grew the process by 1.1 GB; bucketed, all
+    2048 by 0.2 GB. The padding is at most 7 rows up to 512 (under 3% where a step computes rather
+    than reads weights) and under 7% above."""
+    if m <= 16:
+        return m
+    step = 8 if m <= 512 else 32 if m <= 1024 else 64
+    return -(-m // step) * step
+
+
 class PackedLinear(nn.Module):
     """A bf16 linear whose weight lives in oneDNN's blocked layout (CPU inference only)."""
 
@@ -47,7 +60,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        m = x.shape[0]
+        padded = row_bucket(m) if x.dim() == 2 else m
+        if padded == m:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - m))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
 
 
 def pack_linears(model: nn.Module) -> int:
