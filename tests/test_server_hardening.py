@@ -172,6 +172,15 @@ def test_gzip_bomb_is_refused_without_inflating_it(server) -> None:
         timeout=60,
     )
     assert r.status_code == 413 and "limit" in r.json()["error"], r.text
+    # The same bomb with its size trailer forged to 1 KiB: refused by the capped inflation instead.
+    forged = bomb[:-4] + (1024).to_bytes(4, "little")
+    r = httpx.post(
+        f"{server.base_url}/v2/models/linear_onnx/infer",
+        content=forged,
+        headers={**AUTH, "Content-Encoding": "gzip", "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 413 and "limit" in r.json()["error"], r.text
     assert rss_mb(server.pid) - before < 200, "the bomb was not inflated in memory"
     # A small honest gzip body still works.
     body = {"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}

@@ -123,4 +123,3 @@ def make_governor(enabled: bool) -> ThreadGovernor | None:
     if not enabled or not available() or torch.get_num_threads() < 2:
         return None
     return ThreadGovernor(torch.get_num_threads())
-

@@ -88,9 +88,7 @@ def get_ops(name: str, device_type: str) -> TorchOps:
     from tokenmill.kernels.isa import level_names
 
     if name not in ("auto", "torch", "cpu", *level_names()):
-        raise ValueError(
-            f"unknown kernels {name!r}; available: auto, torch, cpu, {', '.join(level_names())}"
-        )
+        raise ValueError(f"unknown kernels {name!r}; available: auto, torch, cpu, {', '.join(level_names())}")
     if name == "torch" or (name == "auto" and device_type != "cpu"):
         return TorchOps()
     try:

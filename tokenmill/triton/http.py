@@ -177,28 +177,55 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     1 MB that inflates to 1 GB costs at most `limit` bytes and the time to produce them."""
     if encoding not in ("gzip", "deflate"):
         return body
-    # wbits: 16 + 15 reads a gzip header, 15 a zlib (HTTP "deflate") one.
-    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    # A gzip member ends with its inflated size mod 2**32 (RFC 1952 ISIZE). The true size is that plus a
+    # multiple of 2**32, so a trailer above the limit proves the body inflates past it: refuse at once,
+    # without inflating anything. A forged or wrapped trailer falls through to the capped inflation below.
+    if encoding == "gzip" and len(body) >= 18 and body[:3] == b"\x1f\x8b\x08":
+        declared = int.from_bytes(body[-4:], "little")
+        if declared > limit:
+            msg = f"the gzip request body declares {declared} inflated bytes, past the limit of {limit}"
+            raise InferError(413, msg)
+    # Two passes: the first only counts (each 1 MiB piece is dropped at once, so a bomb costs no memory
+    # beyond one piece), the second keeps the output of a body now known to fit. Keeping pieces while
+    # counting left up to `limit` bytes per worker thread in the allocator's arenas after each refusal.
+    _inflate(body, encoding, limit, keep=None)
     out: list[bytes] = []
+    _inflate(body, encoding, limit, keep=out)
+    return b"".join(out)
+
+
+def _inflate(body: bytes, encoding: str, limit: int, keep: list[bytes] | None) -> None:
+    # wbits: 16 + 15 reads a gzip header, 15 a zlib (HTTP "deflate") one.
+    wbits = 31 if encoding == "gzip" else 15
+    too_big = InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
     size = 0
+    rest = body
     try:
-        data = d.decompress(body, 1 << 20)
-        while True:
-            size += len(data)
+        while True:  # one pass per gzip member: a gzip body may be several members back to back
+            d = zlib.decompressobj(wbits=wbits)
+            data = d.decompress(rest, 1 << 20)
+            while True:
+                size += len(data)
+                if size > limit:
+                    raise too_big
+                if keep is not None:
+                    keep.append(data)
+                if not d.unconsumed_tail:
+                    break
+                data = d.decompress(d.unconsumed_tail, 1 << 20)
+            tail = d.flush()
+            size += len(tail)
             if size > limit:
-                raise InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
-            out.append(data)
-            if not d.unconsumed_tail:
+                raise too_big
+            if keep is not None:
+                keep.append(tail)
+            if not d.eof:
+                raise InferError(400, f"the {encoding} request body is truncated")
+            rest = d.unused_data
+            if encoding != "gzip" or not rest:
                 break
-            data = d.decompress(d.unconsumed_tail, 1 << 20)
-        out.append(d.flush())
-        if size + len(out[-1]) > limit:
-            raise InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
     except zlib.error as e:
         raise InferError(400, f"cannot decompress the {encoding} request body: {e}") from None
-    if not d.eof:
-        raise InferError(400, f"the {encoding} request body is truncated")
-    return b"".join(out)
 
 
 def _parse_infer(
