@@ -31,7 +31,7 @@ from server_fixture import running_server  # noqa: E402
 
 # name -> (extra `tokenmill serve` flags, environment of the server and its engine process)
 OPTIONS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "default": ([], {}),  # adaptive threads (engine/thread_governor.py)
+    "default": ([], {}),  # adaptive threads (worker/thread_governor.py)
     "fixed": (["--no-adaptive-threads"], {}),  # all cores always, OpenMP's own waiting: the old default
     "threads1": (["--threads", "1"], {}),
     "passive": ([], {"OMP_WAIT_POLICY": "PASSIVE"}),

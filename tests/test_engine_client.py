@@ -80,3 +80,42 @@ def test_reject_abort_and_engine_death() -> None:
             await llm.shutdown()
 
     run(main())
+
+
+def test_the_client_and_protocol_import_without_torch() -> None:
+    # A frontend, router or remote client talks to engines without loading the model stack.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tokenmill.engine.client, tokenmill.engine.protocol, tokenmill.frontend.async_llm\n"
+        "heavy = ('torch', 'numpy', 'tokenmill.models', 'tokenmill.worker.worker')\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_protocol_round_trip() -> None:
+    from tokenmill.engine.protocol import (
+        AddRequest,
+        EngineCoreOutput,
+        EngineRequest,
+        EngineStats,
+        FinishReason,
+        StepOutputs,
+        decode_from_engine,
+        decode_to_engine,
+        encode,
+    )
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.worker.step import TokenLogprobs
+
+    params = SamplingParams(temperature=0.7, seed=3, logit_bias={5: -1.0}, stop=["x"])
+    req = EngineRequest("r", [1, 2, 3], params, frozenset({2}), priority=-1, cache_salt="s")
+    assert decode_to_engine(encode(AddRequest(req))) == AddRequest(req)
+    out = EngineCoreOutput("r", [4], [TokenLogprobs(4, -0.5, [(4, -0.5), (9, -1.5)])], FinishReason.LENGTH)
+    stats = EngineStats(1, 0, 0.25, 64, 10, 5, 0, 3, 30)
+    back = decode_from_engine(encode(StepOutputs([out], stats)))
+    assert back == StepOutputs([out], stats) and back.outputs[0].finish_reason is FinishReason.LENGTH

@@ -56,11 +56,11 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm: LLM, monke
     real = runner.execute
     calls = {"n": 0}
 
-    def broken_once(out, kv):
+    def broken_once(out):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("a kernel fell over")
-        return real(out, kv)
+        return real(out)
 
     monkeypatch.setattr(runner, "execute", broken_once)
     got = run(llm, [req("x", list(range(40, 80))), req("y", list(range(90, 120)))])

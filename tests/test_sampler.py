@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from tokenmill.engine.request import EngineRequest, Request
-from tokenmill.engine.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.request_state import CachedRequestState as Request
+from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.step import NewRequestData
 
 P3 = [0.5, 0.3, 0.2]  # a known 3-token distribution
 
@@ -22,12 +23,10 @@ def make_req(
     **params,
 ) -> Request:
     """A request with the given sampling params, prompt and already generated tokens."""
-    req = Request(
-        EngineRequest(rid, list(prompt), SamplingParams(**params), eos_token_ids=frozenset(eos)), 1024
-    )
-    for t in output:
-        req.append_token(t, 0.0)
-    return req
+    p = SamplingParams(**params)
+    new = NewRequestData(rid, list(prompt), list(output), p, list(eos), [], 0)
+    # As the worker keeps it: a seeded request draws from its own generator.
+    return Request(new, None if p.seed is None else torch.Generator().manual_seed(p.seed))
 
 
 def greedy(**params) -> Request:

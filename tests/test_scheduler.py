@@ -1,8 +1,8 @@
 """Unit tests of the token-budget scheduler, driven by hand (no model).
 
-Each test builds requests, a KV cache manager and a scheduler, calls `schedule()`, and stands in for
-the forward pass by calling `update()` with one sampled token for every request whose step completes
-its known tokens (`ScheduledRequest.samples`). Block size 4 unless stated.
+Each test builds requests, a KV cache manager and a scheduler, calls `schedule()` (a plain-data
+SchedulerOutput), and stands in for the workers by calling `update()` with one sampled token for every
+request whose step completes its known tokens. Block size 4 unless stated.
 """
 
 from __future__ import annotations
@@ -85,44 +85,73 @@ def make_sched(
 
 
 @dataclass
+class Sched:
+    """One scheduled request as the tests look at it (read from the plain output and the scheduler)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool  # the step completes the request's known tokens, so it yields a new token
+
+
+def scheduled_of(sched: Scheduler, out: SchedulerOutput) -> list[Sched]:
+    """Valid between `schedule()` and `update()` (whether a request samples depends on its token count)."""
+    starts = out.num_computed_before()
+    got = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        got.append(Sched(req, starts[rid], n, starts[rid] + n == req.num_tokens))
+    return got
+
+
+@dataclass
 class Stepped:
-    """A step's output with its plan captured before `update` (`samples` depends on the token count)."""
+    """A step's output with what was scheduled captured before `update`."""
 
     out: SchedulerOutput
-    plan: list[tuple[str, int, int, bool]]
+    scheduled: list[Sched]
+    preempted: list[Request]
 
     @property
-    def scheduled(self):
-        return self.out.scheduled
-
-    @property
-    def preempted(self) -> list[Request]:
-        return self.out.preempted
+    def plan(self) -> list[tuple[str, int, int, bool]]:
+        return [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in self.scheduled]
 
     @property
     def num_batched_tokens(self) -> int:
         return self.out.num_batched_tokens
 
 
+def look(sched: Scheduler, out: SchedulerOutput, preempted: list[Request]) -> Stepped:
+    return Stepped(out, scheduled_of(sched, out), preempted)
+
+
+def schedule(sched: Scheduler) -> Stepped:
+    """`schedule()` with the preempted requests named (the output carries only their ids)."""
+    before = {**sched.requests}
+    out = sched.schedule()
+    return look(sched, out, [before[r] for r in out.preempted_req_ids])
+
+
 def step(sched: Scheduler, token: int | dict[str, int] = TOKEN) -> Stepped:
     """One scheduling step plus the fake forward pass."""
-    out = sched.schedule()
-    done = Stepped(out, plan(out))
-    sampled = {}
-    for s in out.scheduled:
-        if s.samples:
-            sampled[s.request.request_id] = (
-                token if isinstance(token, int) else token.get(s.request.request_id, TOKEN)
-            )
-    sched.update(out, sampled)
+    done = schedule(sched)
+    finish(sched, done, token)
     return done
 
 
-def plan(out: SchedulerOutput | Stepped) -> list[tuple[str, int, int, bool]]:
+def finish(sched: Scheduler, done: Stepped, token: int | dict[str, int] = TOKEN) -> None:
+    """The fake forward pass: a token for each request that samples."""
+    sampled = {}
+    for s in done.scheduled:
+        if s.samples:
+            rid = s.request.request_id
+            sampled[rid] = [token if isinstance(token, int) else token.get(rid, TOKEN)]
+    sched.update(done.out, sampled)
+
+
+def plan(out: Stepped) -> list[tuple[str, int, int, bool]]:
     """(request id, start, num_new_tokens, samples) for each scheduled request, in order."""
-    if isinstance(out, Stepped):
-        return out.plan
-    return [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in out.scheduled]
+    return out.plan
 
 
 def ids(reqs) -> list[str]:
@@ -388,16 +417,16 @@ def test_priority_preemption_must_not_leave_reused_blocks_unwritten():
     sched.add_request(reuse)
     sched.add_request(urgent)
     before = named_blocks(sched)
-    out = sched.schedule()
+    out = schedule(sched)
     # Urgent requests make room before anything is allocated in a step, so `old` is not preempted
     # after `reuse` took its freshly named blocks: `urgent` waits one step for its slot.
     assert unwritten_reads(sched, out, before) == {}
     assert out.preempted == []
     assert [s.request.request_id for s in out.scheduled] == ["old", "reuse"]
     written = before | written_in(sched, out)
-    sched.update(out, {s.request.request_id: TOKEN for s in out.scheduled if s.samples})
+    finish(sched, out)
     before = written | named_blocks(sched)
-    out = sched.schedule()
+    out = schedule(sched)
     assert out.preempted == [old]
     assert "urgent" in [s.request.request_id for s in out.scheduled]
     assert unwritten_reads(sched, out, before) == {}
@@ -408,7 +437,7 @@ def named_blocks(sched: Scheduler) -> set[int]:
     return {b.block_id for b in sched.kv.pool.blocks if b.block_hash is not None}
 
 
-def written_in(sched: Scheduler, out: SchedulerOutput) -> set[int]:
+def written_in(sched: Scheduler, out: Stepped) -> set[int]:
     """Blocks that this step's scheduled tokens complete."""
     bs = sched.kv.block_size
     done = set()
@@ -419,7 +448,7 @@ def written_in(sched: Scheduler, out: SchedulerOutput) -> set[int]:
     return done
 
 
-def unwritten_reads(sched: Scheduler, out: SchedulerOutput, written_before: set[int]) -> dict[str, list[int]]:
+def unwritten_reads(sched: Scheduler, out: Stepped, written_before: set[int]) -> dict[str, list[int]]:
     """For each scheduled request, the blocks below its start that nobody has written by the end of the step.
 
     A request reads blocks [0, start // block_size) as computed. Each must have been written by an
@@ -448,13 +477,13 @@ def test_early_reuse_in_the_same_step():
     sched.add_request(a)
     sched.add_request(b)
     before = named_blocks(sched)
-    out = sched.schedule()
+    out = schedule(sched)
     # b hits a's 2 full blocks, named when a was allocated in this very step: (10-1)//4 = 2 blocks.
     assert plan(out) == [("a", 0, 10, True), ("b", 8, 2, True)]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert sched.kv.block_ids("b")[:2] == sched.kv.block_ids("a")[:2]
     assert unwritten_reads(sched, out, before) == {}  # a writes them in this step
-    sched.update(out, {"a": TOKEN, "b": TOKEN})
+    sched.update(out.out, {"a": [TOKEN], "b": [TOKEN]})
     assert sched.kv.pool.num_free == 16 - 4
 
 
@@ -502,7 +531,7 @@ def test_abort_running_and_waiting_requests_frees_blocks():
         assert r.is_finished and r.finish_reason == FinishReason.ABORT
     assert sched.kv.pool.num_free == 8 and sched.kv.req_blocks == {}
     assert sched.running == [] and sched.num_waiting == 0 and not sched.has_unfinished()
-    assert sched.schedule().scheduled == []
+    assert sched.schedule().num_scheduled_tokens == {}
 
 
 def test_abort_preempted_request():
@@ -522,9 +551,9 @@ def test_finish_on_eos():
     req = make_req("r", 3, eos=(2,))
     sched.add_request(req)
     step(sched, 5)
-    out = sched.schedule()
+    out = schedule(sched)
     assert plan(out) == [("r", 3, 1, True)]
-    assert sched.update(out, {"r": 2}) == [req]
+    assert sched.update(out.out, {"r": [2]}) == [(req, 1)]
     assert req.is_finished and req.finish_reason == FinishReason.STOP and req.stop_token == 2
     assert req.output_token_ids == [5, 2]
     assert sched.kv.pool.num_free == 64 and not sched.has_unfinished()
@@ -605,9 +634,9 @@ def test_update_returns_the_requests_that_got_a_token():
     b = make_req("b", 10)
     sched.add_request(a)
     sched.add_request(b)
-    out = sched.schedule()
+    out = schedule(sched)
     assert plan(out) == [("a", 0, 4, True), ("b", 0, 4, False)]
-    assert sched.update(out, {"a": TOKEN}) == [a]
+    assert sched.update(out.out, {"a": [TOKEN]}) == [(a, 1)]
     assert b.num_computed_tokens == 4 and b.output_token_ids == []
 
 
@@ -622,3 +651,42 @@ def test_duplicate_request_id_rejected():
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError):
         make_sched(policy="lifo")
+
+
+# ---------------------------------------------------------------------------------------------
+# The step as plain data: what the workers are told
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_workers_get_a_request_whole_once_then_diffs() -> None:
+    sched = make_sched(64, budget=6)
+    a = make_req("a", 10)
+    sched.add_request(a)
+    first = schedule(sched)
+    (new,) = first.out.new_requests
+    assert (new.prompt_token_ids, new.output_token_ids) == (a.prompt_token_ids, [])
+    assert new.block_ids == sched.kv.block_ids("a") and new.num_computed_tokens == 0
+    assert first.out.num_scheduled_tokens == {"a": 6} and first.out.running_requests == []
+    finish(sched, first)
+    second = schedule(sched)  # the rest of the prompt: no new tokens to send, one new block
+    (run,) = second.out.running_requests
+    assert (run.new_token_ids, run.num_computed_tokens) == ([], 6)
+    assert run.new_block_ids == sched.kv.block_ids("a")[2:]
+    finish(sched, second, 42)
+    (run,) = schedule(sched).out.running_requests
+    assert run.new_token_ids == [42], "the sampled token travels as the next step's input"
+
+
+def test_preempted_requests_come_back_whole_and_finished_ones_are_named() -> None:
+    sched = make_sched(2, max_num_seqs=1, policy="priority")
+    low = make_req("low", 4, priority=1, arrival=0.0)
+    sched.add_request(low)
+    step(sched, 9)
+    sched.add_request(make_req("high", 4, priority=0, arrival=1.0, max_tokens=1))
+    out = step(sched).out
+    assert out.preempted_req_ids == ["low"] and [r.request_id for r in out.new_requests] == ["high"]
+    out = step(sched).out  # high finished last step; low returns with the token it had sampled
+    assert out.finished_req_ids == ["high"]
+    (back,) = out.new_requests
+    assert back.request_id == "low" and back.output_token_ids == [9]
+    assert back.num_computed_tokens == 4, "its full prompt block is still in the prefix cache"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.thread_governor import ThreadGovernor, available, others_runnable, run_delay_ns
+from tokenmill.worker.thread_governor import ThreadGovernor, available, others_runnable, run_delay_ns
 
 
 class Fake:

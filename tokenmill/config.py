@@ -24,6 +24,19 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks that split each layer (heads, MLP columns, vocabulary)
+    pipeline_parallel_size: int = 1  # ranks that each run a run of layers, one after the other
+    # "uni": one worker in the engine process; "mp": one process per rank; "auto": "mp" when there is
+    # more than one rank.
+    executor: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"  # or "float32" (or "float16" where the device supports it well)
@@ -31,7 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Fewer threads while other processes crowd the cores, all of them again once the machine is
-    # quiet (engine/thread_governor.py): a busy neighbour costs its share, not a 70x stall.
+    # quiet (worker/thread_governor.py): a busy neighbour costs its share, not a 70x stall.
     adaptive_threads: bool = True
     # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
     # fused norm/rope/silu) at the best instruction-set level this CPU runs; a level name ("avx2",
@@ -45,3 +58,4 @@ class EngineConfig:
     seed: int = 0  # for requests without their own seed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.request import EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
@@ -118,10 +118,15 @@ class LLM:
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Sort flat keyword arguments into the engine, scheduler and cache configs."""
-    groups: dict[type, dict[str, Any]] = {EngineConfig: {}, SchedulerConfig: {}, CacheConfig: {}}
+    groups: dict[type, dict[str, Any]] = {
+        EngineConfig: {},
+        SchedulerConfig: {},
+        CacheConfig: {},
+        ParallelConfig: {},
+    }
     for key, value in kwargs.items():
         for cls, bucket in groups.items():
-            if key in cls.__dataclass_fields__ and key not in ("scheduler", "cache"):
+            if key in cls.__dataclass_fields__ and key not in ("scheduler", "cache", "parallel"):
                 bucket[key] = value
                 break
         else:
@@ -132,4 +137,5 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
         **groups[EngineConfig],
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         cache=CacheConfig(**groups[CacheConfig]),
+        parallel=ParallelConfig(**groups[ParallelConfig]),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.sampler import TokenLogprobs
+from tokenmill.worker.step import TokenLogprobs
 
 
 @dataclass

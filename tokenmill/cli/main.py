@@ -229,9 +229,11 @@ def serve(
         None, help="unload least recently used models to stay under this size"
     ),
     grpc_port: int = typer.Option(8001, help="KServe v2 gRPC port when serving a model repository (0: off)"),
+    tensor_parallel_size: int = typer.Option(1, help="worker processes that split each layer"),
+    pipeline_parallel_size: int = typer.Option(1, help="worker processes that each run a run of layers"),
 ) -> None:
     """Serve the OpenAI-compatible API (engine core in its own process)."""
-    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.main import run
 
@@ -254,7 +256,12 @@ def serve(
         adaptive_threads=adaptive_threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
         cache=CacheConfig(kv_cache_memory_gb=kv_cache_memory_gb),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
+        ),
     )
+    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+        fail("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     config = ServerConfig(
         host=host,
         port=port,

@@ -22,9 +22,21 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_proc import HEARTBEAT_S, run_engine_process
-from tokenmill.engine.engine_core import EngineStats
-from tokenmill.engine.request import EngineRequest
-from tokenmill.engine.serial import output_from_wire, pack, request_to_wire, stats_from_wire, unpack
+from tokenmill.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    Dead,
+    EngineRequest,
+    EngineStats,
+    FinishRequests,
+    Ready,
+    Rejected,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+    decode_from_engine,
+    encode,
+)
 
 
 class EngineDeadError(RuntimeError):
@@ -104,13 +116,13 @@ class MPEngineClient(EngineClient):
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if await self._from_engine.poll(200):
-                msg = unpack(await self._from_engine.recv())
-                if msg[0] == "ready":
-                    self.info = msg[1]
+                msg = decode_from_engine(await self._from_engine.recv())
+                if isinstance(msg, Ready):
+                    self.info = msg.info
                     break
-                if msg[0] == "dead":
-                    self._dead = msg[1]
-                    raise EngineDeadError(msg[1])
+                if isinstance(msg, Dead):
+                    self._dead = msg.message
+                    raise EngineDeadError(msg.message)
             if not self._proc.is_alive():
                 self._dead = f"engine process exited with code {self._proc.exitcode} while starting"
                 raise EngineDeadError(self._dead)
@@ -121,24 +133,22 @@ class MPEngineClient(EngineClient):
 
     async def _receive(self) -> None:
         while True:
-            msg = unpack(await self._from_engine.recv())
+            msg = decode_from_engine(await self._from_engine.recv())
             self._last_heard = time.monotonic()
-            kind = msg[0]
-            if kind == "step":
-                for d in msg[1]:
-                    out = output_from_wire(d)
+            if isinstance(msg, StepOutputs):
+                for out in msg.outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
                         if out.finish_reason is not None:
                             del self._queues[out.request_id]
-                self._stats = stats_from_wire(msg[2])
-            elif kind == "reject":
-                q = self._queues.pop(msg[1], None)
+                self._stats = msg.stats
+            elif isinstance(msg, Rejected):
+                q = self._queues.pop(msg.request_id, None)
                 if q is not None:
-                    q.put_nowait(RequestRejectedError(msg[2]))
-            elif kind == "dead":
-                self._fail(f"engine died: {msg[1]}")
+                    q.put_nowait(RequestRejectedError(msg.message))
+            elif isinstance(msg, Dead):
+                self._fail(f"engine died: {msg.message}")
 
     async def _watch(self) -> None:
         while self._dead is None:
@@ -152,28 +162,28 @@ class MPEngineClient(EngineClient):
             q.put_nowait(EngineDeadError(reason))
         self._queues.clear()
 
-    def _send(self, *msg: Any) -> None:
+    def _send(self, msg: ToEngine) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        self._to_engine.send(pack(msg))  # a PUSH send on an asyncio socket never blocks here
+        self._to_engine.send(encode(msg))  # a PUSH send on an asyncio socket never blocks here
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         self._queues[req.request_id] = q
-        self._send("add", request_to_wire(req))
+        self._send(AddRequest(req))
         return q
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._queues.pop(rid, None)
         if request_ids and self._dead is None:
-            self._send("abort", request_ids)
+            self._send(AbortRequests(request_ids))
 
     def finish(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._queues.pop(rid, None)
         if request_ids and self._dead is None:
-            self._send("finish", request_ids)
+            self._send(FinishRequests(request_ids))
 
     @property
     def healthy(self) -> bool:
@@ -201,7 +211,7 @@ class MPEngineClient(EngineClient):
             t.cancel()
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(Exception):
-                self._to_engine.send(pack(("shutdown",)))
+                self._to_engine.send(encode(Shutdown()))
             deadline = time.monotonic() + timeout
             while self._proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

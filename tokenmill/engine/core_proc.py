@@ -1,9 +1,9 @@
 """The engine core in its own process, driven over ZeroMQ (msgpack messages).
 
-Frontend -> engine (PUSH/PULL): ("add", request) | ("abort", ids) | ("finish", ids) | ("shutdown",).
-Engine -> frontend (PUSH/PULL): ("ready", info) | ("step", outputs, stats) | ("reject", id, message)
-| ("dead", message). While idle the engine sends a ("step", [], stats) heartbeat every second, so the
-frontend can tell a live engine from a hung one.
+Frontend -> engine (PUSH/PULL): AddRequest | AbortRequests | FinishRequests | Shutdown.
+Engine -> frontend (PUSH/PULL): Ready | StepOutputs | Rejected | Dead (engine/protocol.py). While idle
+the engine sends an empty StepOutputs heartbeat every second, so the frontend can tell a live engine
+from a hung one.
 """
 
 from __future__ import annotations
@@ -15,13 +15,28 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.request import FinishReason
-from tokenmill.engine.serial import output_to_wire, pack, request_from_wire, stats_to_wire, unpack
+from tokenmill.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    Dead,
+    FinishReason,
+    FinishRequests,
+    Ready,
+    Rejected,
+    Shutdown,
+    StepOutputs,
+    decode_to_engine,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine_core import EngineCore
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -36,10 +51,12 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     inbox.connect(input_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(output_addr)
+    from tokenmill.engine.engine_core import EngineCore  # torch and the model: only in this process
+
     try:
         engine = EngineCore(config)
     except Exception as e:  # report why, rather than dying silently
-        outbox.send(pack(("dead", f"engine failed to start: {e}")))
+        outbox.send(encode(Dead(f"engine failed to start: {e}")))
         time.sleep(0.2)
         return
     info = {
@@ -49,15 +66,16 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         "block_size": engine.block_size,
         "load_seconds": engine.load_seconds,
     }
-    outbox.send(pack(("ready", info)))
+    outbox.send(encode(Ready(info)))
     try:
         _loop(engine, inbox, outbox, parent)
     except Exception as e:
         # The traceback goes to this process's log; clients are told only that the engine failed.
         log.exception("the engine loop failed")
-        outbox.send(pack(("dead", f"the engine process failed ({type(e).__name__}); see the server log")))
+        outbox.send(encode(Dead(f"the engine process failed ({type(e).__name__}); see the server log")))
         raise
     finally:
+        engine.shutdown()  # worker processes of a parallel engine stop with it
         outbox.close(linger=500)
         inbox.close(linger=0)
 
@@ -80,21 +98,25 @@ def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int
         if inbox in events:
             while True:
                 try:
-                    msg = unpack(inbox.recv(zmq.NOBLOCK))
+                    data = inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                kind = msg[0]
-                if kind == "add":
-                    req = request_from_wire(msg[1])
+                try:
+                    msg = decode_to_engine(data)
+                except (msgspec.DecodeError, ValueError) as e:
+                    log.warning("dropped a message the engine protocol does not allow: %s", e)
+                    continue
+                if isinstance(msg, AddRequest):
+                    req = msg.request
                     try:
                         engine.add_request(req)
                     except ValueError as e:
-                        outbox.send(pack(("reject", req.request_id, str(e))))
-                elif kind == "abort":
-                    outputs.extend(engine.abort(msg[1]))
-                elif kind == "finish":
-                    engine.finish(msg[1], FinishReason.STOP)
-                elif kind == "shutdown":
+                        outbox.send(encode(Rejected(req.request_id, str(e))))
+                elif isinstance(msg, AbortRequests):
+                    outputs.extend(engine.abort(msg.request_ids))
+                elif isinstance(msg, FinishRequests):
+                    engine.finish(msg.request_ids, FinishReason.STOP)
+                elif isinstance(msg, Shutdown):
                     return
         if engine.has_unfinished():
             outputs.extend(engine.step())
@@ -102,5 +124,5 @@ def _loop(engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, parent: int
         if not busy and os.getppid() != parent:
             return  # the frontend is gone (elsewhere than Linux, where PDEATHSIG would not fire)
         if outputs or now - last_sent >= HEARTBEAT_S:
-            outbox.send(pack(("step", [output_to_wire(o) for o in outputs], stats_to_wire(engine.stats()))))
+            outbox.send(encode(StepOutputs(outputs, engine.stats())))
             last_sent = now

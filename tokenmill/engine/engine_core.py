@@ -8,93 +8,50 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.protocol import EngineCoreOutput, EngineStats, TokenLogprobs
 from tokenmill.engine.request import EngineRequest, FinishReason, Request
-from tokenmill.engine.runner import ModelRunner
-from tokenmill.engine.sampler import TokenLogprobs
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.thread_governor import make_governor
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import build_model
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import loader
+from tokenmill.worker.executor import Executor, UniProcExecutor, WorkerDiedError, make_executor
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: FinishReason | None = None
-    stop_token: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    new_token_times: list[float] = field(default_factory=list)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_batched_tokens_total: int
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.governor = make_governor(config.adaptive_threads)
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
-        self.dtype = DTYPES[config.dtype]
-        self.device = torch.device(config.device)
-
         t0 = time.perf_counter()
-        path = catalog.resolve(config.model)
-        cache_dir = Path(config.cache_dir) if config.cache_dir else None
-        loaded = loader.load(path, self.dtype, cache_dir)
-        self.model_config: ModelConfig = loaded.config
-        self.tokenizer: Tokenizer = loaded.tokenizer
-        mc = self.model_config
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        model = build_model(
-            mc,
-            loaded.state_dict,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            config.kernels,
-            config.quantization,
-        )
-        del loaded
+        self.executor: Executor = make_executor(config)
+        try:
+            self._init_after_workers(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.load_seconds = time.perf_counter() - t0
+        log.info(
+            "engine ready in %.2fs: %s, %d KV blocks", self.load_seconds, Path(self.info["source"]).name,
+            self.kv.pool.num_blocks,
+        )  # fmt: skip
 
+    def _init_after_workers(self, config: EngineConfig) -> None:
+        self.info = self.executor.describe()
+        self.model_config = ModelConfig.from_dict(self.info["model_config"])
+        self.max_model_len: int = self.info["max_model_len"]
+        if isinstance(self.executor, UniProcExecutor):
+            self.tokenizer: Tokenizer = self.executor.worker.tokenizer
+        else:
+            cache_dir = Path(config.cache_dir) if config.cache_dir else None
+            self.tokenizer = loader.load_tokenizer(Path(self.info["source"]), cache_dir)
         cc = config.cache
         self.block_size = cc.block_size
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        block_bytes = 2 * mc.num_layers * cc.block_size * mc.num_kv_heads * mc.head_dim * elem
+        # One pool for all workers, sized so the worker with the costliest blocks fits its share.
+        block_bytes = self.executor.kv_block_bytes(cc.block_size)
         num_blocks = cc.num_blocks or int(cc.kv_cache_memory_gb * 2**30 // block_bytes)
         need = -(-self.max_model_len // cc.block_size)
         if num_blocks < need:
@@ -102,22 +59,20 @@ class EngineCore:
                 f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens) cannot hold one request of "
                 f"max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb or lower max_model_len"
             )
+        self.executor.allocate_kv_cache(num_blocks, cc.block_size)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(
-            model,
-            mc,
-            num_blocks,
-            cc.block_size,
-            self.dtype,
-            self.device,
-            config.kernels,
-            config.seed,
-        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
-        self.load_seconds = time.perf_counter() - t0
-        log.info("engine ready in %.2fs: %s, %d KV blocks", self.load_seconds, path.name, num_blocks)
+
+    @property
+    def runner(self):  # noqa: ANN201 - the in-process worker's ModelRunner (tests and tools)
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError("the model runner lives in the worker processes")
+        return self.executor.worker.runner
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -153,34 +108,33 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.num_scheduled_tokens:
             return []
         try:
-            req_ids, result = self.runner.execute(out, self.kv)
+            result = self.executor.execute_model(out)
+        except WorkerDiedError:
+            raise  # no step can run any more: the engine is dead, and says so
         except Exception:
             # Nothing a request carries should make a forward pass fail (its inputs were checked on
             # arrival), so this is a bug: the step's requests end with an error, the engine goes on.
             # Blocks this step was filling may hold partial KV under a published hash: drop the cache.
-            ids = [s.request.request_id for s in out.scheduled]
+            ids = out.scheduled_ids
             log.exception("engine step failed; its %d requests end with an error: %s", len(ids), ids)
             failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
             self.kv.pool.reset_prefix_cache()
             return [self._output(r, [], None, []) for r in failed]
         self.num_steps += 1
         self.num_batched_tokens_total += out.num_batched_tokens
-        if self.governor is not None:
-            self.governor.tick()
-        errors = {req_ids[i] for i in result.errors}
-        sampled = {r: t for r, t in zip(req_ids, result.token_ids, strict=True) if r not in errors}
-        lps = dict(zip(req_ids, result.logprobs, strict=True))
+        errors = result.errors
+        sampled = {
+            r: t for r, t in zip(result.req_ids, result.sampled_token_ids, strict=True) if r not in errors
+        }
+        lps = dict(zip(result.req_ids, result.logprobs, strict=True))
         outputs = []
-        for req in self.scheduler.update(out, sampled):
+        for req, k in self.scheduler.update(out, sampled):
             lp = lps.get(req.request_id)
-            outputs.append(
-                self._output(
-                    req, [req.output_token_ids[-1]], [lp] if lp is not None else None, req.token_times[-1:]
-                )
-            )
+            new = req.output_token_ids[-k:]
+            outputs.append(self._output(req, new, None if lp is None else lp[:k], req.token_times[-k:]))
         if errors:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
             outputs.extend(self._output(r, [], None, []) for r in failed)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
 
-import torch
+from tokenmill.engine.protocol import EngineRequest, FinishReason
 
-from tokenmill.sampling_params import SamplingParams
+__all__ = ["EngineRequest", "FinishReason", "Request", "RequestStatus"]
 
 
 class RequestStatus(enum.Enum):
@@ -16,26 +14,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
-    ERROR = "error"  # the engine failed on this request (details in the engine's log); others go on
-
-
-@dataclass
-class EngineRequest:
-    """What a frontend sends to the engine core (token ids, never text)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower runs sooner (vLLM's convention)
-    cache_salt: str | None = None
 
 
 class Request:
@@ -50,6 +28,9 @@ class Request:
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # How much of this request the workers hold (tokens, block ids); 0 when they hold none of it.
+        self.num_sent_tokens = 0
+        self.num_sent_blocks = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token: int | None = None
@@ -58,9 +39,6 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.max_tokens = self._max_tokens(max_model_len)
-        self.generator: torch.Generator | None = None
-        if req.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(req.sampling_params.seed)
         # Timestamps (time.monotonic()), turned into metrics by the frontend.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -16,28 +16,16 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import FinishReason, Request, RequestStatus
 from tokenmill.engine.request_queue import WaitingQueue
+from tokenmill.worker.step import NewRequestData, RunningRequestData, SchedulerOutput
 
 
 @dataclass
-class ScheduledRequest:
+class _Scheduled:
+    """The scheduler's own note of a request it scheduled this step (never leaves the scheduler)."""
+
     request: Request
     num_new_tokens: int
     start: int  # the request's num_computed_tokens when scheduled
-
-    @property
-    def samples(self) -> bool:
-        """Does this step complete the request's known tokens (so its last logits give a new token)?"""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -49,6 +37,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests ended since the last step: the workers forget them with the next step.
+        self._finished_ids: list[str] = []
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -70,7 +60,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled: dict[str, _Scheduled] = {}
         urgent_victims = self._make_room_for_urgent()
         preempted: list[Request] = []
 
@@ -91,7 +81,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                scheduled[req.request_id] = ScheduledRequest(req, n, req.num_computed_tokens)
+                scheduled[req.request_id] = _Scheduled(req, n, req.num_computed_tokens)
                 budget -= n
                 i += 1
 
@@ -119,10 +109,42 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledRequest(req, n, hit)
+            scheduled[req.request_id] = _Scheduled(req, n, hit)
             budget -= n
 
-        return SchedulerOutput(list(scheduled.values()), urgent_victims + preempted)
+        return self._describe(scheduled, urgent_victims + preempted)
+
+    def _describe(self, scheduled: dict[str, _Scheduled], preempted: list[Request]) -> SchedulerOutput:
+        """The step as plain data: requests the workers do not hold in full, diffs for those they do."""
+        out = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted])
+        out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        for rid, s in scheduled.items():
+            req = s.request
+            block_ids = self.kv.block_ids(rid)
+            if req.num_sent_tokens == 0:
+                out.new_requests.append(
+                    NewRequestData(
+                        rid,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.params,
+                        sorted(req.eos_token_ids),
+                        block_ids,
+                        s.start,
+                    )
+                )
+            else:
+                out.running_requests.append(
+                    RunningRequestData(
+                        rid,
+                        req.all_token_ids[req.num_sent_tokens :],
+                        block_ids[req.num_sent_blocks :],
+                        s.start,
+                    )
+                )
+            req.num_sent_tokens, req.num_sent_blocks = req.num_tokens, len(block_ids)
+            out.num_scheduled_tokens[rid] = s.num_new_tokens
+        return out
 
     def _make_room_for_urgent(self) -> list[Request]:
         """Priority policy: preempt running requests of strictly lower priority (larger value) while the
@@ -155,7 +177,7 @@ class Scheduler:
             return max(running, key=Request.sort_key)  # least urgent, latest arrived
         return running[-1]  # last admitted
 
-    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _preempt(self, victim: Request, scheduled: dict[str, _Scheduled]) -> int:
         """Free the victim's blocks and requeue it; return the token budget it had been given this step."""
         returned = 0
         if victim.request_id in scheduled:
@@ -163,6 +185,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.num_sent_tokens = victim.num_sent_blocks = 0  # the workers drop it: it comes back whole
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -170,22 +193,28 @@ class Scheduler:
         return returned
 
     # -- after the forward pass -------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish what must stop. Returns touched requests."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Advance computed tokens, append sampled ones (a step may bring several per request), finish
+        what must stop. Returns each request that got tokens, with how many it kept."""
         now = time.monotonic()
         touched = []
-        for s in out.scheduled:
-            req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
+        starts = out.num_computed_before()
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
                 continue
-            req.append_token(token, now)
-            reason = req.check_stop()
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason, now)
-            touched.append(req)
+            req.num_computed_tokens = starts[rid] + n
+            kept = 0
+            for token in sampled.get(rid, ()):
+                req.append_token(token, now)
+                kept += 1
+                reason = req.check_stop()
+                if reason is not None:
+                    self.running.remove(req)
+                    self._finish(req, reason, now)
+                    break
+            if kept:
+                touched.append((req, kept))
         return touched
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
@@ -210,3 +239,4 @@ class Scheduler:
         req.finished_time = now or time.monotonic()
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)

@@ -13,13 +13,12 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient, MPEngineClient, RequestFailedError
-from tokenmill.engine.engine_core import EngineCoreOutput
-from tokenmill.engine.request import EngineRequest, FinishReason
+from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import catalog
 
 
 class AsyncLLM:
@@ -38,6 +37,8 @@ class AsyncLLM:
         client = MPEngineClient(config)
         await client.start()
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
+        from tokenmill.weights import loader  # reads GGUF with numpy/torch: only when starting
+
         return cls(client, loader.load_tokenizer(path, cache_dir))
 
     @property

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenmill.engine.engine_core import EngineCoreOutput
-from tokenmill.engine.request import FinishReason
+from tokenmill.engine.protocol import EngineCoreOutput, FinishReason
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.request import EngineRequest
+from tokenmill.engine.protocol import EngineRequest
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.sampling_params import SamplingParams
 

@@ -16,6 +16,7 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import pack_linears, quantize_linears
 from tokenmill.models.ops import TorchOps, get_ops
+from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.rope import RotaryEmbedding
 
 
@@ -29,14 +30,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
         super().__init__()
-        self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # This rank's heads: all of them, or its tensor-parallel share (models/parallel.py).
+        self.num_heads, self.num_kv, self.head_dim = len(shard.q_heads), len(shard.kv_heads), cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.comm = comm
 
     def forward(
         self,
@@ -56,62 +59,94 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv, self.head_dim)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self._o(o.reshape(t, self.q_size))
+        return self._reduce(self._o(o.reshape(t, self.q_size)))
 
     def finalize(self) -> None:
         # Bound methods in the instance dict skip nn.Module's __getattr__ and __call__ machinery,
         # which costs more than the kernels themselves at batch 1 on a CPU.
         self._qkv, self._o = self.qkv_proj.forward, self.o_proj.forward
+        # o_proj is row-parallel: each rank's output is a partial sum.
+        self._reduce = self.comm.all_reduce if self.comm.tp_size > 1 else _identity
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = len(shard.intermediate)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self._down(ops.silu_mul(self._gate_up(x)))
+        return self._reduce(self._down(ops.silu_mul(self._gate_up(x))))
 
     def finalize(self) -> None:
         self._gate_up, self._down = self.gate_up_proj.forward, self.down_proj.forward
+        self._reduce = self.comm.all_reduce if self.comm.tp_size > 1 else _identity  # down is row-parallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, comm)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`."""
+    """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`.
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    Built whole, or as one rank's shard (models/parallel.py): a pipeline stage holds its layers (named
+    from 0), the embedding only on the first stage, the final norm and head only on the last; a
+    tensor-parallel rank holds its heads, MLP columns and vocabulary rows.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope: RotaryEmbedding,
+        shard: Shard | None = None,
+        comm: Collectives | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.shard = shard = shard or Shard.whole(cfg)
+        self.comm: Collectives = comm or NoCollectives()
+        if shard.first_stage:
+            self.embed_tokens = nn.Embedding(len(shard.vocab), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, self.comm) for _ in shard.layers)
+        if shard.last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, len(shard.vocab), bias=False)
         self.rope = rope
         self.ops: TorchOps = TorchOps()
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return len(self.shard.kv_heads)
 
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T]
+        inputs: torch.Tensor,  # [T] token ids on the first stage; [T, hidden] activations on later ones
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D] (this stage's layers, heads)
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
-    ) -> torch.Tensor:  # [S, vocab] float32
+    ) -> torch.Tensor:  # [S, vocab] float32 on the last stage; else the [T, hidden] activations
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
-        residual = self.embed_tokens(input_ids)
+        residual = self._embed(inputs) if self.shard.first_stage else inputs
         x = ops.rms_norm(residual, plan[0][2], eps)
         for i, (attn, mlp, _, post_norm_w, next_norm_w) in enumerate(plan):
             a = attn(x, positions, rope, ops, kv_caches[i], meta, backend)
@@ -121,8 +156,24 @@ class LlamaForCausalLM(nn.Module):
             if next_norm_w is not None:
                 x = ops.add_rms_norm(m, residual, next_norm_w, eps)
         residual.add_(m)
+        if not self.shard.last_stage:
+            return residual
         h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
-        return self._lm_head(h).float()
+        logits = self._lm_head(h).float()
+        if self.comm.tp_size > 1:  # the head is vocabulary-parallel
+            logits = self.comm.all_gather_last_dim(logits, self.shard.vocab_sizes(self.config))
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.tp_size == 1:
+            return self.embed_tokens(ids)
+        # Vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere, and the sum
+        # over ranks is the embedding (exact: every element is one row's value plus zeros).
+        v = self.shard.vocab
+        mine = (ids >= v.start) & (ids < v.stop)
+        out = self.embed_tokens(torch.where(mine, ids - v.start, 0))
+        out.masked_fill_(~mine.unsqueeze(-1), 0)
+        return self.comm.all_reduce(out)
 
     def finalize(self) -> None:
         """Resolve the per-layer calls once (after weights are packed or quantized)."""
@@ -141,10 +192,11 @@ class LlamaForCausalLM(nn.Module):
                     nxt,
                 )
             )
-        self._lm_head = self.lm_head.forward
+        if self.shard.last_stage:
+            self._lm_head = self.lm_head.forward
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.shard.first_stage and self.shard.last_stage:
             self.lm_head.weight = self.embed_tokens.weight
 
 
@@ -209,16 +261,21 @@ def build_model(
     max_positions: int,
     ops: str = "auto",
     quantization: str | None = None,
+    shard: Shard | None = None,
+    comm: Collectives | None = None,
 ) -> LlamaForCausalLM:
-    """Create the module without initializing random weights, then assign the given ones."""
+    """Create the module (whole, or one rank's shard) without initializing random weights, then assign
+    the given ones, cut to the shard."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
+    shard = shard or Shard.whole(cfg)
     with _skip_init(), torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+        model = LlamaForCausalLM(cfg, rope, shard, comm)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in shard_state_dict(state_dict, cfg, shard).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    tied = cfg.tie_word_embeddings and shard.first_stage
+    missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}"

@@ -13,15 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.request import Request
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
-
+from tokenmill.worker.request_state import CachedRequestState
+from tokenmill.worker.step import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +31,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> SampleResult:
         """Sample the batch; a request whose parameters make sampling fail fails alone."""
         try:
             return self._sample(logits, reqs)
@@ -59,7 +52,7 @@ class Sampler:
                 errors[i] = type(e).__name__
         return SampleResult(tokens, lps, errors)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampleResult:
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> SampleResult:
         logits = logits.float()
         raw = logits
         logits = self._apply_penalties(logits, reqs)
@@ -101,13 +94,13 @@ class Sampler:
         return SampleResult(token_list, logprobs)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, reqs: list[CachedRequestState]) -> torch.Tensor:
         cloned = False
         for i, r in enumerate(reqs):
             p = r.params
             needs = (
                 p.logit_bias
-                or len(r.output_token_ids) < p.min_tokens
+                or r.num_output_tokens < p.min_tokens
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty
                 or p.frequency_penalty
@@ -122,7 +115,7 @@ class Sampler:
                 ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
                 vals = torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=row.dtype)
                 row.index_add_(0, ids, vals)
-            if len(r.output_token_ids) < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 banned = {t for t in banned if 0 <= t < vocab}  # ids past the vocabulary never come up
                 if banned:
@@ -131,7 +124,7 @@ class Sampler:
                 seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
                 counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)
                 counts = counts[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -143,7 +136,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, reqs: list[CachedRequestState]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         logits = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in reqs]

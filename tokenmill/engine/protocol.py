@@ -1,0 +1,129 @@
+"""The engine protocol: every message between a frontend (or a router) and an engine core, and the
+one codec that carries them. Torch-free, so a client or router imports it without the model stack.
+
+Messages are msgspec structs tagged by kind; requests, outputs and stats are dataclasses that msgspec
+encodes and decodes by their type annotations (MessagePack on the wire), so adding a field needs no
+mapping code.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.step import TokenLogprobs
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"  # the engine failed on this request (details in the engine's log); others go on
+
+
+@dataclass
+class EngineRequest:
+    """What a frontend sends to the engine core (token ids, never text)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    new_token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_batched_tokens_total: int
+
+
+# -- frontend -> engine ---------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    """End requests whose stop string the frontend saw."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+# -- engine -> frontend ---------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    info: dict[str, Any]  # max_model_len, vocab_size, num_blocks, block_size, load_seconds
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    """A step's outputs with the engine's stats; sent empty every second while idle (a heartbeat)."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+class Rejected(msgspec.Struct, tag="reject", array_like=True):
+    request_id: str
+    message: str
+
+
+class Dead(msgspec.Struct, tag="dead", array_like=True):
+    message: str
+
+
+ToEngine = AddRequest | AbortRequests | FinishRequests | Shutdown
+FromEngine = Ready | StepOutputs | Rejected | Dead
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)

@@ -1,0 +1,149 @@
+"""How a model is cut for tensor and pipeline parallelism, and the cutting of its weights at load time.
+
+Tensor parallelism splits attention by key/value-head groups (each rank keeps whole groups, so its
+query heads only read its own key/value heads; with more ranks than key/value heads, each head is
+replicated and its group's query heads are split), the MLP by intermediate columns, and the embedding
+and output head by vocabulary rows. Column-parallel layers (qkv, gate_up, lm_head) keep the rows
+of their outputs; row-parallel layers (o_proj, down) keep the matching input columns, and their
+outputs are summed over the ranks. Splits need not be even: SmolLM2-135M has 9 query and 3 key/value
+heads, so two ranks hold 2 and 1 groups. Pipeline parallelism gives each stage a run of layers; the
+first holds the embedding, the last the final norm and the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tokenmill.models.config import ModelConfig
+
+
+def split_range(n: int, parts: int, i: int) -> range:
+    """Part i of `parts` near-equal consecutive parts of range(n)."""
+    if n < parts:
+        raise ValueError(f"cannot split {n} into {parts} non-empty parts")
+    return range(i * n // parts, (i + 1) * n // parts)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What one rank holds of a model."""
+
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+    layers: range  # global indices of this stage's layers
+    first_stage: bool
+    last_stage: bool
+    tp_size: int = 1
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> Shard:
+        return cls.of(cfg, 1, 0, 1, 0)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Shard:
+        q_per_kv = cfg.num_heads // cfg.num_kv_heads
+        if tp_size <= cfg.num_kv_heads:
+            kv = split_range(cfg.num_kv_heads, tp_size, tp_rank)
+            q = range(kv.start * q_per_kv, kv.stop * q_per_kv)
+        else:
+            if tp_size % cfg.num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size {tp_size} exceeds the {cfg.num_kv_heads} key/value heads and is "
+                    "not a multiple of them"
+                )
+            ranks_per_kv = tp_size // cfg.num_kv_heads
+            if ranks_per_kv > q_per_kv:
+                raise ValueError(f"tensor_parallel_size {tp_size} exceeds the {cfg.num_heads} query heads")
+            head = tp_rank // ranks_per_kv
+            sub = split_range(q_per_kv, ranks_per_kv, tp_rank % ranks_per_kv)
+            q = range(head * q_per_kv + sub.start, head * q_per_kv + sub.stop)
+            kv = range(head, head + 1)
+        if pp_size > cfg.num_layers:
+            raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {cfg.num_layers} layers")
+        return cls(
+            q_heads=q,
+            kv_heads=kv,
+            intermediate=split_range(cfg.intermediate_size, tp_size, tp_rank),
+            vocab=split_range(cfg.vocab_size, tp_size, tp_rank),
+            layers=split_range(cfg.num_layers, pp_size, pp_rank),
+            first_stage=pp_rank == 0,
+            last_stage=pp_rank == pp_size - 1,
+            tp_size=tp_size,
+        )
+
+    def vocab_sizes(self, cfg: ModelConfig) -> list[int]:
+        """Every TP rank's vocabulary slice length, in rank order (for gathering logits)."""
+        return [len(split_range(cfg.vocab_size, self.tp_size, r)) for r in range(self.tp_size)]
+
+
+class Collectives(Protocol):
+    """The two collectives a tensor-parallel model needs (the worker's ParallelState provides them)."""
+
+    tp_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor: ...
+
+
+class NoCollectives:
+    tp_size = 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return t
+
+
+def _rows(t: torch.Tensor, r: range, unit: int = 1) -> torch.Tensor:
+    return t[r.start * unit : r.stop * unit]
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, s: Shard) -> dict[str, torch.Tensor]:
+    """This rank's tensors, under local names (layer i of the stage is `layers.i`). The whole model's
+    shard returns the same tensors (no copies)."""
+    d, q_size, kv_size = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    tp = s.tp_size > 1
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            i = int(idx)
+            if i not in s.layers:
+                continue
+            local = f"layers.{i - s.layers.start}.{rest}"
+            if not tp:
+                pass
+            elif rest.startswith("self_attn.qkv_proj."):
+                q, k, v = t[:q_size], t[q_size : q_size + kv_size], t[q_size + kv_size :]
+                t = torch.cat([_rows(q, s.q_heads, d), _rows(k, s.kv_heads, d), _rows(v, s.kv_heads, d)])
+            elif rest == "self_attn.o_proj.weight":
+                t = t[:, s.q_heads.start * d : s.q_heads.stop * d]
+            elif rest == "mlp.gate_up_proj.weight":
+                gate, up = t[: cfg.intermediate_size], t[cfg.intermediate_size :]
+                t = torch.cat([_rows(gate, s.intermediate), _rows(up, s.intermediate)])
+            elif rest == "mlp.down_proj.weight":
+                t = t[:, s.intermediate.start : s.intermediate.stop]
+            elif rest.endswith("_proj.bias") and "qkv" not in rest:
+                raise ValueError(f"{name}: a bias on a row-parallel layer is not supported")
+            out[local] = t
+        elif name == "embed_tokens.weight":
+            if s.first_stage:
+                out[name] = _rows(t, s.vocab) if tp else t
+            if s.last_stage and cfg.tie_word_embeddings and not s.first_stage:
+                out["lm_head.weight"] = _rows(t, s.vocab)  # the tied head, on a stage without the embedding
+        elif name == "lm_head.weight":
+            if s.last_stage:
+                out[name] = _rows(t, s.vocab) if tp else t
+        elif name == "norm.weight":
+            if s.last_stage:
+                out[name] = t
+        else:
+            raise ValueError(f"unexpected tensor {name!r}")
+    return out

@@ -1,0 +1,72 @@
+"""Executors drive the workers of one engine: one in this process, or one process per rank.
+
+The engine talks only to an executor: it sizes the KV pool from the workers' block costs, then hands
+each step (plain data) to `execute_model` and gets the sampling rank's output back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tokenmill.config import EngineConfig
+from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone: the engine cannot run another step."""
+
+
+class Executor(ABC):
+    @abstractmethod
+    def describe(self) -> dict:
+        """What the workers loaded: model_config (a dict), max_model_len, source, load_seconds."""
+
+    @abstractmethod
+    def kv_block_bytes(self, block_size: int) -> int:
+        """The largest per-worker cost of one KV block: the pool is sized so every worker fits it."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        return None
+
+
+class UniProcExecutor(Executor):
+    """The default: one worker, in the engine's own process, called directly (no copies, no pickling)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from tokenmill.worker.worker import Worker  # torch and the model: only when a worker is wanted
+
+        self.worker = Worker(config)
+
+    def describe(self) -> dict:
+        return self.worker.describe()
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        return self.worker.kv_block_bytes(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.worker.allocate_kv_cache(num_blocks, block_size)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(out)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    p = config.parallel
+    kind = p.executor
+    if kind == "auto":
+        kind = "mp" if p.world_size > 1 else "uni"
+    if kind == "uni":
+        if p.world_size > 1:
+            raise ValueError("executor 'uni' runs one worker; tensor/pipeline parallelism needs 'mp'")
+        return UniProcExecutor(config)
+    if kind == "mp":
+        from tokenmill.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    raise ValueError(f"unknown executor {p.executor!r}; available: auto, uni, mp")

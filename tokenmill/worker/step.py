@@ -1,0 +1,88 @@
+"""A step as plain data: what the scheduler decides (SchedulerOutput) and what the workers return
+(ModelRunnerOutput).
+
+This is the line between the engine core, which decides what runs, and the workers, which run it. No
+live object crosses it: only ids, token ids, block ids and sampling parameters, so a step can go to a
+worker in another process (or, later, on another host) as it is. Running requests travel as diffs:
+the worker keeps what it was told before (tokens, block table, random generator) until the request
+is preempted or finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers do not hold yet: a new one, or one coming back after a preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens sampled before a preemption (empty for a new request)
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix-cache hits)
+
+
+@dataclass
+class RunningRequestData:
+    """A request the workers already hold, as a diff against what they were told last step."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens the workers have not seen (those sampled since)
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    running_requests: list[RunningRequestData] = field(default_factory=list)
+    # Tokens to compute this step per request, in the order the requests were scheduled.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Draft tokens to verify per request (speculative decoding; empty until a proposer exists).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The workers drop these requests' state: preempted ones keep only their random generator (their
+    # draws continue where they stopped); finished ones are forgotten.
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    # Opaque to the engine loop: metadata for a KV connector (offload, prefill/decode transfer).
+    kv_connector_metadata: Any = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def scheduled_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+    def num_computed_before(self) -> dict[str, int]:
+        """Each scheduled request's computed tokens when this step starts."""
+        d = {r.request_id: r.num_computed_tokens for r in self.new_requests}
+        d.update((r.request_id, r.num_computed_tokens) for r in self.running_requests)
+        return d
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per request that sampled this step (a request still in its prompt does not).
+    req_ids: list[str] = field(default_factory=list)
+    # Several per request once drafts are verified; one for now.
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Request id -> what went wrong, for requests that could not be sampled (they fail alone).
+    errors: dict[str, str] = field(default_factory=dict)
+    execute_seconds: float = 0.0  # the forward pass and sampling, as the worker timed them

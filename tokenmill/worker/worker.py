@@ -1,0 +1,107 @@
+"""A worker: one device, its part of the model (whole, or a tensor/pipeline-parallel shard), its part
+of the KV cache, and the steps it runs.
+
+The engine asks every worker how many bytes a KV block costs it and sizes one pool that fits the
+smallest; each worker then allocates its share (its layers and key/value heads) of those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.llama import build_model
+from tokenmill.models.parallel import Shard
+from tokenmill.weights import catalog, loader
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.parallel_state import ParallelState
+from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.thread_governor import make_governor
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    return config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, parallel: ParallelState | None = None) -> None:
+        self.config = config
+        self.parallel = ps = parallel or ParallelState.single()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.governor = make_governor(config.adaptive_threads)
+        self.dtype = resolve_dtype(config.dtype)
+        self.device = torch.device(config.device)
+        t0 = time.perf_counter()
+        path = catalog.resolve(config.model)
+        cache_dir = Path(config.cache_dir) if config.cache_dir else None
+        loaded = loader.load(path, self.dtype, cache_dir)
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.source = path
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.shard = Shard.of(self.model_config, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank)
+        self.model = build_model(
+            self.model_config,
+            loaded.state_dict,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.kernels,
+            config.quantization,
+            shard=self.shard,
+            comm=ps,
+        )
+        del loaded
+        self.runner: ModelRunner | None = None
+        self.load_seconds = time.perf_counter() - t0
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV block of `block_size` tokens costs this worker (its layers, its kv heads)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        heads = len(self.shard.kv_heads)
+        return 2 * self.model.num_local_layers * block_size * heads * self.model_config.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            block_size,
+            self.dtype,
+            self.device,
+            self.config.kernels,
+            self.config.seed,
+            self.parallel,
+        )
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "allocate_kv_cache first"
+        result = self.runner.execute(out)
+        if self.governor is not None:
+            self.governor.tick()
+        return result
+
+    def describe(self) -> dict:
+        """Plain facts the engine needs from its workers (the same on every rank)."""
+        return {
+            "model_config": self.model_config.to_dict(),
+            "max_model_len": self.max_model_len,
+            "source": str(self.source),
+            "load_seconds": self.load_seconds,
+        }
