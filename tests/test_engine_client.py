@@ -72,7 +72,7 @@ def test_reject_abort_and_engine_death() -> None:
                 collect(llm, "doomed", [100] * 20, SamplingParams(max_tokens=10_000))
             )
             await asyncio.sleep(0.3)
-            os.kill(llm.client._proc.pid, signal.SIGKILL)
+            os.kill(llm.client.engine_pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 await asyncio.wait_for(pending, timeout=10)
             assert not llm.client.healthy

@@ -180,3 +180,19 @@ def test_a_dead_rank_ends_the_engine_with_an_error_not_a_hang() -> None:
         assert time.monotonic() - t0 < 60
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_serve_with_tensor_parallelism_answers_the_openai_client(reference, llm_fp32) -> None:
+    import openai
+    from server_fixture import running_server
+
+    args = ("--tensor-parallel-size", "2", "--dtype", "float32", "--max-num-batched-tokens", "32")
+    with running_server(*args) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=12, temperature=0
+        )
+    ref_tokens, _ = reference[0]
+    assert got.choices[0].text == llm_fp32.tokenizer.decode(ref_tokens)
+    assert got.usage.completion_tokens == 12

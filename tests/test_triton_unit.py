@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tokenmill.triton import dtypes
-from tokenmill.triton.backends import Instance, Request
+from tokenmill.triton.backends import InferRequest, Instance
 from tokenmill.triton.config import load_config
 from tokenmill.triton.pbtxt import ConfigError, parse
 from tokenmill.triton.scheduling import DefaultScheduler, DynamicBatcher, InferError
@@ -130,8 +130,8 @@ def cfg_for(tmp_path, dyn: str, max_batch: int = 8):
     )
 
 
-def req(v: float = 1.0, **kw) -> Request:
-    return Request({"X": np.array([[v]], np.float32)}, **kw)
+def req(v: float = 1.0, **kw) -> InferRequest:
+    return InferRequest({"X": np.array([[v]], np.float32)}, **kw)
 
 
 def run(coro):
@@ -222,7 +222,9 @@ def test_more_instances_raise_throughput(tmp_path) -> None:
         async def main():
             s = DefaultScheduler(cfg, [Recorder(delay=0.05) for _ in range(n)], ModelStats("m", "1"))
             t0 = time.perf_counter()
-            await asyncio.gather(*(s.submit(Request({"X": np.ones((1,), np.float32)})) for _ in range(8)))
+            await asyncio.gather(
+                *(s.submit(InferRequest({"X": np.ones((1,), np.float32)})) for _ in range(8))
+            )
             dt = time.perf_counter() - t0
             await s.close()
             return dt
@@ -318,7 +320,7 @@ def test_pytorch_backend(tmp_path, kind: str) -> None:
         repo = ModelRepository(tmp_path)
         await repo.start()
         a, b = np.array([[1, 2], [3, 4]], np.float32), np.ones((2, 2), np.float32)
-        out = await repo.infer("addsub", None, Request({"A": a, "B": b}))
+        out = await repo.infer("addsub", None, InferRequest({"A": a, "B": b}))
         await repo.close()
         return a, b, out
 
@@ -363,7 +365,7 @@ def test_memory_budget_unloads_least_recently_used(tmp_path) -> None:
         await repo.start()
         await repo.load("p1")
         raw = np.ones((1, 4), np.int32)
-        await repo.infer("p1", None, Request({"RAW": raw}))
+        await repo.infer("p1", None, InferRequest({"RAW": raw}))
         await repo.load("p2")  # does not fit beside p1: p1 goes
         states = {m["name"]: m["state"] for m in repo.index()}
         await repo.close()
@@ -397,7 +399,7 @@ def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
         repo = ModelRepository(tmp_path, mode="explicit", load_models=["pipeline"])
         await repo.start()
         ready = {n: repo.ready(n) for n in ("pipeline", "preprocess", "linear_onnx", "sleeper")}
-        out = await repo.infer("pipeline", None, Request({"RAW": np.array([[2, 4, 6, 8]], np.int32)}))
+        out = await repo.infer("pipeline", None, InferRequest({"RAW": np.array([[2, 4, 6, 8]], np.int32)}))
         await repo.unload("pipeline", unload_dependents=True)
         after = {n: repo.ready(n) for n in ("pipeline", "preprocess", "linear_onnx")}
         await repo.close()
@@ -421,7 +423,7 @@ def test_requests_are_served_in_arrival_order(tmp_path) -> None:
         async def client():
             for _ in range(5):
                 t = time.perf_counter()
-                await s.submit(Request({"X": np.ones((1,), np.float32)}))
+                await s.submit(InferRequest({"X": np.ones((1,), np.float32)}))
                 worst.append(time.perf_counter() - t)
 
         await asyncio.gather(*(client() for _ in range(4)))

@@ -1,35 +1,55 @@
-"""Configuration of the engine, one dataclass per layer, built once and passed down."""
+"""Configuration of the engine, one dataclass per layer, built once and passed down.
+
+Every field carries its help text; `tokenmill serve` and `tokenmill worker` generate their flags from
+these dataclasses (cli/config_options.py), grouped by section, and read the same tree from
+`--config FILE.yaml`. A new field is a new flag, with nothing copied by hand.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 from tokenmill.weights.catalog import DEFAULT_MODEL
 
 
+def setting(default: Any = MISSING, *, help: str, flag: str | None = None, envvar: str | None = None,
+            default_factory: Any = MISSING) -> Any:  # fmt: skip
+    """A config field with its command-line help (and, when the flag is not the field name, its flag)."""
+    meta = {"help": help, "flag": flag, "envvar": envvar}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decode tokens)
-    max_num_seqs: int = 256  # requests running at once
-    policy: str = "fcfs"  # or "priority": lower `priority` values first, preempted last
-    long_prefill_token_threshold: int | None = None  # cap one request's tokens per step
+    max_num_batched_tokens: int = setting(
+        2048, help="token budget of one step (prefill chunks + decode tokens)"
+    )
+    max_num_seqs: int = setting(256, help="requests running at once")
+    policy: str = setting("fcfs", help='"fcfs", or "priority": lower priority values first, preempted last')
+    long_prefill_token_threshold: int | None = setting(None, help="cap one request's tokens per step")
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory_gb: float = 1.0  # the pool is preallocated from this budget
-    num_blocks: int | None = None  # overrides the memory budget (tests)
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, help="tokens per KV block")
+    kv_cache_memory_gb: float = setting(1.0, help="KV cache budget; the pool is preallocated from it")
+    num_blocks: int | None = setting(None, help="KV blocks, overriding the memory budget")
+    enable_prefix_caching: bool = setting(True, help="reuse the KV of shared prompt prefixes")
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # ranks that split each layer (heads, MLP columns, vocabulary)
-    pipeline_parallel_size: int = 1  # ranks that each run a run of layers, one after the other
-    # "uni": one worker in the engine process; "mp": one process per rank; "auto": "mp" when there is
-    # more than one rank.
-    executor: str = "auto"
+    tensor_parallel_size: int = setting(
+        1, help="rank processes that split each layer (heads, MLP, vocabulary)"
+    )
+    pipeline_parallel_size: int = setting(1, help="rank processes that each run a run of layers, in turn")
+    executor: str = setting(
+        "auto",
+        help='"uni": one worker in the engine process; "mp": a process per rank; "auto": mp past 1 rank',
+    )
 
     @property
     def world_size(self) -> int:
@@ -38,24 +58,30 @@ class ParallelConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"  # or "float32" (or "float16" where the device supports it well)
-    device: str = "cpu"
-    max_model_len: int | None = None  # default: the model's context length, capped at 8192
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    model: str = setting(DEFAULT_MODEL, help="catalog name, .gguf path or Hugging Face directory")
+    dtype: str = setting("bfloat16", help='"bfloat16" or "float32" ("float16" where the device does it well)')
+    device: str = setting("cpu", help="torch device of the workers")
+    max_model_len: int | None = setting(None, help="context length (default: the model's, capped at 8192)")
+    num_threads: int | None = setting(
+        None, flag="threads", help="torch threads per worker (default: all cores)"
+    )
     # Fewer threads while other processes crowd the cores, all of them again once the machine is
     # quiet (worker/thread_governor.py): a busy neighbour costs its share, not a 70x stall.
-    adaptive_threads: bool = True
+    adaptive_threads: bool = setting(True, help="use fewer threads while other processes crowd the cores")
     # "torch": plain-PyTorch reference everywhere; "cpu": tokenmill's C++ kernels (paged decode attention,
     # fused norm/rope/silu) at the best instruction-set level this CPU runs; a level name ("avx2",
     # "avx512", "avx512_bf16"): that build, to test the path another CPU takes; "auto": the C++ kernels
     # on a CPU if they build and run here, else the reference with a one-line warning.
-    kernels: str = "auto"
+    kernels: str = setting(
+        "auto", help='"auto", "torch" (reference), "cpu", or an ISA level (avx2, avx512, ...)'
+    )
     # None: weights in `dtype`. "int4": weight-only 4-bit (groups of 32) for decode-sized batches, the
     # precision of a Q4_0/Q4_1 GGUF file; larger batches use the dtype copy.
-    quantization: str | None = None
-    cache_dir: str | None = None  # where dequantized GGUF weights are cached
-    seed: int = 0  # for requests without their own seed
+    quantization: str | None = setting(
+        None, help='"int4": 4-bit weights for small batches (Q4 GGUF precision)'
+    )
+    cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
+    seed: int = setting(0, help="random seed for requests without their own")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

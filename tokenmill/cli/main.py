@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,10 @@ from rich.table import Table
 
 from tokenmill.cli.bench import bench_app
 from tokenmill.cli.common import console, err, fail
+from tokenmill.cli.config_options import ENGINE_SECTIONS, SERVER_SECTIONS, config_command
 from tokenmill.cli.size import size_app
+from tokenmill.config import EngineConfig
+from tokenmill.server.config import ServerConfig
 from tokenmill.weights import catalog
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenmill: serve, measure and size LLMs.")
@@ -195,89 +199,24 @@ def chat_cmd(
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-@app.command()
-def serve(
-    model: str = typer.Option(catalog.DEFAULT_MODEL, help="catalog name, .gguf path or HF directory"),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8000),
-    served_model_name: str | None = typer.Option(None, help="the name clients use (default: --model)"),
-    api_key: str | None = typer.Option(None, envvar="TOKENMILL_API_KEY", help="require this bearer token"),
-    dtype: str = typer.Option("bfloat16"),
-    quantization: str | None = typer.Option(None, help=QUANT_HELP),
-    max_model_len: int | None = typer.Option(None),
-    max_num_seqs: int = typer.Option(256, help="requests running at once"),
-    max_num_batched_tokens: int = typer.Option(2048, help="token budget per engine step"),
-    max_queued_requests: int = typer.Option(
-        256, help="requests that may wait beyond max-num-seqs (then 429)"
-    ),
-    max_pending_tokens: int = typer.Option(
-        1_000_000, help="prompt tokens in flight before new requests get 429"
-    ),
-    kv_cache_memory_gb: float = typer.Option(1.0, help="KV cache budget"),
-    threads: int | None = typer.Option(None, help="torch threads in the engine process (default: all cores)"),
-    adaptive_threads: bool = typer.Option(
-        True, help="use fewer engine threads while other processes crowd the cores (see docs/benchmarks.md)"
-    ),
-    drain_timeout: float = typer.Option(30.0, help="seconds in-flight requests get to finish on SIGTERM"),
-    model_repository: Path | None = typer.Option(
-        None, help="Triton-layout model repository served with the KServe v2 protocol under /v2"
-    ),
-    model_control_mode: str = typer.Option("none", help="none, poll or explicit (as Triton)"),
-    load_model: list[str] = typer.Option([], help="model to load at start in explicit mode ('*': all)"),
-    repository_poll_secs: float = typer.Option(15.0, help="rescan interval in poll mode"),
-    model_memory_budget_mb: float | None = typer.Option(
-        None, help="unload least recently used models to stay under this size"
-    ),
-    grpc_port: int = typer.Option(8001, help="KServe v2 gRPC port when serving a model repository (0: off)"),
-    tensor_parallel_size: int = typer.Option(1, help="worker processes that split each layer"),
-    pipeline_parallel_size: int = typer.Option(1, help="worker processes that each run a run of layers"),
-) -> None:
+def serve(config: ServerConfig) -> None:
     """Serve the OpenAI-compatible API (engine core in its own process)."""
-    from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-    from tokenmill.server.config import ServerConfig
     from tokenmill.server.main import run
 
+    engine = config.engine
     try:
-        catalog.resolve(model)
+        catalog.resolve(engine.model)
     except catalog.ModelNotFoundError as e:
         fail(str(e))
-    if model_repository is not None and not model_repository.is_dir():
-        fail(f"--model-repository {model_repository} is not a directory")
-    if model_control_mode not in ("none", "poll", "explicit"):
-        fail(f"--model-control-mode {model_control_mode!r}: use none, poll or explicit")
-    if load_model and model_control_mode != "explicit":
+    repo = config.model_repository
+    if repo is not None and not Path(repo).is_dir():
+        fail(f"--model-repository {repo} is not a directory")
+    if config.model_control_mode not in ("none", "poll", "explicit"):
+        fail(f"--model-control-mode {config.model_control_mode!r}: use none, poll or explicit")
+    if config.load_models and config.model_control_mode != "explicit":
         fail("--load-model applies to --model-control-mode explicit")
-    engine = EngineConfig(
-        model=model,
-        dtype=dtype,
-        quantization=quantization,
-        max_model_len=max_model_len,
-        num_threads=threads,
-        adaptive_threads=adaptive_threads,
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
-        cache=CacheConfig(kv_cache_memory_gb=kv_cache_memory_gb),
-        parallel=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
-        ),
-    )
-    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+    if engine.parallel.tensor_parallel_size < 1 or engine.parallel.pipeline_parallel_size < 1:
         fail("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
-    config = ServerConfig(
-        host=host,
-        port=port,
-        served_model_name=served_model_name,
-        api_key=api_key,
-        max_queued_requests=max_queued_requests,
-        max_pending_tokens=max_pending_tokens,
-        drain_timeout_s=drain_timeout,
-        engine=engine,
-        model_repository=str(model_repository) if model_repository else None,
-        model_control_mode=model_control_mode,
-        load_models=load_model,
-        repository_poll_secs=repository_poll_secs,
-        model_memory_budget_mb=model_memory_budget_mb,
-        grpc_port=grpc_port,
-    )
     from tokenmill.engine.client import EngineDeadError
 
     try:
@@ -286,6 +225,41 @@ def serve(
         fail(str(e))
     except KeyboardInterrupt:
         pass
+
+
+def worker(config: EngineConfig, listen: str) -> None:
+    """Serve one engine over the engine protocol, for a front started elsewhere (`serve --worker-url`).
+
+    Anyone who can reach the address can use the engine: listen on 127.0.0.1 or a private network.
+    """
+    import logging
+
+    import zmq
+
+    from tokenmill.engine.engine_server import serve_engine
+
+    if not listen.startswith(("tcp://", "ipc://")):
+        fail(f"--listen {listen!r}: use tcp://HOST:PORT or ipc://PATH")
+    try:
+        catalog.resolve(config.model)
+    except catalog.ModelNotFoundError as e:
+        fail(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = serve_engine(config, listen)
+    except zmq.ZMQError as e:
+        fail(f"cannot listen on {listen}: {e}")
+    except KeyboardInterrupt:
+        code = 0
+    raise typer.Exit(code)
+
+
+config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve)
+_listen = typer.Option(..., "--listen", help="where to serve the engine protocol: tcp://HOST:PORT or ipc://PATH")
+config_command(
+    app, "worker", EngineConfig, ENGINE_SECTIONS, worker,
+    extra=[inspect.Parameter("listen", inspect.Parameter.KEYWORD_ONLY, default=_listen, annotation=str)],
+)  # fmt: skip
 
 
 def main() -> None:

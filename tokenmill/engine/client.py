@@ -1,8 +1,9 @@
 """EngineClient: how an asyncio frontend talks to an engine core, wherever the core runs.
 
-`MPEngineClient` starts the engine core in its own process and talks to it over ZeroMQ, so HTTP
-handling, tokenization and detokenization never wait behind a forward pass. The same interface can
-later reach a remote worker (tcp:// instead of ipc://).
+`ZmqEngineClient` talks the engine protocol (engine/protocol.py) to an engine served at an address:
+ipc:// for one this host launched, tcp:// for a worker started elsewhere (`tokenmill worker --listen`).
+`MPEngineClient` is that client plus `LocalEngineLauncher`, which starts the engine in its own process,
+so HTTP handling, tokenization and detokenization never wait behind a forward pass.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import HEARTBEAT_S, run_engine_process
 from tokenmill.engine.protocol import (
     AbortRequests,
     AddRequest,
@@ -29,6 +29,7 @@ from tokenmill.engine.protocol import (
     EngineRequest,
     EngineStats,
     FinishRequests,
+    Hello,
     Ready,
     Rejected,
     Shutdown,
@@ -83,57 +84,58 @@ class EngineClient(ABC):
     def stats(self) -> EngineStats | None: ...
 
 
-class MPEngineClient(EngineClient):
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
-        self.config = config
+class ZmqEngineClient(EngineClient):
+    """Talks the engine protocol to an engine served at `address` (ipc:// on this host, tcp:// from
+    anywhere). It does not start the engine: see MPEngineClient for one it launches itself.
+
+    An engine that stops answering (no heartbeat for `heartbeat_timeout` seconds) is declared dead,
+    and its requests fail rather than wait forever.
+    """
+
+    def __init__(self, address: str, startup_timeout: float = 600.0, heartbeat_timeout: float = 40.0) -> None:
+        self.address = address
         self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.info = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: EngineStats | None = None
         self._dead: str | None = None
         self._last_heard = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._proc: Any = None
-        self._dir = tempfile.TemporaryDirectory(prefix="tokenmill-")
-        base = Path(self._dir.name)
-        self.input_addr = f"ipc://{base / 'in'}"
-        self.output_addr = f"ipc://{base / 'out'}"
+        self._ctx: zmq.asyncio.Context | None = None
+
+    def _process_exit(self) -> str | None:
+        """Why the engine's process is gone, when this client knows its process (else None)."""
+        return None
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._to_engine.bind(self.input_addr)
-        self._from_engine = self._ctx.socket(zmq.PULL)
-        self._from_engine.bind(self.output_addr)
-        # spawn: a fresh interpreter, not a fork of an asyncio process with threads and sockets.
-        self._proc = mp.get_context("spawn").Process(
-            target=run_engine_process,
-            args=(self.config, self.input_addr, self.output_addr),
-            name="tokenmill-engine",
-            daemon=True,
-        )
-        self._proc.start()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.connect(self.address)
+        self._sock.send(encode(Hello()))
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if await self._from_engine.poll(200):
-                msg = decode_from_engine(await self._from_engine.recv())
+            if await self._sock.poll(200):
+                msg = decode_from_engine(await self._sock.recv())
                 if isinstance(msg, Ready):
                     self.info = msg.info
                     break
                 if isinstance(msg, Dead):
                     self._dead = msg.message
                     raise EngineDeadError(msg.message)
-            if not self._proc.is_alive():
-                self._dead = f"engine process exited with code {self._proc.exitcode} while starting"
+            if (gone := self._process_exit()) is not None:
+                self._dead = f"{gone} while starting"
                 raise EngineDeadError(self._dead)
             if time.monotonic() > deadline:
-                raise EngineDeadError(f"engine did not start within {self.startup_timeout:.0f}s")
+                raise EngineDeadError(
+                    f"no engine answered at {self.address} within {self.startup_timeout:.0f}s"
+                )
         self._last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
     async def _receive(self) -> None:
         while True:
-            msg = decode_from_engine(await self._from_engine.recv())
+            msg = decode_from_engine(await self._sock.recv())
             self._last_heard = time.monotonic()
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
@@ -153,8 +155,10 @@ class MPEngineClient(EngineClient):
     async def _watch(self) -> None:
         while self._dead is None:
             await asyncio.sleep(0.25)
-            if not self._proc.is_alive():
-                self._fail(f"engine process exited with code {self._proc.exitcode}")
+            if (gone := self._process_exit()) is not None:
+                self._fail(gone)
+            elif time.monotonic() - self._last_heard > self.heartbeat_timeout:
+                self._fail(f"no word from the engine at {self.address} for {self.heartbeat_timeout:.0f}s")
 
     def _fail(self, reason: str) -> None:
         self._dead = reason
@@ -165,7 +169,7 @@ class MPEngineClient(EngineClient):
     def _send(self, msg: ToEngine) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        self._to_engine.send(encode(msg))  # a PUSH send on an asyncio socket never blocks here
+        self._sock.send(encode(msg))  # a DEALER send on an asyncio socket never blocks here
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
@@ -187,12 +191,12 @@ class MPEngineClient(EngineClient):
 
     @property
     def healthy(self) -> bool:
-        fresh = time.monotonic() - self._last_heard < 10 * HEARTBEAT_S + 30  # a long step is not death
-        return self._dead is None and self._proc is not None and self._proc.is_alive() and fresh
+        fresh = time.monotonic() - self._last_heard < self.heartbeat_timeout  # a long step is not death
+        return self._dead is None and self._process_exit() is None and fresh
 
     @property
     def engine_pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return self.info.get("pid")
 
     @property
     def dead_reason(self) -> str | None:
@@ -207,18 +211,79 @@ class MPEngineClient(EngineClient):
         return len(self._queues)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
+        """Leave the engine; an engine this client does not own keeps running for others."""
         for t in self._tasks:
             t.cancel()
-        if self._proc is not None and self._proc.is_alive():
-            with contextlib.suppress(Exception):
-                self._to_engine.send(encode(Shutdown()))
-            deadline = time.monotonic() + timeout
-            while self._proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self._proc.is_alive():
-                self._proc.kill()
-        self._ctx.destroy(linger=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+
+class LocalEngineLauncher:
+    """Starts an engine process on this host serving at an ipc:// address, and stops it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="tokenmill-")
+        self.address = f"ipc://{Path(self._dir.name) / 'engine'}"
+        self.config = config
+        self.proc: Any = None
+
+    def start(self) -> None:
+        # spawn: a fresh interpreter, not a fork of an asyncio process with threads and sockets.
+        self.proc = mp.get_context("spawn").Process(
+            target=_engine_process_main,
+            args=(self.config, self.address),
+            name="tokenmill-engine",
+            daemon=True,  # its rank processes (parallelism) are started by subprocess: allowed
+        )
+        self.proc.start()
+
+    def exit_reason(self) -> str | None:
+        if self.proc is not None and not self.proc.is_alive():
+            return f"engine process exited with code {self.proc.exitcode}"
+        return None
+
+    async def stop(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
         self._dir.cleanup()
+
+
+def _engine_process_main(config: EngineConfig, address: str) -> None:
+    from tokenmill.engine.engine_server import serve_engine
+
+    raise SystemExit(serve_engine(config, address, launched_by_parent=True))
+
+
+class MPEngineClient(ZmqEngineClient):
+    """The server's default: an engine process of its own, launched here and talked to over ipc://."""
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        self.launcher = LocalEngineLauncher(config)
+        super().__init__(self.launcher.address, startup_timeout)
+
+    def _process_exit(self) -> str | None:
+        return self.launcher.exit_reason()
+
+    async def start(self) -> None:
+        self.launcher.start()
+        await super().start()
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None if self.launcher.proc is None else self.launcher.proc.pid
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        if self.launcher.proc is not None and self.launcher.proc.is_alive() and self._ctx is not None:
+            with contextlib.suppress(Exception):
+                self._sock.send(encode(Shutdown()))
+        for t in self._tasks:
+            t.cancel()
+        await self.launcher.stop(timeout)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
 
 
 def new_request_id(prefix: str = "req") -> str:

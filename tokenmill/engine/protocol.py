@@ -70,6 +70,10 @@ class EngineStats:
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """A frontend introduces itself; the engine answers Ready (or Dead) and heartbeats it from then on."""
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request: EngineRequest
 
@@ -90,7 +94,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 # -- engine -> frontend ---------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready", array_like=True):
-    info: dict[str, Any]  # max_model_len, vocab_size, num_blocks, block_size, load_seconds
+    info: dict[str, Any]  # max_model_len, vocab_size, num_blocks, block_size, load_seconds, model, pid
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
@@ -109,7 +113,7 @@ class Dead(msgspec.Struct, tag="dead", array_like=True):
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | FinishRequests | Shutdown
+ToEngine = Hello | AddRequest | AbortRequests | FinishRequests | Shutdown
 FromEngine = Ready | StepOutputs | Rejected | Dead
 
 _encoder = msgspec.msgpack.Encoder()

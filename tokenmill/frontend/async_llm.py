@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.client import EngineClient, MPEngineClient, RequestFailedError
+from tokenmill.engine.client import EngineClient, MPEngineClient, RequestFailedError, ZmqEngineClient
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
@@ -31,11 +31,18 @@ class AsyncLLM:
         self.on_aborted: Callable[[int], None] | None = None  # with the number of sequences cut short
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncLLM:
-        """Start the engine process and load the tokenizer here (no weights in this process)."""
+    async def start(cls, config: EngineConfig, worker_url: str | None = None) -> AsyncLLM:
+        """Start the engine process (or reach the one serving at `worker_url`) and load the tokenizer
+        here (no weights in this process)."""
         path = catalog.resolve(config.model)
-        client = MPEngineClient(config)
+        client: EngineClient = MPEngineClient(config) if worker_url is None else ZmqEngineClient(worker_url)
         await client.start()
+        served = client.info.get("model")
+        if worker_url is not None and served is not None and served != config.model:
+            await client.shutdown()
+            raise ValueError(
+                f"the worker at {worker_url} serves {served!r}, not {config.model!r}: pass --model {served}"
+            )
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
         from tokenmill.weights import loader  # reads GGUF with numpy/torch: only when starting
 

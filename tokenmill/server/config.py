@@ -1,31 +1,40 @@
-"""Server settings (one dataclass, built from CLI flags)."""
+"""Server settings: one dataclass over the engine's tree, built from CLI flags or a YAML file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, setting
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # default: the --model value
-    api_key: str | None = None
+    host: str = setting("127.0.0.1", help="address to listen on")
+    port: int = setting(8000, help="HTTP port")
+    served_model_name: str | None = setting(None, help="the model name clients use (default: --model)")
+    api_key: str | None = setting(None, envvar="TOKENMILL_API_KEY", help="require this bearer token")
     # Admission: requests beyond max_num_seqs that may wait in the engine; more get 429.
-    max_queued_requests: int = 256
-    max_pending_tokens: int = 1_000_000  # prompt tokens in flight (a lone request may exceed it)
-    drain_timeout_s: float = 30.0
+    max_queued_requests: int = setting(256, help="requests that may wait beyond max-num-seqs (then 429)")
+    max_pending_tokens: int = setting(1_000_000, help="prompt tokens in flight before new requests get 429")
+    drain_timeout_s: float = setting(
+        30.0, flag="drain-timeout", help="seconds requests get to finish on SIGTERM"
+    )
     # Request bodies, compressed or after decompression (KServe's gzip/deflate), are capped at this.
-    max_request_body_mb: float = 64.0
+    max_request_body_mb: float = setting(64.0, help="largest request body, compressed or inflated")
     # KServe v2 model repository (Triton's flags); None: the OpenAI API only.
-    model_repository: str | None = None
-    model_control_mode: str = "none"
-    load_models: list[str] = field(default_factory=list)
-    repository_poll_secs: float = 15.0
-    model_memory_budget_mb: float | None = None
-    grpc_port: int = 8001  # KServe v2 over gRPC, with a model repository; 0: off
+    model_repository: str | None = setting(None, help="Triton-layout model repository served under /v2")
+    model_control_mode: str = setting("none", help="none, poll or explicit (as Triton)")
+    load_models: list[str] = setting(
+        default_factory=list, flag="load-model", help="model to load at start in explicit mode ('*': all)"
+    )
+    repository_poll_secs: float = setting(15.0, help="rescan interval in poll mode")
+    model_memory_budget_mb: float | None = setting(None, help="unload least recently used models past this")
+    grpc_port: int = setting(8001, help="KServe v2 gRPC port with a model repository (0: off)")
+    # An engine already serving at this address (`tokenmill worker --listen`) instead of one launched
+    # here; `engine.model` must name the same model (the tokenizer is loaded here from it).
+    worker_url: str | None = setting(
+        None, help="use the engine a `tokenmill worker` serves at this tcp:// address"
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property

@@ -23,7 +23,7 @@ log = logging.getLogger("tokenmill.server")
 
 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
-    llm = await AsyncLLM.start(config.engine)
+    llm = await AsyncLLM.start(config.engine, config.worker_url)
     repo = None
     if config.model_repository:
         from tokenmill.triton.repository import ModelRepository

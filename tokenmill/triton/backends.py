@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.triton.config import ModelConfig
+from tokenmill.triton.config import TritonModelConfig
 
 
 class ModelError(Exception):
@@ -27,7 +27,7 @@ class ModelError(Exception):
 
 
 @dataclass
-class Request:
+class InferRequest:
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
@@ -40,7 +40,7 @@ class Request:
     @classmethod
     def from_protocol(
         cls, inputs: dict[str, np.ndarray], outputs: list[str] | None, params: dict[str, Any], request_id: str
-    ) -> Request:
+    ) -> InferRequest:
         """A request from KServe v2 parameters (sequence_id/start/end, priority, timeout)."""
         from tokenmill.triton.pb_utils import (
             TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
@@ -61,7 +61,7 @@ class Request:
             timeout_us=int(params.get("timeout", 0) or 0),
         )
 
-    def batch_size(self, cfg: ModelConfig) -> int:
+    def batch_size(self, cfg: TritonModelConfig) -> int:
         if not cfg.batched or not self.inputs:
             return 1
         return int(next(iter(self.inputs.values())).shape[0])
@@ -72,14 +72,14 @@ Outputs = dict[str, np.ndarray]
 
 class Instance(ABC):
     @abstractmethod
-    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+    def execute(self, reqs: list[InferRequest]) -> list[Outputs | Exception]:
         """One result per request: its outputs, or the exception that failed it."""
 
     def finalize(self) -> None:  # noqa: B027 (optional hook: most backends have nothing to release)
         return None
 
 
-def _model_file(version_dir: Path, cfg: ModelConfig, default: str) -> Path:
+def _model_file(version_dir: Path, cfg: TritonModelConfig, default: str) -> Path:
     path = version_dir / (cfg.raw.get("default_model_filename") or default)
     if not path.exists():
         raise ModelError(f"{cfg.name}: {path} not found")
@@ -87,7 +87,7 @@ def _model_file(version_dir: Path, cfg: ModelConfig, default: str) -> Path:
 
 
 class PythonInstance(Instance):
-    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int, module: Any) -> None:
+    def __init__(self, cfg: TritonModelConfig, version_dir: Path, index: int, module: Any) -> None:
         self.cfg = cfg
         self.model = module.TritonPythonModel()
         args = {
@@ -103,7 +103,7 @@ class PythonInstance(Instance):
             self.model.initialize(args)
 
     @staticmethod
-    def load_module(cfg: ModelConfig, version_dir: Path) -> Any:
+    def load_module(cfg: TritonModelConfig, version_dir: Path) -> Any:
         from tokenmill.triton import pb_utils
 
         sys.modules.setdefault("triton_python_backend_utils", pb_utils)
@@ -117,7 +117,7 @@ class PythonInstance(Instance):
             raise ModelError(f"{path} defines no TritonPythonModel class")
         return module
 
-    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+    def execute(self, reqs: list[InferRequest]) -> list[Outputs | Exception]:
         from tokenmill.triton import pb_utils
 
         pb_reqs = [
@@ -154,14 +154,14 @@ class PythonInstance(Instance):
 class _BatchingInstance(Instance, ABC):
     """Runs a batch as one call: inputs concatenated along the batch dimension (batched models)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: TritonModelConfig) -> None:
         self.cfg = cfg
 
     @abstractmethod
     def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> Outputs:
         """The named outputs for one (possibly merged) batch of inputs."""
 
-    def execute(self, reqs: list[Request]) -> list[Outputs | Exception]:
+    def execute(self, reqs: list[InferRequest]) -> list[Outputs | Exception]:
         names = [o.name for o in self.cfg.outputs]
         if not self.cfg.batched:
             return [self.run(r.inputs, names) for r in reqs]
@@ -173,7 +173,7 @@ class _BatchingInstance(Instance, ABC):
 
 
 class OnnxInstance(_BatchingInstance):
-    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int) -> None:
+    def __init__(self, cfg: TritonModelConfig, version_dir: Path, index: int) -> None:
         super().__init__(cfg)
         import onnxruntime as ort
 
@@ -201,7 +201,7 @@ class OnnxInstance(_BatchingInstance):
 class TorchInstance(_BatchingInstance):
     """TorchScript (model.pt) or torch.export (model.pt2); inputs in config order, outputs likewise."""
 
-    def __init__(self, cfg: ModelConfig, version_dir: Path, index: int) -> None:
+    def __init__(self, cfg: TritonModelConfig, version_dir: Path, index: int) -> None:
         super().__init__(cfg)
         import torch
 
@@ -231,7 +231,7 @@ class TorchInstance(_BatchingInstance):
         return {n: t.numpy() for n, t in zip(outputs, res, strict=False)}
 
 
-def create_instances(cfg: ModelConfig, version_dir: Path) -> list[Instance]:
+def create_instances(cfg: TritonModelConfig, version_dir: Path) -> list[Instance]:
     if cfg.backend == "python":
         module = PythonInstance.load_module(cfg, version_dir)
         return [PythonInstance(cfg, version_dir, i, module) for i in range(cfg.instance_count)]

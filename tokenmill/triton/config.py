@@ -159,7 +159,7 @@ class TensorSpec:
 
 
 @dataclass
-class ModelConfig:
+class TritonModelConfig:
     name: str
     backend: str  # python | onnxruntime | pytorch | ensemble
     max_batch_size: int
@@ -203,7 +203,7 @@ class ModelConfig:
         return d
 
 
-def load_config(model_dir: Path) -> ModelConfig:
+def load_config(model_dir: Path) -> TritonModelConfig:
     path = model_dir / "config.pbtxt"
     source = str(path)
     if not path.is_file():
@@ -248,7 +248,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise ConfigError(f"{source}: dynamic_batching needs max_batch_size > 0")
     if dyn is not None and any(p > raw["max_batch_size"] for p in dyn.get("preferred_batch_size", [])):
         raise ConfigError(f"{source}: a preferred_batch_size is larger than max_batch_size")
-    return ModelConfig(
+    return TritonModelConfig(
         name=name,
         backend=backend,
         max_batch_size=raw.get("max_batch_size", 0),

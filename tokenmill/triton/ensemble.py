@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from tokenmill.triton.backends import Outputs, Request
-from tokenmill.triton.config import ModelConfig
+from tokenmill.triton.backends import InferRequest, Outputs
+from tokenmill.triton.config import TritonModelConfig
 from tokenmill.triton.scheduling import InferError
 
 # (model name, version or -1, request) -> outputs: the repository's infer.
-InferFn = Callable[[str, int, Request], Awaitable[Outputs]]
+InferFn = Callable[[str, int, InferRequest], Awaitable[Outputs]]
 
 
-def check_graph(cfg: ModelConfig) -> None:
+def check_graph(cfg: TritonModelConfig) -> None:
     """Every step input must come from the ensemble's inputs or an earlier step's output."""
     have = {t.name for t in cfg.inputs}
     produced = {v for s in cfg.ensemble_steps for v in (m["value"] for m in s.get("output_map", []))}
@@ -34,7 +34,7 @@ def check_graph(cfg: ModelConfig) -> None:
             raise ValueError(f"ensemble {cfg.name!r}: output {t.name!r} is produced by no step")
 
 
-async def run_ensemble(cfg: ModelConfig, req: Request, infer: InferFn) -> Outputs:
+async def run_ensemble(cfg: TritonModelConfig, req: InferRequest, infer: InferFn) -> Outputs:
     tensors = dict(req.inputs)
     pending = list(range(len(cfg.ensemble_steps)))
     running: dict[asyncio.Task, int] = {}
@@ -44,7 +44,7 @@ async def run_ensemble(cfg: ModelConfig, req: Request, infer: InferFn) -> Output
                 step = cfg.ensemble_steps[i]
                 needs = {m["key"]: m["value"] for m in step.get("input_map", [])}
                 if all(v in tensors for v in needs.values()):
-                    sub = Request(
+                    sub = InferRequest(
                         {k: tensors[v] for k, v in needs.items()},
                         requested_outputs=[m["key"] for m in step.get("output_map", [])] or None,
                         parameters=req.parameters,

@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 import tokenmill
 from tokenmill.triton import dtypes
-from tokenmill.triton.backends import Request
+from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.http import EXTENSIONS
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
@@ -88,13 +88,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[tm(**t.metadata(cfg.batched)) for t in cfg.outputs],
         )
 
-    async def ModelConfig(self, request, context):  # noqa: N802
+    async def TritonModelConfig(self, request, context):  # noqa: N802
         try:
             v = self.repo.get(request.name, request.version or None)
         except InferError as e:
             await _abort(context, e)
         cfg = json_format.ParseDict(
-            v.cfg.to_json(), model_config_pb2.ModelConfig(), ignore_unknown_fields=True
+            v.cfg.to_json(), model_config_pb2.TritonModelConfig(), ignore_unknown_fields=True
         )
         return service_pb2.ModelConfigResponse(config=cfg)
 
@@ -154,7 +154,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return resp
 
 
-def _request(r: service_pb2.ModelInferRequest) -> Request:
+def _request(r: service_pb2.ModelInferRequest) -> InferRequest:
     inputs: dict[str, np.ndarray] = {}
     raw = list(r.raw_input_contents)
     if raw and len(raw) != len(r.inputs):
@@ -177,7 +177,7 @@ def _request(r: service_pb2.ModelInferRequest) -> Request:
             raise InferError(400, f"input {t.name!r}: {e}") from None
     params = {k: _param(p) for k, p in r.parameters.items()}
     try:
-        return Request.from_protocol(inputs, [o.name for o in r.outputs] or None, params, r.id)
+        return InferRequest.from_protocol(inputs, [o.name for o in r.outputs] or None, params, r.id)
     except (TypeError, ValueError):
         raise InferError(400, "priority and timeout parameters must be integers") from None
 

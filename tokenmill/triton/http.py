@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.triton import dtypes
-from tokenmill.triton.backends import Request as InferRequest
+from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
 

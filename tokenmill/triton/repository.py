@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from tokenmill.triton import pb_utils
-from tokenmill.triton.backends import ModelError, Outputs, Request, create_instances
-from tokenmill.triton.config import ModelConfig, load_config
+from tokenmill.triton.backends import InferRequest, ModelError, Outputs, create_instances
+from tokenmill.triton.config import TritonModelConfig, load_config
 from tokenmill.triton.dtypes import protocol_of
 from tokenmill.triton.ensemble import check_graph, run_ensemble
 from tokenmill.triton.pbtxt import ConfigError
-from tokenmill.triton.scheduling import DefaultScheduler, DynamicBatcher, InferError, Scheduler
+from tokenmill.triton.scheduling import BatchScheduler, DefaultScheduler, DynamicBatcher, InferError
 from tokenmill.triton.sequence import SequenceBatcher
 from tokenmill.triton.stats import ModelStats, TritonMetrics
 
@@ -35,8 +35,8 @@ READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNL
 @dataclass
 class Version:
     version: str
-    cfg: ModelConfig
-    scheduler: Scheduler | None  # None for an ensemble
+    cfg: TritonModelConfig
+    scheduler: BatchScheduler | None  # None for an ensemble
     stats: ModelStats
     size_bytes: int
     last_used: float = field(default_factory=time.monotonic)
@@ -57,7 +57,7 @@ def _signature(model_dir: Path) -> tuple:
     )
 
 
-def _versions(model_dir: Path, cfg: ModelConfig) -> list[str]:
+def _versions(model_dir: Path, cfg: TritonModelConfig) -> list[str]:
     found = sorted(
         int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and p.name[0] != "0"
     )
@@ -191,7 +191,7 @@ class ModelRepository:
             if v.scheduler is not None:
                 await v.scheduler.close()
 
-    async def _make_versions(self, model_dir: Path, cfg: ModelConfig) -> dict[str, Version]:
+    async def _make_versions(self, model_dir: Path, cfg: TritonModelConfig) -> dict[str, Version]:
         out = {}
         for v in _versions(model_dir, cfg):
             vdir = model_dir / v
@@ -316,7 +316,7 @@ class ModelRepository:
 
     # --- inference -------------------------------------------------------------------------------------
 
-    async def infer(self, name: str, version: str | int | None, req: Request) -> Outputs:
+    async def infer(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
         v = self.get(name, version)
         v.last_used = time.monotonic()
         t0 = time.perf_counter_ns()
@@ -333,7 +333,7 @@ class ModelRepository:
         v.stats.finished(True, time.perf_counter_ns() - t0)
         return out
 
-    def _validate(self, cfg: ModelConfig, req: Request) -> None:
+    def _validate(self, cfg: TritonModelConfig, req: InferRequest) -> None:
         declared = {t.name: t for t in cfg.inputs}
         for n in req.inputs:
             if n not in declared:
@@ -382,7 +382,7 @@ class ModelRepository:
                 raise InferError(400, f"unexpected requested output {n!r} for model {cfg.name!r}")
 
     @staticmethod
-    def _select(cfg: ModelConfig, req: Request, out: Outputs) -> Outputs:
+    def _select(cfg: TritonModelConfig, req: InferRequest, out: Outputs) -> Outputs:
         names = req.requested_outputs or [t.name for t in cfg.outputs]
         missing = [n for n in names if n not in out]
         if missing:
@@ -392,7 +392,7 @@ class ModelRepository:
     def _bls(self, r: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         """A Python model's BLS call, from its worker thread into the server's loop."""
         assert self.loop is not None
-        req = Request(
+        req = InferRequest(
             {t.name(): t.as_numpy() for t in r.inputs()},
             r.requested_output_names() or None,
             request_id=r.request_id(),

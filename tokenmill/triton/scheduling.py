@@ -18,8 +18,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tokenmill.triton.backends import Instance, Outputs, Request
-from tokenmill.triton.config import ModelConfig
+from tokenmill.triton.backends import InferRequest, Instance, Outputs
+from tokenmill.triton.config import TritonModelConfig
 from tokenmill.triton.stats import ModelStats
 
 
@@ -33,7 +33,7 @@ class InferError(Exception):
 
 @dataclass
 class Pending:
-    req: Request
+    req: InferRequest
     size: int
     future: asyncio.Future
     t_arrival: int = field(default_factory=time.perf_counter_ns)
@@ -41,10 +41,10 @@ class Pending:
     deadline_ns: int | None = None
 
 
-class Scheduler(ABC):
+class BatchScheduler(ABC):
     """Base: a pool of instances on worker threads, and how a batch runs on one of them."""
 
-    def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
+    def __init__(self, cfg: TritonModelConfig, instances: list[Instance], stats: ModelStats) -> None:
         self.cfg, self.instances, self.stats = cfg, instances, stats
         self.executor = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix=f"model-{cfg.name}")
         self.free: asyncio.Queue[int] = asyncio.Queue()
@@ -52,7 +52,7 @@ class Scheduler(ABC):
             self.free.put_nowait(i)
 
     @abstractmethod
-    async def submit(self, req: Request) -> Outputs:
+    async def submit(self, req: InferRequest) -> Outputs:
         """Queue the request; return its outputs once a batch holding it has run."""
 
     async def run_batch(self, idx: int, batch: list[Pending]) -> None:
@@ -83,8 +83,8 @@ class Scheduler(ABC):
         self.executor.shutdown(wait=False)
 
 
-class DynamicBatcher(Scheduler):
-    def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
+class DynamicBatcher(BatchScheduler):
+    def __init__(self, cfg: TritonModelConfig, instances: list[Instance], stats: ModelStats) -> None:
         super().__init__(cfg, instances, stats)
         d = cfg.dynamic_batching or {}
         self.max_batch = max(1, cfg.max_batch_size)
@@ -101,13 +101,13 @@ class DynamicBatcher(Scheduler):
         self.arrived = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._dispatch())
 
-    def _level(self, req: Request) -> int:
+    def _level(self, req: InferRequest) -> int:
         pr = int(req.priority or 0)
         if pr <= 0:
             return self.default_level
         return min(pr, self.levels)
 
-    async def submit(self, req: Request) -> Outputs:
+    async def submit(self, req: InferRequest) -> Outputs:
         size = req.batch_size(self.cfg)
         if size > self.max_batch:
             raise InferError(
@@ -234,7 +234,7 @@ class DefaultScheduler(DynamicBatcher):
         order = self._ordered()
         return order[:1] or None
 
-    async def submit(self, req: Request) -> Outputs:
+    async def submit(self, req: InferRequest) -> Outputs:
         p = Pending(req, req.batch_size(self.cfg), asyncio.get_running_loop().create_future())
         self.queues[1].append(p)
         self.stats.enqueued()

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenmill.triton.backends import Instance, Outputs, Request
-from tokenmill.triton.config import ModelConfig
+from tokenmill.triton.backends import InferRequest, Instance, Outputs
+from tokenmill.triton.config import TritonModelConfig
 from tokenmill.triton.dtypes import CONFIG_TO_PROTOCOL, NUMPY
 from tokenmill.triton.pb_utils import (
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
     TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
 )
-from tokenmill.triton.scheduling import InferError, Pending, Scheduler
+from tokenmill.triton.scheduling import BatchScheduler, InferError, Pending
 from tokenmill.triton.stats import ModelStats
 
 
@@ -38,8 +38,8 @@ class _Sequence:
     ended: bool = False
 
 
-class SequenceBatcher(Scheduler):
-    def __init__(self, cfg: ModelConfig, instances: list[Instance], stats: ModelStats) -> None:
+class SequenceBatcher(BatchScheduler):
+    def __init__(self, cfg: TritonModelConfig, instances: list[Instance], stats: ModelStats) -> None:
         super().__init__(cfg, instances, stats)
         sb = cfg.sequence_batching or {}
         strategy = sb.get("oldest") if "oldest" in sb else sb.get("direct", {})
@@ -74,7 +74,7 @@ class SequenceBatcher(Scheduler):
                     out.append((ci["name"], kind, (np.int32(0), np.int32(1))))
         return out
 
-    async def submit(self, req: Request) -> Outputs:
+    async def submit(self, req: InferRequest) -> Outputs:
         cid = req.correlation_id
         if cid in (0, "", None):
             raise InferError(
@@ -137,7 +137,7 @@ class SequenceBatcher(Scheduler):
                 if s.ended and not s.queue and self.sequences.get(cid) is s:
                     del self.sequences[cid]
 
-    def _add_controls(self, req: Request, cid: int | str) -> None:
+    def _add_controls(self, req: InferRequest, cid: int | str) -> None:
         shape = (1,)
         for name, kind, values in self.controls:
             if kind == "CONTROL_SEQUENCE_CORRID":
