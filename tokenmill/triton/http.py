@@ -197,28 +197,24 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 def _inflate(body: bytes, encoding: str, limit: int, keep: list[bytes] | None) -> None:
     # wbits: 16 + 15 reads a gzip header, 15 a zlib (HTTP "deflate") one.
     wbits = 31 if encoding == "gzip" else 15
-    too_big = InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
     size = 0
+
+    def take(data: bytes) -> None:
+        nonlocal size
+        size += len(data)
+        if size > limit:
+            raise InferError(413, f"the {encoding} request body inflates past the limit of {limit} bytes")
+        if keep is not None:
+            keep.append(data)
+
     rest = body
     try:
         while True:  # one pass per gzip member: a gzip body may be several members back to back
             d = zlib.decompressobj(wbits=wbits)
-            data = d.decompress(rest, 1 << 20)
-            while True:
-                size += len(data)
-                if size > limit:
-                    raise too_big
-                if keep is not None:
-                    keep.append(data)
-                if not d.unconsumed_tail:
-                    break
-                data = d.decompress(d.unconsumed_tail, 1 << 20)
-            tail = d.flush()
-            size += len(tail)
-            if size > limit:
-                raise too_big
-            if keep is not None:
-                keep.append(tail)
+            take(d.decompress(rest, 1 << 20))
+            while d.unconsumed_tail:
+                take(d.decompress(d.unconsumed_tail, 1 << 20))
+            take(d.flush())
             if not d.eof:
                 raise InferError(400, f"the {encoding} request body is truncated")
             rest = d.unused_data
