@@ -88,13 +88,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[tm(**t.metadata(cfg.batched)) for t in cfg.outputs],
         )
 
-    async def TritonModelConfig(self, request, context):  # noqa: N802
+    async def ModelConfig(self, request, context):  # noqa: N802
         try:
             v = self.repo.get(request.name, request.version or None)
         except InferError as e:
             await _abort(context, e)
         cfg = json_format.ParseDict(
-            v.cfg.to_json(), model_config_pb2.TritonModelConfig(), ignore_unknown_fields=True
+            v.cfg.to_json(), model_config_pb2.ModelConfig(), ignore_unknown_fields=True
         )
         return service_pb2.ModelConfigResponse(config=cfg)
 
