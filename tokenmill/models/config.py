@@ -1,12 +1,11 @@
-"""Architecture hyper-parameters of a Llama-family model, read from HF config.json or GGUF metadata."""
+"""Architecture hyper-parameters of a Llama-family model, read from HF config.json (GGUF metadata: see
+weights/gguf_config.py, so that models/ imports nothing from weights/)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-
-from tokenmill.weights.gguf_file import GGUFFile
 
 # HF `model_type` / GGUF `general.architecture` values this implementation covers.
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
@@ -86,35 +85,4 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama exposes it as attention_bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        )
-
-    @classmethod
-    def from_gguf(cls, gguf: GGUFFile, has_output_tensor: bool) -> ModelConfig:
-        """From GGUF metadata (`<arch>.block_count` and friends)."""
-        arch = gguf.architecture
-        hidden = int(gguf.arch_value("embedding_length"))
-        num_heads = int(gguf.arch_value("attention.head_count"))
-        num_kv = int(gguf.arch_value("attention.head_count_kv", num_heads))
-        vocab = gguf.arch_value("vocab_size")
-        if vocab is None:
-            vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
-        head_dim = int(gguf.arch_value("attention.key_length", hidden // num_heads))
-        rope_scaling = None
-        if gguf.arch_value("rope.scaling.type") == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(gguf.arch_value("rope.scaling.factor"))}
-        return cls(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(gguf.arch_value("feed_forward_length")),
-            num_layers=int(gguf.arch_value("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
-            tie_word_embeddings=not has_output_tensor,
-            attention_bias=arch == "qwen2",
         )

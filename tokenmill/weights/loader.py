@@ -21,6 +21,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.llama import to_fused_state_dict
 from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
+from tokenmill.weights.gguf_config import model_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
 
 CACHE_FORMAT = 1  # bump when the cached layout changes
@@ -106,7 +107,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
-    config = ModelConfig.from_gguf(gguf, has_output_tensor="output.weight" in names)
+    config = model_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
     permuted = config.architecture in ("llama", "mistral")
 
     def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,37 @@
+"""A model's architecture from GGUF metadata (`<arch>.block_count` and friends)."""
+
+from __future__ import annotations
+
+from tokenmill.models.config import ModelConfig
+from tokenmill.weights.gguf_file import GGUFFile
+
+
+def model_config_from_gguf(gguf: GGUFFile, has_output_tensor: bool) -> ModelConfig:
+    """From GGUF metadata (`<arch>.block_count` and friends)."""
+    arch = gguf.architecture
+    hidden = int(gguf.arch_value("embedding_length"))
+    num_heads = int(gguf.arch_value("attention.head_count"))
+    num_kv = int(gguf.arch_value("attention.head_count_kv", num_heads))
+    vocab = gguf.arch_value("vocab_size")
+    if vocab is None:
+        vocab = len(gguf.metadata["tokenizer.ggml.tokens"])
+    head_dim = int(gguf.arch_value("attention.key_length", hidden // num_heads))
+    rope_scaling = None
+    if gguf.arch_value("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(gguf.arch_value("rope.scaling.factor"))}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf.arch_value("feed_forward_length")),
+        num_layers=int(gguf.arch_value("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(gguf.arch_value("context_length", 4096)),
+        tie_word_embeddings=not has_output_tensor,
+        attention_bias=arch == "qwen2",
+    )
