@@ -10,11 +10,8 @@ engine from a hung or vanished one. Messages are engine/protocol.py's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
-import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -37,6 +34,7 @@ from tokenmill.engine.protocol import (
     decode_to_engine,
     encode,
 )
+from tokenmill.worker.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine_core import EngineCore
@@ -52,7 +50,7 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
     `launched_by_parent`: the engine belongs to the process that started it and stops with it.
     """
     if launched_by_parent:
-        _die_with_parent()
+        die_with_parent()
     parent = os.getppid() if launched_by_parent else None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -87,13 +85,6 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
         engine.shutdown()  # worker processes of a parallel engine stop with it
         sock.close(linger=500)
     return 0
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel stop this process when the frontend dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _refuse(sock: zmq.Socket, message: str) -> None:

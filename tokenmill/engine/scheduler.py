@@ -120,7 +120,7 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         for rid, s in scheduled.items():
             req = s.request
-            block_ids = self.kv.block_ids(rid)
+            blocks = self.kv.req_blocks[rid]
             if req.num_sent_tokens == 0:
                 out.new_requests.append(
                     NewRequestData(
@@ -129,7 +129,7 @@ class Scheduler:
                         list(req.output_token_ids),
                         req.params,
                         sorted(req.eos_token_ids),
-                        block_ids,
+                        [b.block_id for b in blocks],
                         s.start,
                     )
                 )
@@ -138,11 +138,12 @@ class Scheduler:
                     RunningRequestData(
                         rid,
                         req.all_token_ids[req.num_sent_tokens :],
-                        block_ids[req.num_sent_blocks :],
+                        # Only the tail the workers lack: a long request's table is not rebuilt each step.
+                        [b.block_id for b in blocks[req.num_sent_blocks :]],
                         s.start,
                     )
                 )
-            req.num_sent_tokens, req.num_sent_blocks = req.num_tokens, len(block_ids)
+            req.num_sent_tokens, req.num_sent_blocks = req.num_tokens, len(blocks)
             out.num_scheduled_tokens[rid] = s.num_new_tokens
         return out
 

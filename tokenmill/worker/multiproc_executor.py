@@ -13,14 +13,11 @@ that outlives the collective timeout, ends the engine with WorkerDiedError rathe
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import datetime
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +28,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.worker.executor import Executor, WorkerDiedError
+from tokenmill.worker.lifetime import die_with_parent
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -44,14 +42,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _rank_main(address: tuple[str, int], rank: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     conn = Client(address, authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send(("hello", rank))
     config, init_method = conn.recv()
