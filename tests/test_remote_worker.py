@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from server_fixture import free_port, running_server
@@ -114,17 +117,31 @@ def test_openai_server_on_a_remote_worker(worker, llm_fp32) -> None:
     assert got.choices[0].text == ref.text
 
 
-def test_a_vanished_worker_fails_requests_instead_of_hanging() -> None:
+@pytest.mark.parametrize(
+    ("sig", "why", "within"),
+    [
+        # Killed: its host closes the connection, and the client knows at once.
+        (signal.SIGKILL, "connection to the engine at .* was lost", 2.0),
+        # Hung (stopped, socket still open): only the missing heartbeat tells.
+        (signal.SIGSTOP, "no word from the engine", 10.0),
+    ],
+)
+def test_a_vanished_worker_fails_requests_instead_of_hanging(sig: int, why: str, within: float) -> None:
     with worker_process() as (url, proc):
 
         async def main():
             client = ZmqEngineClient(url, heartbeat_timeout=3.0)
             await client.start()
             llm = AsyncLLM(client, loader.load_tokenizer(catalog.resolve(EngineConfig().model), None))
-            proc.kill()  # SIGKILL: no goodbye
-            with pytest.raises(EngineDeadError, match="no word"):
-                await asyncio.wait_for(collect(llm, "x", [1, 2, 3]), 30)
-            await client.shutdown()
+            os.kill(proc.pid, sig)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(EngineDeadError, match=why):
+                    await asyncio.wait_for(collect(llm, "x", [1, 2, 3]), 30)
+                assert time.monotonic() - t0 < within
+            finally:
+                await client.shutdown()
+                os.kill(proc.pid, signal.SIGKILL)
 
         asyncio.run(main())
 
@@ -136,3 +153,110 @@ def test_worker_cli_refuses_a_bad_address() -> None:
         text=True,
     )
     assert r.returncode == 2 and "tcp://HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+
+
+def _metric(base: str, name: str) -> float:
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _kv_event_flags() -> list[str]:
+    return [
+        "--kv-events",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+    ]
+
+
+def test_a_fleet_of_remote_workers_behind_the_openai_server() -> None:
+    """Two `tokenmill worker` processes publishing KV events over tcp, one front with two --worker-url:
+    a repeated prefix is credited by the router; a killed worker leaves rotation at once (the server
+    stays ready and keeps answering); the same worker started again rejoins."""
+    import httpx
+    import openai
+
+    a_flags, b_flags = _kv_event_flags(), _kv_event_flags()
+    with (
+        worker_process(*a_flags) as (url_a, proc_a),
+        worker_process(*b_flags) as (url_b, _),
+        running_server("--worker-url", url_a, "--worker-url", url_b, "--max-model-len", "512") as server,
+    ):
+        base = server.base_url
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        prompt = "A shared system prompt about the history of bridges and tunnels. " * 6
+        for q in ("When?", "Where?", "Who?"):
+            client.completions.create(model=model, prompt=prompt + q, max_tokens=4, temperature=0)
+            time.sleep(0.3)  # the KV events of the first reach the router
+        assert _metric(base, "tokenmill:router_workers_up") == 2
+        assert _metric(base, "tokenmill:router_overlap_blocks_total") > 0
+        assert _metric(base, "tokenmill:prefix_cache_hits_total") > 0
+
+        proc_a.kill()
+        proc_a.wait()
+        t0 = time.monotonic()
+        while _metric(base, "tokenmill:router_workers_up") != 1:
+            assert time.monotonic() - t0 < 1.0, "a dead worker leaves rotation within a second"
+            time.sleep(0.05)
+        assert httpx.get(f"{base}/v1/health/ready", timeout=5).status_code == 200
+        for q in ("Again?", "Once more?"):
+            got = client.completions.create(model=model, prompt=prompt + q, max_tokens=4, temperature=0)
+            assert got.choices[0].text is not None
+
+        # The same worker (same addresses) comes back and rejoins rotation.
+        host_port = url_a.removeprefix("tcp://")
+        again = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.cli.main", "worker", "--listen", f"tcp://{host_port}",
+             "--max-model-len", "512", *a_flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            t0 = time.monotonic()
+            while _metric(base, "tokenmill:router_workers_up") != 2:
+                assert time.monotonic() - t0 < 120, "the worker did not rejoin"
+                time.sleep(0.2)
+        finally:
+            again.terminate()
+            again.wait(30)
+
+
+def test_workers_found_by_discovery_join_and_leave(tmp_path) -> None:
+    """`--discovery file`: the router follows a file of addresses (as it follows a headless Service's
+    DNS records or EndpointSlices): a worker added joins, a worker removed leaves. `tokenmill probe`
+    says whether a worker is ready."""
+    import time
+
+    with worker_process(*_kv_event_flags()) as (url_a, _), worker_process(*_kv_event_flags()) as (url_b, _):
+        listing = tmp_path / "workers.txt"
+        listing.write_text(f"{url_a}\n")
+        args = ("--workers", "0", "--discovery", "file", "--discovery-target", str(listing))
+        with running_server(*args, "--discovery-interval-s", "0.3", "--max-model-len", "512") as server:
+            base = server.base_url
+            assert _metric(base, "tokenmill:router_workers_up") == 1
+            listing.write_text(f"{url_a}\n{url_b}\n")
+            t0 = time.monotonic()
+            while _metric(base, "tokenmill:router_workers_up") != 2:
+                assert time.monotonic() - t0 < 60, "the added worker did not join"
+                time.sleep(0.2)
+            listing.write_text(f"{url_b}  # a is gone\n")
+            t0 = time.monotonic()
+            while _metric(base, "tokenmill:router_workers_up") != 1:
+                assert time.monotonic() - t0 < 10, "the removed worker did not leave"
+                time.sleep(0.1)
+            import openai
+
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            got = client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=3)
+            assert got.usage.completion_tokens == 3
+        probe = [sys.executable, "-m", "tokenmill.cli.main", "probe"]
+        ready = subprocess.run([*probe, url_b, "--timeout", "30"], capture_output=True, text=True, timeout=60)
+        assert ready.returncode == 0 and "ready" in ready.stdout
+    gone = subprocess.run([*probe, url_b, "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "not ready" in gone.stderr

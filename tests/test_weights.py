@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.weights import catalog, loader
+from tokenmill.models import registry
+from tokenmill.weights import catalog
 
 
 def test_catalog_resolves_embedded_model(model_path: Path) -> None:
@@ -32,10 +33,10 @@ def test_not_a_model_path(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gguf_cache_round_trip(model_path: Path, tmp_path: Path) -> None:
-    first = loader.load(model_path, torch.float32, tmp_path)
-    cached = list(tmp_path.glob("*/float32/done"))
+    first = registry.load_checkpoint(model_path, torch.float32, tmp_path)
+    cached = list(tmp_path.glob("*/float32/*/done"))
     assert len(cached) == 1, "the dequantized weights are cached"
-    second = loader.load(model_path, torch.float32, tmp_path)
+    second = registry.load_checkpoint(model_path, torch.float32, tmp_path)
     assert first.config == second.config
     assert first.state_dict.keys() == second.state_dict.keys()
     for k, v in first.state_dict.items():

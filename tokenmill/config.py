@@ -41,6 +41,20 @@ class CacheConfig:
 
 
 @dataclass
+class KVEventsConfig:
+    """KV cache events in vLLM's wire format (engine/kv_events.py) on ZeroMQ: what a KV-aware router
+    indexes. Off by default: a lone engine has nobody to tell."""
+
+    enable_kv_events: bool = setting(False, flag="kv-events", help="publish KV cache events")
+    kv_events_endpoint: str = setting("tcp://*:5557", help="PUB socket the events go out on (bound)")
+    kv_events_replay_endpoint: str | None = setting(
+        "tcp://*:5558", help="ROUTER socket answering replay requests for missed events (bound)"
+    )
+    kv_events_topic: str = setting("", help="topic frame of every event message")
+    kv_events_buffer_steps: int = setting(10_000, help="event batches kept for replay")
+
+
+@dataclass
 class ParallelConfig:
     tensor_parallel_size: int = setting(
         1, help="rank processes that split each layer (heads, MLP, vocabulary)"
@@ -85,3 +99,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)

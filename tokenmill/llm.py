@@ -2,31 +2,63 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from rich.progress import Progress
 
-from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig, ParallelConfig, SchedulerConfig
+from tokenmill.engine.client import RequestRejectedError
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.request import EngineRequest, FinishReason
-from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.engine.inproc_client import InprocEngineClient
+from tokenmill.frontend.async_llm import AsyncLLM, Submitted
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+T = TypeVar("T")
 
 
 class LLM:
-    """An engine in this process. Keyword arguments: fields of EngineConfig, SchedulerConfig, CacheConfig."""
+    """An engine in this process. Keyword arguments: fields of EngineConfig, SchedulerConfig, CacheConfig,
+    ParallelConfig.
+
+    It drives the engine through the same frontend (AsyncLLM: n fan-out, stop strings, incremental
+    detokenization, abort) that the server uses, over the in-process EngineClient, on an event loop of
+    its own; no thread or process is added.
+    """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.config = build_engine_config(model, **kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.client = InprocEngineClient(self.engine)
+        self.frontend = AsyncLLM(self.client, self.tokenizer)
+        self._loop = asyncio.new_event_loop()
         self._ids = itertools.count()
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on this LLM's event loop (from a thread that runs none: e.g. inside Jupyter's,
+        it runs on a helper thread)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(self._with_client(coro))
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(self._loop.run_until_complete, self._with_client(coro)).result()
+
+    async def _with_client(self, coro: Coroutine[Any, Any, T]) -> T:
+        await self.client.start()
+        try:
+            return await coro
+        finally:
+            await self.client.stop_loop()  # no task left pending on a loop that sits idle
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
 
     def generate(
         self,
@@ -54,7 +86,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
-        return self._run(prompts, params, priority, cache_salt, use_tqdm)
+        return self.run_sync(self._generate(prompts, params, priority, cache_salt, use_tqdm))
 
     def chat(
         self,
@@ -71,14 +103,7 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, **kwargs)
 
-    def step(self, proc: OutputProcessor) -> list[RequestOutput]:
-        """One engine step, its outputs through the frontend; sequences a stop string ended are finished."""
-        outs, stopped = proc.process(self.engine.step())
-        if stopped:
-            self.engine.finish(stopped, FinishReason.STOP)
-        return outs
-
-    def _run(
+    async def _generate(
         self,
         prompts: list[Prompt],
         params: list[SamplingParams],
@@ -86,34 +111,38 @@ class LLM:
         cache_salt: str | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        proc = OutputProcessor(self.tokenizer)
-        order: list[str] = []
-        eos = frozenset(self.tokenizer.eos_token_ids)
-        added: list[str] = []
+        # All submitted before the engine takes a step: a refused prompt refuses the batch whole.
+        subs: list[Submitted] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 text = prompt if isinstance(prompt, str) else None
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                rid = str(next(self._ids))
-                arrival = time.monotonic()
-                for cid, cp in proc.add_request(rid, text, ids, p, arrival):
-                    prio = priority[i] if priority else 0
-                    self.engine.add_request(EngineRequest(cid, ids, cp, eos, arrival, prio, cache_salt))
-                    added.append(cid)
-                order.append(rid)
-        except Exception:
-            self.engine.abort(added)  # all or nothing: no half-submitted batch stays in the engine
-            raise
+                prio = priority[i] if priority else 0
+                subs.append(self.frontend.submit(self.next_request_id(), ids, p, text, prio, cache_salt))
+        except RequestRejectedError as e:
+            for sub in subs:
+                self.client.abort(sorted(sub.live))
+            raise ValueError(str(e)) from None
 
-        finished: dict[str, RequestOutput] = {}
         with Progress(disable=not use_tqdm, transient=True) as bar:
-            task = bar.add_task("generating", total=len(order))
-            while self.engine.has_unfinished():
-                for ro in self.step(proc):
-                    if ro.finished:
-                        finished[ro.request_id] = ro
-                        bar.advance(task)
-        return [finished[r] for r in order]
+            task = bar.add_task("generating", total=len(subs))
+
+            async def final(sub: Submitted) -> RequestOutput:
+                last = None
+                async for last in self.frontend.stream(sub, errors_as_outputs=True):  # noqa: B007
+                    pass
+                bar.advance(task)
+                assert last is not None and last.finished
+                return last
+
+            return list(await asyncio.gather(*(final(s) for s in subs)))
+
+    def close(self) -> None:
+        """Stop the engine (and its rank processes, if any)."""
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.client.stop_loop())
+            self._loop.close()
+        self.engine.shutdown()
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
@@ -123,10 +152,11 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
         SchedulerConfig: {},
         CacheConfig: {},
         ParallelConfig: {},
+        KVEventsConfig: {},
     }
     for key, value in kwargs.items():
         for cls, bucket in groups.items():
-            if key in cls.__dataclass_fields__ and key not in ("scheduler", "cache", "parallel"):
+            if key in cls.__dataclass_fields__ and key not in ("scheduler", "cache", "parallel", "kv_events"):
                 bucket[key] = value
                 break
         else:
@@ -138,4 +168,5 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         cache=CacheConfig(**groups[CacheConfig]),
         parallel=ParallelConfig(**groups[ParallelConfig]),
+        kv_events=KVEventsConfig(**groups[KVEventsConfig]),
     )

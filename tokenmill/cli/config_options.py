@@ -17,8 +17,8 @@ from typing import Any
 
 import typer
 
-from tokenmill.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from tokenmill.server.config import ServerConfig
+from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig, ParallelConfig, SchedulerConfig
+from tokenmill.server.config import FleetConfig, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,11 @@ ENGINE_SECTIONS = [
     Section("Scheduler", SchedulerConfig, ("scheduler",)),
     Section("KV cache", CacheConfig, ("cache",)),
     Section("Parallelism", ParallelConfig, ("parallel",)),
+    Section("KV events", KVEventsConfig, ("kv_events",)),
 ]
 SERVER_SECTIONS = [
     Section("Server", ServerConfig, ()),
+    Section("Fleet and router", FleetConfig, ("fleet",)),
     *(Section(s.title, s.cls, ("engine", *s.path)) for s in ENGINE_SECTIONS),
 ]
 

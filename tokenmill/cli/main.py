@@ -55,10 +55,10 @@ def models_pull(
     if warm:
         import torch
 
-        from tokenmill.weights import loader
+        from tokenmill.models import registry
 
         t0 = time.perf_counter()
-        loader.load(path, torch.bfloat16, Path(cache_dir) if cache_dir else None)
+        registry.load_checkpoint(path, torch.bfloat16, Path(cache_dir) if cache_dir else None)
         console.print(f"weights cached in {time.perf_counter() - t0:.1f}s")
 
 
@@ -252,6 +252,35 @@ def worker(config: EngineConfig, listen: str) -> None:
     except KeyboardInterrupt:
         code = 0
     raise typer.Exit(code)
+
+
+@app.command()
+def probe(
+    url: str = typer.Argument(..., help="engine address: tcp://HOST:PORT or ipc://PATH"),
+    timeout: float = typer.Option(3.0, help="seconds to wait for the engine's answer"),
+) -> None:
+    """Exit 0 if an engine answers at URL (loaded and serving), else 1: a readiness probe for workers."""
+    import asyncio
+
+    from tokenmill.engine.client import EngineDeadError, ZmqEngineClient
+
+    if not url.startswith(("tcp://", "ipc://")):
+        fail(f"{url!r}: use tcp://HOST:PORT or ipc://PATH")
+
+    async def ask() -> dict:
+        client = ZmqEngineClient(url, startup_timeout=timeout)
+        try:
+            await client.start()
+            return client.info
+        finally:
+            await client.shutdown()
+
+    try:
+        info = asyncio.run(ask())
+    except EngineDeadError as e:
+        err.print(f"not ready: {e}")
+        raise typer.Exit(1) from None
+    console.print(f"ready: {info.get('model')} ({info.get('num_blocks')} KV blocks)")
 
 
 config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve)

@@ -9,7 +9,7 @@ the tail as they are freed, so the least recently used cached block is evicted f
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVBlock:
@@ -26,13 +26,15 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_removed: Callable[[bytes], None] | None = None) -> None:
+        """`on_removed` hears of every hash that stops naming a block here (for KV events)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._by_hash: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.on_removed = on_removed
 
     @property
     def num_blocks(self) -> int:
@@ -68,22 +70,28 @@ class BlockPool:
             _, b = self._free.popitem(last=False)
             if b.block_hash is not None:  # evict the least recently used cached content
                 del self._by_hash[b.block_hash]
+                if self.on_removed is not None:
+                    self.on_removed(b.block_hash)
                 b.block_hash = None
                 self.num_evictions += 1
             b.ref_cnt = 1
             out.append(b)
         return out
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a block that is (or is being) filled with the content the hash names."""
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register a block that is (or is being) filled with the content the hash names; False if
+        the block was named already, or an identical block is indexed (the first one is kept)."""
         if block.block_hash is not None or block_hash in self._by_hash:
-            return  # already named, or an identical block is indexed: keep the first
+            return False
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
+        return True
 
     def uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._by_hash.get(block.block_hash) is block:
             del self._by_hash[block.block_hash]
+            if self.on_removed is not None:
+                self.on_removed(block.block_hash)
         block.block_hash = None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -102,4 +110,6 @@ class BlockPool:
         for b in list(self._by_hash.values()):
             if b.ref_cnt == 0:
                 del self._by_hash[b.block_hash]  # type: ignore[index]
+                if self.on_removed is not None:
+                    self.on_removed(b.block_hash)  # type: ignore[arg-type]
                 b.block_hash = None

@@ -39,6 +39,24 @@ from tokenmill.engine.protocol import (
     encode,
 )
 
+# Contexts of clients not yet shut down. A context collected as garbage runs zmq_ctx_term in its
+# __del__, which waits for sockets the collector has already cut loose: it would hang the process (a
+# client dropped without shutdown(), say after an exception). Held here, a forgotten one only leaks.
+_LIVE_CONTEXTS: set[zmq.asyncio.Context] = set()
+
+
+def new_context() -> zmq.asyncio.Context:
+    ctx = zmq.asyncio.Context()
+    # Messages to an engine that is gone are worth nothing: never wait to deliver them.
+    ctx.linger = 0
+    _LIVE_CONTEXTS.add(ctx)
+    return ctx
+
+
+def destroy_context(ctx: zmq.asyncio.Context) -> None:
+    ctx.destroy(linger=0)
+    _LIVE_CONTEXTS.discard(ctx)
+
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or never came up); in-flight requests cannot complete."""
@@ -109,7 +127,7 @@ class ZmqEngineClient(EngineClient):
         return None
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = new_context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.connect(self.address)
         self._sock.send(encode(Hello()))
@@ -131,7 +149,11 @@ class ZmqEngineClient(EngineClient):
                     f"no engine answered at {self.address} within {self.startup_timeout:.0f}s"
                 )
         self._last_heard = time.monotonic()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self._tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._watch()),
+            asyncio.create_task(self._watch_connection()),
+        ]
 
     async def _receive(self) -> None:
         while True:
@@ -160,7 +182,27 @@ class ZmqEngineClient(EngineClient):
             elif time.monotonic() - self._last_heard > self.heartbeat_timeout:
                 self._fail(f"no word from the engine at {self.address} for {self.heartbeat_timeout:.0f}s")
 
+    async def _watch_connection(self) -> None:
+        """A dropped connection (the engine's process died, its host closed it) fails requests at
+        once; a heartbeat timeout would take far longer."""
+        mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while self._dead is None:
+                event = await mon.recv_multipart()
+                if int.from_bytes(event[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                    self._fail(f"the connection to the engine at {self.address} was lost")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            mon.close(linger=0)
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead: every pending request gets EngineDeadError."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
+        if self._dead is not None:
+            return
         self._dead = reason
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
@@ -195,6 +237,11 @@ class ZmqEngineClient(EngineClient):
         return self._dead is None and self._process_exit() is None and fresh
 
     @property
+    def last_heard(self) -> float:
+        """time.monotonic() of the engine's last message (outputs, or the idle heartbeat)."""
+        return self._last_heard
+
+    @property
     def engine_pid(self) -> int | None:
         return self.info.get("pid")
 
@@ -215,7 +262,7 @@ class ZmqEngineClient(EngineClient):
         for t in self._tasks:
             t.cancel()
         if self._ctx is not None:
-            self._ctx.destroy(linger=0)
+            destroy_context(self._ctx)
 
 
 class LocalEngineLauncher:
@@ -283,7 +330,7 @@ class MPEngineClient(ZmqEngineClient):
             t.cancel()
         await self.launcher.stop(timeout)
         if self._ctx is not None:
-            self._ctx.destroy(linger=0)
+            destroy_context(self._ctx)
 
 
 def new_request_id(prefix: str = "req") -> str:

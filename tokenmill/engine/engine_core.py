@@ -7,6 +7,7 @@ EngineClient) adds requests, calls `step()` and turns the outputs into text and 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -49,9 +50,9 @@ class EngineCore:
             cache_dir = Path(config.cache_dir) if config.cache_dir else None
             self.tokenizer = loader.load_tokenizer(Path(self.info["source"]), cache_dir)
         cc = config.cache
-        self.block_size = cc.block_size
         # One pool for all workers, sized so the worker with the costliest blocks fits its share.
-        block_bytes = self.executor.kv_block_bytes(cc.block_size)
+        self.kv_specs = self.executor.kv_cache_specs(cc.block_size)
+        block_bytes = max(s.block_bytes for s in self.kv_specs)
         num_blocks = cc.num_blocks or int(cc.kv_cache_memory_gb * 2**30 // block_bytes)
         need = -(-self.max_model_len // cc.block_size)
         if num_blocks < need:
@@ -60,10 +61,24 @@ class EngineCore:
                 f"max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb or lower max_model_len"
             )
         self.executor.allocate_kv_cache(num_blocks, cc.block_size)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
+
+    def describe(self) -> dict:
+        """Plain facts a frontend needs (the engine protocol's Ready info)."""
+        return {
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.model_config.vocab_size,
+            "num_blocks": self.kv.pool.num_blocks,
+            "block_size": self.kv.block_size,
+            "load_seconds": self.load_seconds,
+            "model": self.config.model,
+            "pid": os.getpid(),
+        }
 
     @property
     def runner(self):  # noqa: ANN201 - the in-process worker's ModelRunner (tests and tools)

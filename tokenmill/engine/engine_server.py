@@ -38,6 +38,7 @@ from tokenmill.worker.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine_core import EngineCore
+    from tokenmill.engine.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -64,16 +65,14 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
         _refuse(sock, f"engine failed to start: {e}")
         sock.close(linger=500)
         return 1
-    info = {
-        "max_model_len": engine.max_model_len,
-        "vocab_size": engine.model_config.vocab_size,
-        "num_blocks": engine.kv.pool.num_blocks,
-        "block_size": engine.block_size,
-        "load_seconds": engine.load_seconds,
-        "model": config.model,
-        "pid": os.getpid(),
-    }
-    server = _Server(engine, sock, info, parent)
+    publisher = None
+    info = engine.describe()
+    if config.kv_events.enable_kv_events:
+        from tokenmill.engine.kv_publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(config.kv_events, ctx)
+        info["kv_events"] = publisher.describe()
+    server = _Server(engine, sock, info, parent, publisher)
     try:
         server.loop()
     except Exception as e:
@@ -83,6 +82,8 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
         return 1
     finally:
         engine.shutdown()  # worker processes of a parallel engine stop with it
+        if publisher is not None:
+            publisher.close()
         sock.close(linger=500)
     return 0
 
@@ -97,8 +98,16 @@ def _refuse(sock: zmq.Socket, message: str) -> None:
 
 
 class _Server:
-    def __init__(self, engine: EngineCore, sock: zmq.Socket, info: dict, parent: int | None) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        sock: zmq.Socket,
+        info: dict,
+        parent: int | None,
+        publisher: KVEventPublisher | None = None,
+    ) -> None:
         self.engine, self.sock, self.info, self.parent = engine, sock, info, parent
+        self.publisher = publisher
         self.clients: dict[bytes, float] = {}  # frontend identity -> when it was last sent anything
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that added it
 
@@ -127,6 +136,8 @@ class _Server:
                         return
             if engine.has_unfinished():
                 outputs.extend(engine.step())
+            if self.publisher is not None:
+                self.publisher.publish(engine.kv.take_events())
             now = time.monotonic()
             if self.parent is not None and not busy and os.getppid() != self.parent:
                 return  # the frontend is gone (elsewhere than Linux, where PDEATHSIG would not fire)

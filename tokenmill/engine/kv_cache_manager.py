@@ -1,15 +1,21 @@
-"""Per-request block tables over the block pool, with prefix reuse through block hashes."""
+"""Per-request block tables over the block pool, with prefix reuse through block hashes; optionally
+the KV events (engine/kv_events.py) that tell a router which blocks this engine holds."""
 
 from __future__ import annotations
 
 from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.block_pool import BlockPool, KVBlock
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
 from tokenmill.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False
+    ) -> None:
+        # Events only mean something with prefix caching: without it no block is ever named.
+        self.events: list[KVEvent] | None = [] if kv_events and enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self._removed if self.events is not None else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -79,10 +85,51 @@ class KVCacheManager:
                 req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end
             )
             # Blocks that were already full before `start` were named when their step was scheduled.
-            for i in range(start // self.block_size, end // self.block_size):
-                if blocks[i].block_hash is None:
-                    self.pool.cache(blocks[i], req.block_hashes[i])
+            named = [
+                i
+                for i in range(start // self.block_size, end // self.block_size)
+                if blocks[i].block_hash is None and self.pool.cache(blocks[i], req.block_hashes[i])
+            ]
+            if named and self.events is not None:
+                self._stored(req, named)
         return True
+
+    def _stored(self, req: Request, named: list[int]) -> None:
+        """BlockStored events for newly named blocks, one per run of consecutive blocks."""
+        bs, hashes = self.block_size, req.block_hashes
+        runs: list[list[int]] = []
+        for i in named:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            salted = first == 0 and req.cache_salt is not None
+            self.events.append(  # type: ignore[union-attr]
+                BlockStored(
+                    block_hashes=[external_hash(hashes[i]) for i in run],
+                    parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+                    token_ids=list(req.all_token_ids[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                    extra_keys=[[req.cache_salt]] + [None] * (len(run) - 1) if salted else None,
+                )
+            )
+
+    def _removed(self, block_hash: bytes) -> None:
+        events = self.events
+        assert events is not None
+        if events and isinstance(events[-1], BlockRemoved):
+            events[-1].block_hashes.append(external_hash(block_hash))
+        else:
+            events.append(BlockRemoved([external_hash(block_hash)]))
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call (empty when events are off)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])

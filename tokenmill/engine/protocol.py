@@ -37,6 +37,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs sooner (vLLM's convention)
     cache_salt: str | None = None
+    routing_key: str | None = None  # keeps a session on one worker (the router's session policy)
 
 
 @dataclass

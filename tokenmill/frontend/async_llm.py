@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
@@ -21,6 +22,16 @@ from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import catalog
 
 
+@dataclass
+class Submitted:
+    """A request handed to the engine: its frontend state and the queue its engine outputs arrive on."""
+
+    request_id: str
+    proc: OutputProcessor
+    queue: asyncio.Queue
+    live: set[str]  # engine ids of its sequences still running
+
+
 class AsyncLLM:
     def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
         self.client = client
@@ -31,18 +42,20 @@ class AsyncLLM:
         self.on_aborted: Callable[[int], None] | None = None  # with the number of sequences cut short
 
     @classmethod
-    async def start(cls, config: EngineConfig, worker_url: str | None = None) -> AsyncLLM:
-        """Start the engine process (or reach the one serving at `worker_url`) and load the tokenizer
-        here (no weights in this process)."""
+    async def start(
+        cls, config: EngineConfig, worker_url: str | None = None, client: EngineClient | None = None
+    ) -> AsyncLLM:
+        """Start the engine process (or reach the one serving at `worker_url`, or use `client`: a
+        router over a fleet, say) and load the tokenizer here (no weights in this process)."""
         path = catalog.resolve(config.model)
-        client: EngineClient = MPEngineClient(config) if worker_url is None else ZmqEngineClient(worker_url)
+        if client is None:
+            client = MPEngineClient(config) if worker_url is None else ZmqEngineClient(worker_url)
         await client.start()
         served = client.info.get("model")
-        if worker_url is not None and served is not None and served != config.model:
+        if served is not None and served != config.model:
             await client.shutdown()
-            raise ValueError(
-                f"the worker at {worker_url} serves {served!r}, not {config.model!r}: pass --model {served}"
-            )
+            where = f"the worker at {worker_url}" if worker_url else "the engine"
+            raise ValueError(f"{where} serves {served!r}, not {config.model!r}: pass --model {served}")
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
         from tokenmill.weights import loader  # reads GGUF with numpy/torch: only when starting
 
@@ -52,7 +65,7 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return int(self.client.info["max_model_len"])
 
-    async def generate(
+    def submit(
         self,
         request_id: str,
         prompt_ids: list[int],
@@ -60,20 +73,32 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput each time any of the request's sequences advances (deltas inside).
-
-        If the consumer stops early (a client disconnected), the request is aborted in the engine.
-        """
+        routing_key: str | None = None,
+    ) -> Submitted:
+        """Hand a request's n sequences to the engine; `stream` then yields its outputs. A request the
+        client refuses on the spot (the in-process one checks at once) raises, leaving nothing behind."""
         proc = OutputProcessor(self.tokenizer)
         arrival = time.monotonic()
-        queue: asyncio.Queue = asyncio.Queue()
-        children = proc.add_request(request_id, prompt, prompt_ids, params, arrival)
-        live = {cid for cid, _ in children}
+        sub = Submitted(request_id, proc, asyncio.Queue(), set())
+        for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
+            req = EngineRequest(cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key)
+            try:
+                self.client.add_request(req, sub.queue)
+            except Exception:
+                self.client.abort(sorted(sub.live))
+                raise
+            sub.live.add(cid)
+        return sub
+
+    async def stream(self, sub: Submitted, errors_as_outputs: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time any of the request's sequences advances (deltas inside).
+
+        A sequence the engine failed on raises RequestFailedError, or with `errors_as_outputs` ends
+        with finish reason "error" like any other. If the consumer stops early (a client
+        disconnected), the request is aborted in the engine.
+        """
+        queue, live, proc = sub.queue, sub.live, sub.proc
         try:
-            for cid, cp in children:
-                req = EngineRequest(cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt)
-                self.client.add_request(req, queue)
             while live:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -87,9 +112,9 @@ class AsyncLLM:
                 for out in batch:
                     if out.finish_reason is not None:
                         live.discard(out.request_id)
-                    if out.finish_reason == FinishReason.ERROR:
+                    if out.finish_reason == FinishReason.ERROR and not errors_as_outputs:
                         raise RequestFailedError(
-                            f"the engine failed on request {request_id}; the server log has the details"
+                            f"the engine failed on request {sub.request_id}; the server log has the details"
                         )
                 outs, stopped = proc.process(batch)
                 if stopped:
@@ -104,6 +129,21 @@ class AsyncLLM:
                 self.client.abort(sorted(live))
                 if self.on_aborted is not None:
                     self.on_aborted(len(live))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """submit + stream: what the server calls for each API request."""
+        sub = self.submit(request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key)
+        async for ro in self.stream(sub):
+            yield ro
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

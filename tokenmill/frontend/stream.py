@@ -1,13 +1,12 @@
-"""Streaming generation in this process: yields text deltas as the engine produces tokens."""
+"""Streaming generation in this process: text deltas as the engine produces tokens, for the chat CLI.
+
+A synchronous iterator over the offline LLM's frontend (the same AsyncLLM the server streams from)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.protocol import EngineRequest
-from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -20,15 +19,15 @@ def stream_chat(llm: LLM, messages: list[dict[str, Any]], params: SamplingParams
 
 
 def stream_ids(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
-    proc = OutputProcessor(llm.tokenizer)
-    eos = frozenset(llm.tokenizer.eos_token_ids)
-    rid = f"stream-{time.monotonic_ns()}"
-    (cid, cp), *_ = proc.add_request(rid, None, prompt_ids, params, time.monotonic())
-    llm.engine.add_request(EngineRequest(cid, prompt_ids, cp, eos))
+    """Deltas of the first sequence; stopping the iteration early aborts the request."""
+    agen = llm.frontend.generate(f"stream-{llm.next_request_id()}", prompt_ids, params)
     try:
-        while llm.engine.has_unfinished():
-            for ro in llm.step(proc):
-                if ro.outputs[0].delta_text:
-                    yield ro.outputs[0].delta_text
+        while True:
+            try:
+                ro = llm.run_sync(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            if ro.outputs[0].delta_text:
+                yield ro.outputs[0].delta_text
     finally:
-        llm.engine.abort([cid])
+        llm.run_sync(agen.aclose())

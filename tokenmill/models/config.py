@@ -1,5 +1,5 @@
-"""Architecture hyper-parameters of a Llama-family model, read from HF config.json (GGUF metadata: see
-weights/gguf_config.py, so that models/ imports nothing from weights/)."""
+"""Architecture hyper-parameters of a Llama-family model, read from a Hugging Face config.json dict
+(weights/ translates GGUF metadata into one)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,6 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return cls(**d)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token for all layers, at 2 bytes per element (bf16/fp16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
-
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face config.json dict."""
@@ -85,4 +80,5 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama exposes it as attention_bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            extra={"rope_freq_factors": cfg["rope_freq_factors"]} if "rope_freq_factors" in cfg else {},
         )

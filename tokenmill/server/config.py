@@ -8,6 +8,37 @@ from tokenmill.config import EngineConfig, setting
 
 
 @dataclass
+class FleetConfig:
+    """How a fleet of workers is started and used (cluster/); only with --workers N > 1 or several
+    --worker-url."""
+
+    launcher: str = setting(
+        "local", help='"local": --workers N processes on this host; "ray": N Ray actors, placed by Ray'
+    )
+    ray_address: str | None = setting(None, help="Ray cluster to join (default: a local Ray instance)")
+    ray_cpus_per_worker: float = setting(1.0, help="CPUs each Ray worker actor reserves (and its threads)")
+    ray_worker_host: str | None = setting(
+        None, help="address Ray workers listen on (default: their node's IP; 127.0.0.1 on one machine)"
+    )
+
+    discovery: str | None = setting(
+        None,
+        help='find workers: "file" (one address a line), "dns" (a name\'s records), "k8s" (EndpointSlices)',
+    )
+    discovery_target: str | None = setting(
+        None, help="the file, DNS name, or Kubernetes Service that discovery reads"
+    )
+    discovery_port: int = setting(7100, help="engine port of workers found by DNS")
+    discovery_interval_s: float = setting(5.0, help="seconds between discovery look-ups")
+    router: str = setting(
+        "kv", help="kv, kv-approx, round-robin, random, least-load or session (sticky by `user`)"
+    )
+    router_temperature: float = setting(0.0, help="0: the cheapest worker; > 0: softmax over costs")
+    router_prefill_weight: float = setting(1.0, help="weight of prefill blocks against decode blocks")
+    router_approx_ttl_s: float = setting(120.0, help="kv-approx: how long a routed prompt counts as held")
+
+
+@dataclass
 class ServerConfig:
     host: str = setting("127.0.0.1", help="address to listen on")
     port: int = setting(8000, help="HTTP port")
@@ -30,11 +61,14 @@ class ServerConfig:
     repository_poll_secs: float = setting(15.0, help="rescan interval in poll mode")
     model_memory_budget_mb: float | None = setting(None, help="unload least recently used models past this")
     grpc_port: int = setting(8001, help="KServe v2 gRPC port with a model repository (0: off)")
-    # An engine already serving at this address (`tokenmill worker --listen`) instead of one launched
+    # Engines already serving at these addresses (`tokenmill worker --listen`) instead of one launched
     # here; `engine.model` must name the same model (the tokenizer is loaded here from it).
-    worker_url: str | None = setting(
-        None, help="use the engine a `tokenmill worker` serves at this tcp:// address"
+    worker_url: list[str] = setting(
+        default_factory=list,
+        help="use the engine a `tokenmill worker` serves at this tcp:// address (repeat for a fleet)",
     )
+    workers: int = setting(1, help="engine workers to start here, behind the router (cores divided)")
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property

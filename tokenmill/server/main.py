@@ -23,7 +23,9 @@ log = logging.getLogger("tokenmill.server")
 
 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
-    llm = await AsyncLLM.start(config.engine, config.worker_url)
+    from tokenmill.cluster.fleet import engine_client_for
+
+    llm = await AsyncLLM.start(config.engine, client=engine_client_for(config))
     repo = None
     if config.model_repository:
         from tokenmill.triton.repository import ModelRepository

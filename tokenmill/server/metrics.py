@@ -102,47 +102,66 @@ class _EngineCollector(Collector):
         self.client, self.metrics = client, metrics
 
     def collect(self):
-        s, m = self.client.stats, self.metrics.model
+        m = self.metrics.model
+        # A fleet's engine metrics carry a `worker` label, one series per worker (sum them for the
+        # fleet); a single engine's carry the model name alone.
+        per_worker = getattr(self.client, "worker_stats", None)
+        if per_worker is not None:
+            names = ["model_name", "worker"]
+            series = [([m, url], st) for url, st in per_worker().items()]
+        else:
+            names = ["model_name"]
+            series = [([m], self.client.stats)]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([m], value)
+        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:  # noqa: ANN001 - stats -> number
+            g = GaugeMetricFamily(name, doc, labels=names)
+            for labels, st in series:
+                g.add_metric(labels, value(st) if st else 0)
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([m], value)
+        def counter(name: str, doc: str, value) -> CounterMetricFamily:  # noqa: ANN001
+            c = CounterMetricFamily(name, doc, labels=names)
+            for labels, st in series:
+                c.add_metric(labels, value(st) if st else 0)
             return c
 
         yield gauge(
-            "tokenmill:num_requests_running", "Requests in the running batch", s.num_running if s else 0
+            "tokenmill:num_requests_running", "Requests in the running batch", lambda s: s.num_running
         )
         yield gauge(
-            "tokenmill:num_requests_waiting", "Requests waiting for the engine", s.num_waiting if s else 0
+            "tokenmill:num_requests_waiting", "Requests waiting for the engine", lambda s: s.num_waiting
         )
         yield gauge(
-            "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", s.kv_cache_usage if s else 0
+            "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", lambda s: s.kv_cache_usage
         )
-        yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", s.num_blocks if s else 0)
+        yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", lambda s: s.num_blocks)
         yield gauge(
             "tokenmill:kv_cache_blocks_in_use",
             "KV blocks held by requests",
-            round(s.kv_cache_usage * s.num_blocks) if s else 0,
+            lambda s: round(s.kv_cache_usage * s.num_blocks),
         )
         yield counter(
-            "tokenmill:prefix_cache_queries", "Prompt tokens looked up", s.prefix_cache_queries if s else 0
+            "tokenmill:prefix_cache_queries", "Prompt tokens looked up", lambda s: s.prefix_cache_queries
         )
         yield counter(
-            "tokenmill:prefix_cache_hits", "Prompt tokens found cached", s.prefix_cache_hits if s else 0
+            "tokenmill:prefix_cache_hits", "Prompt tokens found cached", lambda s: s.prefix_cache_hits
         )
-        yield counter("tokenmill:num_preemptions", "Requests preempted", s.num_preemptions if s else 0)
-        yield gauge(
-            "tokenmill:queue_to_compute_ratio",
-            f"Queue time / compute time of requests finished in the last {self.metrics.window_s:.0f}s",
-            self.metrics.queue_to_compute_ratio(),
-        )
-        yield gauge(
-            "tokenmill:engine_healthy",
-            "1 while the engine process answers",
-            1.0 if self.client.healthy else 0.0,
-        )
+        yield counter("tokenmill:num_preemptions", "Requests preempted", lambda s: s.num_preemptions)
+        router_metrics = getattr(self.client, "router_metrics", None)
+        if router_metrics is not None:
+            yield from router_metrics(m)
+        for name, doc, value in (
+            (
+                "tokenmill:queue_to_compute_ratio",
+                f"Queue time / compute time of requests finished in the last {self.metrics.window_s:.0f}s",
+                self.metrics.queue_to_compute_ratio(),
+            ),
+            (
+                "tokenmill:engine_healthy",
+                "1 while the engine process (any worker of a fleet) answers",
+                1.0 if self.client.healthy else 0.0,
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            yield g

@@ -160,7 +160,7 @@ class OpenAIServing:
         if len(jobs) == 1:  # the common case needs no extra task and queue hop per token
             _, ids, p = jobs[0]
             async for ro in self.llm.generate(
-                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt
+                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
             ):
                 yield 0, p.n, ro
             return
@@ -169,7 +169,12 @@ class OpenAIServing:
         async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
             try:
                 async for ro in self.llm.generate(
-                    f"{rid}-{i}", ids, p, priority=req.priority, cache_salt=req.cache_salt
+                    f"{rid}-{i}",
+                    ids,
+                    p,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                    routing_key=req.user,
                 ):
                     await queue.put((i, p.n, ro))
             except Exception as e:  # handed to the consumer, which owns the response
@@ -195,7 +200,9 @@ class OpenAIServing:
     async def _final(self, rid: str, ids: list[int], p: SamplingParams, req) -> RequestOutput:
         last = None
         try:
-            async for ro in self.llm.generate(rid, ids, p, priority=req.priority, cache_salt=req.cache_salt):
+            async for ro in self.llm.generate(
+                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
+            ):
                 last = ro
         except RequestRejectedError as e:
             raise APIError(400, str(e)) from e
@@ -281,7 +288,9 @@ class OpenAIServing:
             )
         last: RequestOutput | None = None
         try:
-            async for ro in self.llm.generate(rid, ids, p, priority=req.priority, cache_salt=req.cache_salt):
+            async for ro in self.llm.generate(
+                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
+            ):
                 last = ro
                 for o in ro.outputs:
                     if not (o.delta_text or o.finished):

@@ -1,30 +1,32 @@
-"""Load a model's config, weights and tokenizer from GGUF or a Hugging Face directory.
+"""Load a checkpoint's config, weights and tokenizer from GGUF or a Hugging Face directory.
 
-Dequantizing a GGUF file takes seconds; the result (fused state dict as safetensors, the tokenizer as
-tokenizer.json) is cached per file and dtype, so the next start only memory-maps it.
+What comes out is format-neutral: the config as a Hugging Face config.json dict and the tensors under
+Hugging Face names, passed through the model's own `prepare` (models/registry.py: fusing q/k/v, say).
+weights/ knows nothing of the model code. Dequantizing a GGUF file takes seconds; the prepared result
+(safetensors, plus the tokenizer as tokenizer.json) is cached per file, dtype and layout, so the next
+start only memory-maps it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import to_fused_state_dict
 from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights.gguf_config import model_config_from_gguf
+from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
 
-CACHE_FORMAT = 1  # bump when the cached layout changes
+CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
 
 # GGUF tensor names (per block) to Hugging Face names.
 _GGUF_BLOCK_NAMES = {
@@ -48,24 +50,44 @@ _GGUF_TOP_NAMES = {
 }
 
 
+HFTensors = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model wants its tensors: `prepare` maps (Hugging Face-named tensors, config dict) to the
+    model's state dict; `name` keys the cache (a new layout never reads an old one's files)."""
+
+    name: str
+    prepare: Callable[[HFTensors, dict[str, Any]], dict[str, torch.Tensor]]
+
+
 @dataclass
-class LoadedModel:
-    config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # fused names, in the requested dtype
+class Checkpoint:
+    hf_config: dict[str, Any]  # Hugging Face config.json keys (GGUF metadata translated)
+    state_dict: dict[str, torch.Tensor]  # as the layout prepared it, in the requested dtype
     tokenizer: Tokenizer
     source: Path
 
 
-def load(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:
+def load(path: Path, dtype: torch.dtype, cache_dir: Path | None, layout: Layout) -> Checkpoint:
     """Load from a .gguf file (cached) or a Hugging Face directory."""
     if path.is_dir():
-        return _load_hf_dir(path, dtype)
-    cache = _cache_path(path, dtype, cache_dir or default_cache_dir())
+        return _load_hf_dir(path, dtype, layout)
+    cache = _cache_path(path, dtype, cache_dir or default_cache_dir()) / layout.name
     if (cache / "done").exists():
         return _load_cached(cache, path)
-    loaded = _load_gguf(path, dtype)
+    loaded = _load_gguf(path, dtype, layout)
     _save_cache(cache, loaded)
     return loaded
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A checkpoint's config as Hugging Face config.json keys, without loading its tensors."""
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text())
+    gguf = GGUFFile(path)
+    return hf_config_from_gguf(gguf, has_output_tensor="output.weight" in set(gguf.tensor_names()))
 
 
 def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
@@ -73,7 +95,7 @@ def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
     if path.is_dir():
         return Tokenizer.from_dir(path)
     root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
-    for done in sorted(root.glob("*/done")):
+    for done in sorted(root.glob("*/*/done")):
         return Tokenizer.from_dir(done.parent)
     return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
 
@@ -85,15 +107,15 @@ def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     return cache_dir / f"{path.stem}-{digest}" / str(dtype).removeprefix("torch.")
 
 
-def _load_cached(cache: Path, source: Path) -> LoadedModel:
-    config = ModelConfig.from_dict(json.loads((cache / "config.json").read_text()))
-    return LoadedModel(config, load_file(cache / "model.safetensors"), Tokenizer.from_dir(cache), source)
+def _load_cached(cache: Path, source: Path) -> Checkpoint:
+    config = json.loads((cache / "config.json").read_text())
+    return Checkpoint(config, load_file(cache / "model.safetensors"), Tokenizer.from_dir(cache), source)
 
 
-def _save_cache(cache: Path, loaded: LoadedModel) -> None:
+def _save_cache(cache: Path, loaded: Checkpoint) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, cache / "model.safetensors")
-    (cache / "config.json").write_text(json.dumps(loaded.config.to_dict(), indent=1))
+    (cache / "config.json").write_text(json.dumps(loaded.hf_config, indent=1))
     loaded.tokenizer.save(cache)
     (cache / "done").write_text("ok\n")  # written last: a half-written cache is never used
 
@@ -104,11 +126,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
-    config = model_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
-    permuted = config.architecture in ("llama", "mistral")
+    config = hf_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
+    permuted = config["model_type"] in ("llama", "mistral")
 
     def hf_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, arr in gguf.tensors():
@@ -120,9 +142,9 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
                 if hf is None:
                     raise ValueError(f"{path.name}: unexpected tensor {name}")
                 if permuted and rest.startswith("attn_q."):
-                    arr = _unpermute(arr, config.num_heads)
+                    arr = _unpermute(arr, config["num_attention_heads"])
                 elif permuted and rest.startswith("attn_k."):
-                    arr = _unpermute(arr, config.num_kv_heads)
+                    arr = _unpermute(arr, config["num_key_value_heads"])
                 yield f"layers.{idx}.{hf}", torch.from_numpy(np.array(arr)).to(dtype)
             elif name in _GGUF_TOP_NAMES:
                 yield _GGUF_TOP_NAMES[name], torch.from_numpy(np.array(arr)).to(dtype)
@@ -130,15 +152,15 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
                 raise ValueError(f"{path.name}: unexpected tensor {name}")
 
     if "rope_freqs.weight" in names:
-        factors = gguf.tensor("rope_freqs.weight")
-        config = ModelConfig.from_dict({**config.to_dict(), "extra": {"rope_freq_factors": factors.tolist()}})
-    state_dict = to_fused_state_dict(hf_tensors(), config)
+        # llama.cpp stores Llama 3's per-frequency rope factors as a tensor; keep them with the config.
+        config["rope_freq_factors"] = gguf.tensor("rope_freqs.weight").tolist()
+    state_dict = layout.prepare(hf_tensors(), config)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
-    return LoadedModel(config, state_dict, tokenizer, path)
+    return Checkpoint(config, state_dict, tokenizer, path)
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:
+    config = json.loads((path / "config.json").read_text())
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
@@ -149,5 +171,5 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
                 for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                     yield name, st.get_tensor(name).to(dtype)
 
-    state_dict = to_fused_state_dict(hf_tensors(), config)
-    return LoadedModel(config, state_dict, Tokenizer.from_dir(path), path)
+    state_dict = layout.prepare(hf_tensors(), config)
+    return Checkpoint(config, state_dict, Tokenizer.from_dir(path), path)

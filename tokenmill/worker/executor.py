@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from tokenmill.config import EngineConfig
+from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -22,8 +23,8 @@ class Executor(ABC):
         """What the workers loaded: model_config (a dict), max_model_len, source, load_seconds."""
 
     @abstractmethod
-    def kv_block_bytes(self, block_size: int) -> int:
-        """The largest per-worker cost of one KV block: the pool is sized so every worker fits it."""
+    def kv_cache_specs(self, block_size: int) -> list[KVCacheSpec]:
+        """Each worker's KV block: the pool is sized so the costliest one fits its share."""
 
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
@@ -46,8 +47,8 @@ class UniProcExecutor(Executor):
     def describe(self) -> dict:
         return self.worker.describe()
 
-    def kv_block_bytes(self, block_size: int) -> int:
-        return self.worker.kv_block_bytes(block_size)
+    def kv_cache_specs(self, block_size: int) -> list[KVCacheSpec]:
+        return [self.worker.kv_cache_spec(block_size)]
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.allocate_kv_cache(num_blocks, block_size)

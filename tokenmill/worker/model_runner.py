@@ -13,6 +13,7 @@ import torch
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
@@ -23,8 +24,8 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        kv_spec: KVCacheSpec,
         num_blocks: int,
-        block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         backend: str = "torch",
@@ -32,7 +33,7 @@ class ModelRunner:
         parallel: ParallelState | None = None,
     ) -> None:
         self.model = model
-        self.block_size = block_size
+        self.block_size = kv_spec.block_size
         self.device = device
         self.dtype = dtype
         self.parallel = parallel or ParallelState.single()
@@ -41,9 +42,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Kept across preemptions, so a seeded request's draws continue where they stopped.
         self.generators: dict[str, torch.Generator] = {}
-        layers, kv_heads, head_dim = model.num_local_layers, model.num_local_kv_heads, model.config.head_dim
-        shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = torch.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
 
     # -- what the worker remembers ----------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.worker.executor import Executor, WorkerDiedError
+from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.lifetime import die_with_parent
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 
@@ -183,8 +184,8 @@ class MultiprocExecutor(Executor):
     def describe(self) -> dict:
         return self.info
 
-    def kv_block_bytes(self, block_size: int) -> int:
-        return max(self._call("kv_block_bytes", block_size))
+    def kv_cache_specs(self, block_size: int) -> list[KVCacheSpec]:
+        return self._call("kv_cache_spec", block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._call("allocate_kv_cache", num_blocks, block_size)

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import build_model
 from tokenmill.models.parallel import Shard
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import catalog
+from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
@@ -51,13 +52,13 @@ class Worker:
         t0 = time.perf_counter()
         path = catalog.resolve(config.model)
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
-        loaded = loader.load(path, self.dtype, cache_dir)
+        loaded = registry.load_checkpoint(path, self.dtype, cache_dir)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = path
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.shard = Shard.of(self.model_config, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank)
-        self.model = build_model(
+        self.model = registry.build(
             self.model_config,
             loaded.state_dict,
             self.dtype,
@@ -72,17 +73,21 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
 
-    def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes one KV block of `block_size` tokens costs this worker (its layers, its kv heads)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        heads = len(self.shard.kv_heads)
-        return 2 * self.model.num_local_layers * block_size * heads * self.model_config.head_dim * elem
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        """What one KV block of `block_size` tokens is for this worker (its layers, its kv heads)."""
+        return KVCacheSpec(
+            block_size=block_size,
+            num_layers=self.model.num_local_layers,
+            num_kv_heads=len(self.shard.kv_heads),
+            head_dim=self.model_config.head_dim,
+            dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(),
+        )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner = ModelRunner(
             self.model,
+            self.kv_cache_spec(block_size),
             num_blocks,
-            block_size,
             self.dtype,
             self.device,
             self.config.kernels,

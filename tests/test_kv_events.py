@@ -1,0 +1,293 @@
+"""KV events: what the block pool emits, the vLLM wire format, and publish -> subscribe with replay."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from tokenmill.cluster.kv_index import KVIndex
+from tokenmill.cluster.kv_subscriber import KVEventSubscriber
+from tokenmill.config import KVEventsConfig
+from tokenmill.engine.block_hash import ROOT_HASH, hash_block
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    encode_batch,
+    external_hash,
+)
+from tokenmill.engine.kv_publisher import KVEventPublisher
+from tokenmill.engine.request import EngineRequest, Request
+from tokenmill.sampling_params import SamplingParams
+
+BS = 4
+
+
+def request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(EngineRequest(rid, tokens, SamplingParams(max_tokens=4), cache_salt=salt), 1024)
+
+
+def chain(tokens: list[int], salt: str | None = None) -> list[int]:
+    """Published names of the full blocks, computed independently of the cache manager."""
+    out, parent = [], ROOT_HASH
+    for i in range(len(tokens) // BS):
+        parent = hash_block(parent, tokens[i * BS : (i + 1) * BS], salt if i == 0 else None)
+        out.append(external_hash(parent))
+    return out
+
+
+def test_stored_events_name_full_blocks_with_tokens_and_parent() -> None:
+    kv = KVCacheManager(16, BS, kv_events=True)
+    tokens = list(range(100, 110))  # 2 full blocks and 2 tokens
+    r = request("a", tokens)
+    assert kv.allocate_slots(r, len(tokens))
+    (ev,) = kv.take_events()
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == chain(tokens) and ev.parent_block_hash is None
+    assert ev.token_ids == tokens[:8] and ev.block_size == BS and ev.medium == "GPU"
+    # The request grows past its third block: one more event, chained to the second block.
+    r.num_computed_tokens = 10
+    r.all_token_ids.extend([110, 111])
+    assert kv.allocate_slots(r, 2)
+    (ev2,) = kv.take_events()
+    assert ev2.block_hashes == chain(tokens + [110, 111])[2:]
+    assert ev2.parent_block_hash == chain(tokens)[1] and ev2.token_ids == [108, 109, 110, 111]
+    assert kv.take_events() == []
+
+
+def test_evictions_and_cache_resets_are_removed_events() -> None:
+    kv = KVCacheManager(4, BS, kv_events=True)
+    a = request("a", list(range(8)) + [99])
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.free(a)
+    kv.take_events()
+    # A request with other content needs every block: the two cached ones are evicted.
+    b = request("b", list(range(50, 66)))
+    assert kv.allocate_slots(b, 16)
+    events = kv.take_events()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(chain(list(range(8))))
+    assert isinstance(events[-1], BlockStored)
+    b.num_computed_tokens = 16
+    kv.free(b)
+    kv.take_events()
+    kv.pool.reset_prefix_cache()
+    (ev,) = kv.take_events()
+    assert isinstance(ev, BlockRemoved) and sorted(ev.block_hashes) == sorted(chain(list(range(50, 66))))
+
+
+def test_salt_changes_every_name_and_travels_in_extra_keys() -> None:
+    kv = KVCacheManager(8, BS, kv_events=True)
+    tokens = list(range(8)) + [1]
+    assert kv.allocate_slots(request("a", tokens, salt="tenant-a"), 9)
+    (ev,) = kv.take_events()
+    assert ev.block_hashes == chain(tokens, "tenant-a") != chain(tokens)
+    assert ev.extra_keys == [["tenant-a"], None]
+
+
+def test_no_events_unless_asked() -> None:
+    kv = KVCacheManager(8, BS)
+    assert kv.allocate_slots(request("a", list(range(9))), 9)
+    assert kv.take_events() == []
+
+
+def test_wire_format_is_vllms() -> None:
+    """[ts, [event maps tagged "type"], dp_rank]; hashes as unsigned 64-bit ints."""
+    h = 0xF000_0000_0000_0001  # >= 2**63: must travel as uint64
+    payload = encode_batch([BlockStored([h], None, [1, 2, 3, 4], 4), BlockRemoved([h]), AllBlocksCleared()])
+    raw = msgspec.msgpack.decode(payload)
+    assert isinstance(raw, list) and isinstance(raw[0], float)
+    stored, removed, cleared = raw[1]
+    assert stored == {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+    }  # fields at their defaults are omitted, as vLLM's omit_defaults does ("GPU" is the default)
+    assert removed == {"type": "BlockRemoved", "block_hashes": [h]}
+    assert cleared == {"type": "AllBlocksCleared"}
+    assert decode_batch(payload).events[0] == BlockStored([h], None, [1, 2, 3, 4], 4)
+
+
+def test_decodes_legacy_arrays_signed_hashes_and_unknown_fields() -> None:
+    legacy = msgspec.msgpack.encode(
+        [1.5, [["BlockStored", [-1], None, [7, 8], 2, None, "GPU"], ["BlockRemoved", [-2]]], 0]
+    )
+    b = decode_batch(legacy)
+    assert b.data_parallel_rank == 0
+    assert b.events == [BlockStored([2**64 - 1], None, [7, 8], 2), BlockRemoved([2**64 - 2])]
+    newer = msgspec.msgpack.encode(
+        {
+            "ts": 2.0,
+            "events": [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [b"\x00" * 24 + b"\x01" * 8],  # a raw digest: its low 64 bits
+                    "parent_block_hash": None,
+                    "token_ids": [1],
+                    "block_size": 1,
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention",
+                },
+                {"type": "SomethingNew", "x": 1},
+            ],
+        }
+    )
+    (ev,) = decode_batch(newer).events
+    assert ev.block_hashes == [0x0101010101010101]
+
+
+def test_index_overlaps_follow_the_chain() -> None:
+    idx = KVIndex()
+    a = [1, 2, 3, 4]
+    idx.apply(0, [BlockStored(a, None, [], 4)])
+    idx.apply(1, [BlockStored(a[:2], None, [], 4)])
+    idx.apply(2, [BlockStored([9], None, [], 4)])
+    assert idx.overlaps(a, 0b111) == {0: 4, 1: 2}
+    assert idx.overlaps(a, 0b010) == {1: 2}
+    assert idx.overlaps([1, 7, 3], 0b111) == {0: 1, 1: 1}  # a chain is matched from its start only
+    idx.apply(0, [BlockRemoved([2])])
+    assert idx.overlaps(a, 0b111) == {0: 1, 1: 2}
+    idx.apply(1, [AllBlocksCleared()])
+    assert idx.overlaps(a, 0b111) == {0: 1}
+    idx.remove_worker(0)
+    assert idx.overlaps(a, 0b111) == {} and len(idx) == 1 and idx.blocks_per_worker == {2: 1}
+
+
+def events_for(i: int) -> list[BlockStored]:
+    return [BlockStored([1000 + i], None, [i] * 4, 4)]
+
+
+async def _subscribe(pub: KVEventPublisher, index: KVIndex, **kw) -> KVEventSubscriber:
+    d = pub.describe()
+    sub = KVEventSubscriber(zmq.asyncio.Context.instance(), 0, d["endpoint"], d["replay_endpoint"], "", index)
+    for k, v in kw.items():
+        setattr(sub, k, v)
+    sub.start()
+    await asyncio.wait_for(sub.synced.wait(), 5)
+    return sub
+
+
+def _publisher(tmp_path: Path, buffer: int = 10_000) -> KVEventPublisher:
+    cfg = KVEventsConfig(
+        enable_kv_events=True,
+        kv_events_endpoint=f"ipc://{tmp_path}/pub",
+        kv_events_replay_endpoint=f"ipc://{tmp_path}/replay",
+        kv_events_buffer_steps=buffer,
+    )
+    return KVEventPublisher(cfg, zmq.Context())
+
+
+async def _until(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_late_subscriber_catches_up_by_replay(tmp_path: Path) -> None:
+    pub = _publisher(tmp_path)
+
+    async def main() -> None:
+        for i in range(5):  # before anyone listens: PUB drops these
+            pub.publish(events_for(i))
+        index = KVIndex()
+        sub = await _subscribe(pub, index)
+        assert sub.last_seq == 4 and len(index) == 5 and sub.stats.replayed == 5
+        await asyncio.sleep(0.2)  # let the subscription reach the publisher
+        pub.publish(events_for(5))
+        await _until(lambda: len(index) == 6)
+        assert sub.stats.gaps == 0
+        await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+
+
+def test_gap_in_the_live_stream_is_repaired_by_replay(tmp_path: Path) -> None:
+    pub = _publisher(tmp_path)
+
+    async def main() -> None:
+        index = KVIndex()
+        sub = await _subscribe(pub, index)
+        await asyncio.sleep(0.2)
+        pub.publish(events_for(0))
+        await _until(lambda: sub.last_seq == 0)
+        # Two batches go into the replay buffer but never reach the subscriber (as when a full PUB
+        # queue drops them); the next live one shows the gap.
+        for i in (1, 2):
+            payload = encode_batch(events_for(i))
+            pub._buffer.append((pub.seq, payload))
+            pub.seq += 1
+        pub.publish(events_for(3))
+        await _until(lambda: sub.last_seq == 3)
+        assert sub.stats.gaps == 1 and sub.stats.lost == 0
+        assert index.overlaps([1001], 1) == {0: 1} and index.overlaps([1002], 1) == {0: 1}
+        await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+
+
+def test_gap_older_than_the_buffer_drops_the_workers_index(tmp_path: Path) -> None:
+    pub = _publisher(tmp_path, buffer=2)
+
+    async def main() -> None:
+        index = KVIndex()
+        sub = await _subscribe(pub, index)
+        await asyncio.sleep(0.2)
+        pub.publish(events_for(0))
+        await _until(lambda: sub.last_seq == 0)
+        for i in (1, 2, 3):  # lost, and pushed out of a 2-batch buffer
+            pub._buffer.append((pub.seq, encode_batch(events_for(i))))
+            pub.seq += 1
+        pub.publish(events_for(4))
+        await _until(lambda: sub.last_seq == 4)
+        assert sub.stats.lost == 1
+        # What it held before the loss cannot be trusted any more; what came after is indexed.
+        assert index.overlaps([1000], 1) == {} and index.overlaps([1004], 1) == {0: 1}
+        await sub.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_replay_socket_speaks_the_vllm_protocol(tmp_path: Path, start: int) -> None:
+    """A DEALER sends [b"", start]; replies are [b"", topic, seq, payload]; the end is seq -1, empty."""
+    pub = _publisher(tmp_path)
+    try:
+        for i in range(4):
+            pub.publish(events_for(i))
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.connect(pub.describe()["replay_endpoint"])
+        s.send_multipart([b"", start.to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert s.poll(5000)
+            _, topic, seq, payload = s.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                assert payload == b""
+                break
+            seqs.append(n)
+            assert decode_batch(payload).events == events_for(n)
+        assert seqs == list(range(start, 4))
+        s.close(0)
+    finally:
+        pub.close()

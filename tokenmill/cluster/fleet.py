@@ -1,0 +1,117 @@
+"""From the server's config to the EngineClient it serves through: one engine process of its own, one
+remote worker, or a router over a fleet (workers launched here, attached by address, or both)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from tokenmill.cluster.discovery import Discovery, make_discovery
+from tokenmill.cluster.router import RouterEngineClient, RouterSettings, Worker
+from tokenmill.config import EngineConfig
+from tokenmill.engine.client import EngineClient, LocalEngineLauncher, MPEngineClient, ZmqEngineClient
+from tokenmill.server.config import ServerConfig
+
+
+def engine_client_for(config: ServerConfig) -> EngineClient:
+    urls, n, f = list(config.worker_url), config.workers, config.fleet
+    discovery = None
+    if f.discovery is not None:
+        if not f.discovery_target:
+            raise ValueError("--discovery needs --discovery-target (a file, DNS name or Service name)")
+        discovery = make_discovery(f.discovery, f.discovery_target, f.discovery_port)
+    if n < 0 or (n == 0 and not urls and discovery is None):
+        raise ValueError("--workers must be at least 1 (or 0 with --worker-url or --discovery)")
+    settings = RouterSettings(f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s)
+    if f.launcher == "ray":
+        if urls:
+            raise ValueError("--launcher ray starts its own workers: leave out --worker-url")
+        from tokenmill.cluster.ray_launcher import RayRouter
+
+        return RayRouter(config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host)
+    if f.launcher != "local":
+        raise ValueError(f"unknown launcher {f.launcher!r}; available: local, ray")
+    # --worker-url or --discovery alone: no engine of our own
+    local = 0 if (urls or discovery) and n == 1 else n
+    if local == 1 and not urls and discovery is None:
+        return MPEngineClient(config.engine)
+    if local == 0 and len(urls) == 1 and discovery is None:
+        return ZmqEngineClient(urls[0])
+    launchers = [LocalEngineLauncher(worker_config(config.engine, i, local)) for i in range(local)]
+    return LaunchingRouter(launchers, urls, settings, discovery, f.discovery_interval_s)
+
+
+def worker_config(engine: EngineConfig, index: int, count: int) -> EngineConfig:
+    """One local worker's config: its share of the cores, KV events on ipc:// beside its engine socket
+    (the address is filled in by the launcher's folder)."""
+    cores = os.cpu_count() or 1
+    threads = engine.num_threads or max(1, cores // count)
+    return dataclasses.replace(engine, num_threads=threads, seed=engine.seed + index)
+
+
+class LaunchingRouter(RouterEngineClient):
+    """A router that also starts (and restarts) the workers it was given as launchers."""
+
+    def __init__(
+        self,
+        launchers: list[LocalEngineLauncher],
+        urls: list[str],
+        settings: RouterSettings,
+        discovery: Discovery | None = None,
+        discovery_interval_s: float = 5.0,
+    ) -> None:
+        for launcher in launchers:
+            folder = Path(launcher.address.removeprefix("ipc://")).parent
+            ev = dataclasses.replace(
+                launcher.config.kv_events,
+                enable_kv_events=True,
+                kv_events_endpoint=f"ipc://{folder / 'kv-events'}",
+                kv_events_replay_endpoint=f"ipc://{folder / 'kv-replay'}",
+            )
+            launcher.config = dataclasses.replace(launcher.config, kv_events=ev)
+        self.launchers = {launcher.address: launcher for launcher in launchers}
+        self.restarts = 0
+        names = [f"local-{i}" for i in range(len(launchers))] + list(urls)
+        super().__init__(
+            [*self.launchers, *urls],
+            settings,
+            names=names,
+            discovery=discovery,
+            discovery_interval_s=discovery_interval_s,
+        )
+
+    async def start(self) -> None:
+        for launcher in self.launchers.values():
+            launcher.start()
+        await super().start()
+
+    def _client_for(self, w: Worker, timeout: float) -> ZmqEngineClient:
+        launcher = self.launchers.get(w.url)
+        if launcher is None:
+            return super()._client_for(w, timeout)
+        if launcher.exit_reason() is not None:  # it died: start it again before rejoining it
+            launcher.start()
+            self.restarts += 1
+        return _LaunchedClient(w.url, launcher, timeout, self.heartbeat_timeout)
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        for launcher in self.launchers.values():
+            await launcher.stop(5.0)
+
+
+class _LaunchedClient(ZmqEngineClient):
+    def __init__(self, url: str, launcher: LocalEngineLauncher, timeout: float, heartbeat: float) -> None:
+        super().__init__(url, startup_timeout=timeout, heartbeat_timeout=heartbeat)
+        self.launcher = launcher
+
+    def _process_exit(self) -> str | None:
+        return self.launcher.exit_reason()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        if self._ctx is not None and self.launcher.exit_reason() is None and self.dead_reason is None:
+            from tokenmill.engine.protocol import Shutdown, encode
+
+            self._sock.send(encode(Shutdown()))
+        await super().shutdown(timeout)

@@ -1,0 +1,81 @@
+"""How the router picks a worker for a request: each policy is a function of plain numbers.
+
+`kv` is Dynamo's cost: prefill_weight x max(0, active prefill blocks + the request's blocks - blocks
+the worker already holds) + active decode blocks; the lowest cost wins, or with a temperature a
+softmax over the costs samples among near-equal workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+
+POLICIES = ("kv", "kv-approx", "round-robin", "random", "least-load", "session")
+
+
+@dataclass
+class Candidate:
+    slot: int
+    overlap_blocks: int  # leading blocks of the request this worker holds
+    active_prefill_blocks: float  # uncached prompt blocks of its requests that have no token yet
+    active_decode_blocks: float  # blocks of its requests that are generating
+    in_flight: int  # requests the router has on it
+    num_waiting: int  # the worker's own queue, from its last stats
+
+
+def kv_cost(c: Candidate, request_blocks: int, prefill_weight: float) -> float:
+    prefill = max(0.0, c.active_prefill_blocks + request_blocks - c.overlap_blocks)
+    return prefill_weight * prefill + c.active_decode_blocks
+
+
+class Picker:
+    """Stateful choices (round-robin's turn, the random source)."""
+
+    def __init__(self, policy: str, temperature: float = 0.0, prefill_weight: float = 1.0, seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; available: {', '.join(POLICIES)}")
+        if temperature < 0:
+            raise ValueError("router temperature must be >= 0")
+        self.policy, self.temperature, self.prefill_weight = policy, temperature, prefill_weight
+        self.rng = random.Random(seed)
+        self._turn = 0
+
+    def pick(self, cands: list[Candidate], request_blocks: int, session_key: str | None = None) -> Candidate:
+        if not cands:
+            raise ValueError("no worker to pick from")
+        p = self.policy
+        if p in ("kv", "kv-approx"):
+            costs = [kv_cost(c, request_blocks, self.prefill_weight) for c in cands]
+            return self._lowest(cands, costs)
+        if p == "round-robin":
+            self._turn += 1
+            return sorted(cands, key=lambda c: c.slot)[self._turn % len(cands)]
+        if p == "random":
+            return self.rng.choice(cands)
+        if p == "least-load":
+            return self._lowest(cands, [c.in_flight + c.num_waiting for c in cands])
+        # session: rendezvous hashing, so a session stays put while its worker lives and only the
+        # sessions of a worker that leaves move.
+        if session_key is None:
+            return self._lowest(cands, [c.in_flight + c.num_waiting for c in cands])
+        return max(cands, key=lambda c: _score(session_key, c.slot))
+
+    def _lowest(self, cands: list[Candidate], costs: list[float]) -> Candidate:
+        if self.temperature > 0 and len(cands) > 1:
+            # Softmax over costs normalised by their spread: the temperature means the same at any load.
+            lo, hi = min(costs), max(costs)
+            span = (hi - lo) or 1.0
+            weights = [math.exp(-(c - lo) / span / self.temperature) for c in costs]
+            return self.rng.choices(cands, weights)[0]
+        best = min(costs)
+        tied = [c for c, cost in zip(cands, costs, strict=True) if cost == best]
+        if len(tied) == 1:
+            return tied[0]
+        fewest = min(c.in_flight for c in tied)
+        return self.rng.choice([c for c in tied if c.in_flight == fewest])
+
+
+def _score(key: str, slot: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\x00{slot}".encode(), digest_size=8).digest(), "big")

@@ -1,0 +1,134 @@
+"""Workers as Ray actors: Ray places them (each declares the CPUs it needs), restarts one that dies,
+and tells the router where each listens. Needs `pip install tokenmill[ray]`.
+
+Each actor serves the engine protocol on a tcp:// port of its node, with its KV events on two more,
+from a thread of its own (the actor's methods stay free to answer where it listens). The router asks
+the actor for its address every time it (re)joins a worker: an actor Ray restarted listens anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import threading
+from typing import Any
+
+from tokenmill.cluster.router import RouterEngineClient, RouterSettings, Worker
+from tokenmill.config import EngineConfig
+from tokenmill.engine.client import EngineDeadError
+
+NAMESPACE = "tokenmill"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineActor:
+    """The body of a Ray actor (wrapped with ray.remote when launched, so this module imports without
+    ray)."""
+
+    def __init__(self, config: EngineConfig, host: str | None = None) -> None:
+        import ray
+
+        from tokenmill.engine.engine_server import serve_engine
+
+        host = host or ray.util.get_node_ip_address()
+        ev = dataclasses.replace(
+            config.kv_events,
+            enable_kv_events=True,
+            kv_events_endpoint=f"tcp://{host}:{_free_port(host)}",
+            kv_events_replay_endpoint=f"tcp://{host}:{_free_port(host)}",
+        )
+        self.config = dataclasses.replace(config, kv_events=ev)
+        self.url = f"tcp://{host}:{_free_port(host)}"
+        self.thread = threading.Thread(
+            target=serve_engine, args=(self.config, self.url), name="tokenmill-engine", daemon=True
+        )
+        self.thread.start()
+
+    def address(self) -> str:
+        if not self.thread.is_alive():
+            raise RuntimeError("the engine in this actor has stopped")
+        return self.url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRouter(RouterEngineClient):
+    """A router over `count` workers it starts as Ray actors (on the cluster at `address`, or a local
+    Ray instance when there is none)."""
+
+    def __init__(
+        self,
+        engine: EngineConfig,
+        count: int,
+        settings: RouterSettings,
+        address: str | None = None,
+        cpus_per_worker: float = 1.0,
+        host: str | None = None,
+    ) -> None:
+        """`host`: the address workers listen on (default: their node's IP, as Ray knows it)."""
+        self.engine, self.count, self.ray_address, self.cpus = engine, count, address, cpus_per_worker
+        self.host = host
+        self.actors: list[Any] = []
+        self._started_ray = False
+        names = [f"ray-{i}" for i in range(count)]
+        super().__init__([f"ray://{n}" for n in names], settings, names=names)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._launch)
+        await super().start()
+
+    def _launch(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ray.init(
+                address=self.ray_address,
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
+            self._started_ray = True
+        threads = max(1, int(self.cpus))
+        actor_cls = ray.remote(EngineActor)
+        for i in range(self.count):
+            cfg = dataclasses.replace(
+                self.engine, num_threads=self.engine.num_threads or threads, seed=self.engine.seed + i
+            )
+            # max_restarts=-1: Ray brings a dead worker back; the router finds its new address.
+            self.actors.append(
+                actor_cls.options(
+                    name=f"tokenmill-worker-{i}-{os.getpid()}", num_cpus=self.cpus, max_restarts=-1
+                ).remote(cfg, self.host)
+            )
+
+    async def _resolve(self, w: Worker) -> None:
+        import ray
+
+        try:
+            w.url = await asyncio.to_thread(ray.get, self.actors[w.slot].address.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001 - dead, restarting, or not placed yet: try again later
+            raise EngineDeadError(f"ray actor {w.name} has no address yet: {type(e).__name__}") from None
+
+    def actor_pid(self, slot: int) -> int:
+        import ray
+
+        return ray.get(self.actors[slot].pid.remote(), timeout=30)
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()

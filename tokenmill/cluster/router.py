@@ -1,0 +1,509 @@
+"""The router: one EngineClient over a fleet of engine workers, so the OpenAI and KServe fronts serve a
+fleet unchanged.
+
+Each request goes to the worker a policy picks (cluster/policies.py); `kv` weighs how much of the
+request's prompt each worker already holds, from the index its KV events keep (cluster/kv_index.py),
+against the load the router has put on it. Workers come and go: one whose connection drops, whose
+process exits, or who stops answering leaves rotation; requests of a lost worker that have not yet
+produced a token are sent to another worker, streams already under way end with an error; a worker
+that answers again rejoins with its index rebuilt from its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tokenmill.cluster.approx_index import ApproxKVIndex
+from tokenmill.cluster.discovery import Discovery
+from tokenmill.cluster.kv_index import KVIndex
+from tokenmill.cluster.kv_subscriber import KVEventSubscriber
+from tokenmill.cluster.policies import Candidate, Picker
+from tokenmill.engine.block_hash import extend_block_hashes
+from tokenmill.engine.client import (
+    EngineClient,
+    EngineDeadError,
+    ZmqEngineClient,
+    destroy_context,
+    new_context,
+)
+from tokenmill.engine.kv_events import external_hash
+from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats
+
+log = logging.getLogger(__name__)
+SUSPECT_AFTER_S = 1.0  # a worker silent this long gets no new requests (a long step may explain it)
+REJOIN_EVERY_S = 1.0
+MAX_RETRIES = 2
+
+
+@dataclass
+class RouterSettings:
+    policy: str = "kv"
+    temperature: float = 0.0
+    prefill_weight: float = 1.0
+    approx_ttl_s: float = 120.0
+    seed: int = 0
+
+
+@dataclass
+class _Active:
+    prefill_blocks: int  # uncached blocks still to prefill (until the first token)
+    blocks: int
+    started: bool = False
+
+
+@dataclass
+class Worker:
+    slot: int
+    url: str
+    name: str = ""  # its label in metrics (the url, or local-N for a worker launched here)
+    client: ZmqEngineClient | None = None
+    subscriber: KVEventSubscriber | None = None
+    up: bool = False
+    joining: bool = False
+    last_attempt: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    active: dict[str, _Active] = field(default_factory=dict)
+    joins: int = 0
+    discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
+    retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
+
+    @property
+    def prefill_blocks(self) -> int:
+        return sum(a.prefill_blocks for a in self.active.values() if not a.started)
+
+    @property
+    def decode_blocks(self) -> int:
+        return sum(a.blocks for a in self.active.values() if a.started)
+
+    @property
+    def answering(self) -> bool:
+        c = self.client
+        return c is not None and c.healthy and time.monotonic() - c.last_heard < SUSPECT_AFTER_S
+
+
+@dataclass
+class RouterStats:
+    decisions: Counter = field(default_factory=Counter)  # by policy
+    overlap_blocks: int = 0  # prompt blocks credited as already held by the chosen worker
+    request_blocks: int = 0
+    retries: int = 0
+    worker_losses: int = 0
+
+
+class _Relay:
+    """Stands in for the caller's queue at a worker's client: sees each output (or error) first."""
+
+    __slots__ = ("router", "req", "queue", "slot", "started", "tries", "hashes")
+
+    def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
+        self.router, self.req, self.queue = router, req, queue
+        self.slot = -1
+        self.started = False
+        self.tries = 0
+        self.hashes: list[int] | None = None
+
+    def put_nowait(self, item: object) -> None:
+        r = self.router
+        if isinstance(item, EngineCoreOutput):
+            if not self.started and item.new_token_ids:
+                self.started = True
+                r._started(self)
+            if item.finish_reason is not None:
+                r._release(self)
+        elif isinstance(item, EngineDeadError) and not self.started and self.tries <= MAX_RETRIES:
+            r.workers[self.slot].active.pop(self.req.request_id, None)  # stays findable for abort
+            r.stats_router.retries += 1
+            asyncio.get_running_loop().call_soon(r._redispatch, self)
+            return
+        elif isinstance(item, Exception):
+            r._release(self)
+        self.queue.put_nowait(item)
+
+
+class RouterEngineClient(EngineClient):
+    def __init__(
+        self,
+        urls: list[str],
+        settings: RouterSettings | None = None,
+        startup_timeout: float = 600.0,
+        heartbeat_timeout: float = 40.0,
+        names: list[str] | None = None,
+        discovery: Discovery | None = None,
+        discovery_interval_s: float = 5.0,
+    ) -> None:
+        if not urls and discovery is None:
+            raise ValueError("the router needs at least one worker, or a way to discover them")
+        self.discovery, self.discovery_interval_s = discovery, discovery_interval_s
+        self._last_discovery = 0.0
+        self.settings = s = settings or RouterSettings()
+        self.picker = Picker(s.policy, s.temperature, s.prefill_weight, s.seed)
+        self.workers = [Worker(i, u, names[i] if names else u) for i, u in enumerate(urls)]
+        self.index = KVIndex()
+        self.approx = ApproxKVIndex(s.approx_ttl_s) if s.policy == "kv-approx" else None
+        self.stats_router = RouterStats()
+        self.startup_timeout, self.heartbeat_timeout = startup_timeout, heartbeat_timeout
+        self.info = {}
+        self.block_size = 0
+        self._where: dict[str, _Relay] = {}
+        self._siblings: OrderedDict[str, int] = OrderedDict()  # parent request id -> slot (n > 1)
+        # Where recent requests went, and the blocks credited there (for logs, tests and debugging).
+        self.placements: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def stats(self) -> EngineStats | None:  # type: ignore[override]
+        """The fleet's stats: counts summed, KV usage averaged over the workers that are up."""
+        got = [w.client.stats for w in self.workers if w.up and w.client and w.client.stats]
+        if not got:
+            return None
+        return EngineStats(
+            num_running=sum(s.num_running for s in got),
+            num_waiting=sum(s.num_waiting for s in got),
+            kv_cache_usage=sum(s.kv_cache_usage for s in got) / len(got),
+            num_blocks=sum(s.num_blocks for s in got),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in got),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in got),
+            num_preemptions=sum(s.num_preemptions for s in got),
+            num_steps=sum(s.num_steps for s in got),
+            num_batched_tokens_total=sum(s.num_batched_tokens_total for s in got),
+        )
+
+    def worker_stats(self) -> dict[str, EngineStats]:
+        return {w.name: w.client.stats for w in self.workers if w.up and w.client and w.client.stats}
+
+    def router_metrics(self, model: str) -> Iterator[Metric]:
+        """Prometheus families of the router's own (decisions, overlap credited, retries, workers)."""
+        st = self.stats_router
+        d = CounterMetricFamily(
+            "tokenmill:router_decisions", "Routing decisions, by policy", labels=["model_name", "policy"]
+        )
+        for policy, n in sorted(st.decisions.items()):
+            d.add_metric([model, policy], n)
+        yield d
+        for name, doc, value, kind in (
+            ("router_overlap_blocks", "Prompt blocks the chosen worker already held", st.overlap_blocks, 0),
+            ("router_request_blocks", "Prompt blocks routed", st.request_blocks, 0),
+            ("router_retries", "Requests sent again after their worker was lost", st.retries, 0),
+            ("router_worker_losses", "Times a worker left rotation", st.worker_losses, 0),
+            ("router_workers_up", "Workers in rotation", self.num_up, 1),
+            ("router_indexed_blocks", "Distinct KV blocks in the router's index", len(self.index), 1),
+        ):
+            fam = (CounterMetricFamily if kind == 0 else GaugeMetricFamily)(
+                f"tokenmill:{name}", doc, labels=["model_name"]
+            )
+            fam.add_metric([model], value)
+            yield fam
+        ev = CounterMetricFamily(
+            "tokenmill:router_kv_event_gaps",
+            "Gaps in a worker's KV-event stream, by outcome",
+            labels=["model_name", "worker", "outcome"],
+        )
+        for w in self.workers:
+            if w.subscriber is not None:
+                sst = w.subscriber.stats
+                ev.add_metric([model, w.name, "seen"], sst.gaps)
+                ev.add_metric([model, w.name, "lost"], sst.lost)
+        yield ev
+
+    # -- membership ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = new_context()
+        if self.discovery is not None:
+            await self._discover()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            pending = [w for w in self.workers if not w.retired]
+            await asyncio.gather(*(self._join(w, max(1.0, deadline - time.monotonic())) for w in pending))
+            if any(w.up for w in self.workers):
+                break
+            if self.discovery is None or time.monotonic() > deadline:
+                raise EngineDeadError(
+                    f"no worker answered: {', '.join(w.url for w in pending) or 'none found'}"
+                )
+            await asyncio.sleep(self.discovery_interval_s)  # none found or ready yet: look again
+            await self._discover()
+        self._task = asyncio.create_task(self._supervise())
+
+    async def _discover(self) -> None:
+        """Make the discovered part of the fleet match what discovery says now."""
+        assert self.discovery is not None
+        self._last_discovery = time.monotonic()
+        try:
+            found = await asyncio.to_thread(self.discovery.addresses)
+        except Exception as e:  # noqa: BLE001 - a failed look-up changes nothing; try again later
+            log.warning("worker discovery failed: %s", e)
+            return
+        current = {w.url: w for w in self.workers if not w.retired}
+        for url, w in current.items():
+            if w.discovered and url not in found:
+                if w.up:
+                    await self._leave(w, "no longer discovered")
+                w.retired = True
+        for url in sorted(found - current.keys()):
+            free = next((w.slot for w in self.workers if w.retired), len(self.workers))
+            w = Worker(free, url, url, discovered=True)
+            if free == len(self.workers):
+                self.workers.append(w)
+            else:
+                self.workers[free] = w
+            log.info("discovered worker %s (slot %d)", url, free)
+
+    def _client_for(self, w: Worker, timeout: float) -> ZmqEngineClient:
+        """A client for a worker (a hook: launched workers also watch their process)."""
+        return ZmqEngineClient(w.url, startup_timeout=timeout, heartbeat_timeout=self.heartbeat_timeout)
+
+    async def _resolve(self, w: Worker) -> None:
+        """Where the worker listens now (a hook: a launcher may move a restarted worker); raises
+        EngineDeadError while it cannot say."""
+
+    async def _join(self, w: Worker, timeout: float) -> None:
+        w.joining, w.last_attempt = True, time.monotonic()
+        try:
+            await self._resolve(w)
+        except EngineDeadError as e:
+            log.warning("worker %s is not up: %s", w.name, e)
+            w.joining = False
+            return
+        client = self._client_for(w, timeout)
+        try:
+            await client.start()
+            info = client.info
+            bs = int(info.get("block_size", 0))
+            if self.block_size and bs != self.block_size:
+                raise EngineDeadError(f"block size {bs} differs from the fleet's {self.block_size}")
+            if self.info and info.get("model") != self.info.get("model"):
+                raise EngineDeadError(f"serves {info.get('model')!r}, the fleet {self.info.get('model')!r}")
+            self.index.remove_worker(w.slot)
+            if self.approx is not None:
+                self.approx.remove_worker(w.slot)
+            ev = info.get("kv_events")
+            if ev and self.settings.policy == "kv":
+                assert self._ctx is not None
+                w.subscriber = KVEventSubscriber(
+                    self._ctx,
+                    w.slot,
+                    _reachable(ev["endpoint"], w.url),
+                    _reachable(ev["replay_endpoint"], w.url) if ev.get("replay_endpoint") else None,
+                    ev.get("topic", ""),
+                    self.index,
+                )
+                w.subscriber.start()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(w.subscriber.synced.wait(), 5.0)
+            elif self.settings.policy == "kv":
+                log.warning("worker %s publishes no KV events: routed by load alone", w.url)
+        except (EngineDeadError, OSError, zmq.ZMQError) as e:
+            log.warning("worker %s is not up: %s", w.url, e)
+            client.fail(f"not joined: {e}")  # and so not told to shut down: it may be starting still
+            await client.shutdown()
+            w.joining = False
+            return
+        if not self.info:
+            self.info = dict(info)
+            self.block_size = int(info.get("block_size", 16))
+        self.info["max_model_len"] = min(int(self.info["max_model_len"]), int(info["max_model_len"]))
+        w.client, w.info, w.up, w.joining = client, info, True, False
+        w.joins += 1
+        self.info["workers"] = sum(x.up for x in self.workers)
+        log.info("worker %s joined (slot %d)", w.url, w.slot)
+
+    async def _leave(self, w: Worker, reason: str) -> None:
+        log.warning("worker %s left rotation: %s", w.url, reason)
+        w.up = False
+        self.stats_router.worker_losses += 1
+        self.index.remove_worker(w.slot)
+        if self.approx is not None:
+            self.approx.remove_worker(w.slot)
+        if w.subscriber is not None:
+            await w.subscriber.stop()
+            w.subscriber = None
+        if w.client is not None:
+            # Its requests get EngineDeadError through their relays: retried, or ended with an error.
+            if w.client.dead_reason is None:
+                w.client.fail(f"worker {w.url} left: {reason}")
+            await w.client.shutdown()
+            w.client = None
+        w.active.clear()
+        self.info["workers"] = sum(x.up for x in self.workers)
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            if self.discovery is not None and now - self._last_discovery >= self.discovery_interval_s:
+                await self._discover()
+            for w in self.workers:
+                if w.retired:
+                    continue
+                if w.up and w.client is not None and w.client.dead_reason is not None:
+                    await self._leave(w, w.client.dead_reason)
+                elif not w.up and not w.joining and now - w.last_attempt >= REJOIN_EVERY_S:
+                    asyncio.create_task(self._join(w, startup_timeout_rejoin(self.startup_timeout)))
+
+    # -- requests -----------------------------------------------------------------------------
+    def _hashes(self, relay: _Relay) -> list[int]:
+        if relay.hashes is None:
+            relay.hashes = self._hashes_of(relay.req.prompt_token_ids, relay.req.cache_salt)
+        return relay.hashes
+
+    def _hashes_of(self, prompt_ids: list[int], salt: str | None) -> list[int]:
+        """The published names of a prompt's full blocks: the same chain the workers compute."""
+        raw: list[bytes] = []
+        extend_block_hashes(raw, prompt_ids, self.block_size, salt)
+        return [external_hash(h) for h in raw]
+
+    def _pick(self, relay: _Relay, exclude: set[int]) -> tuple[Worker, int]:
+        ups = [w for w in self.workers if w.up and w.slot not in exclude]
+        answering = [w for w in ups if w.answering] or ups  # all silent: a long step, not death
+        if not answering:
+            raise EngineDeadError("no worker is up")
+        req = relay.req
+        parent = req.request_id.split("#", 1)[0]
+        if parent != req.request_id and parent in self._siblings:
+            slot = self._siblings[parent]
+            for w in answering:
+                if w.slot == slot:
+                    return w, 0
+        hashes = self._hashes(relay) if self.settings.policy in ("kv", "kv-approx") else []
+        mask = 0
+        for w in answering:
+            mask |= 1 << w.slot
+        index = self.approx if self.approx is not None else self.index
+        if self.approx is not None:
+            self.approx.expire(time.monotonic())
+        overlaps = index.overlaps(hashes, mask) if hashes else {}
+        cands = [
+            Candidate(
+                slot=w.slot,
+                overlap_blocks=overlaps.get(w.slot, 0),
+                active_prefill_blocks=w.prefill_blocks,
+                active_decode_blocks=w.decode_blocks,
+                in_flight=len(w.active),
+                num_waiting=w.client.stats.num_waiting if w.client and w.client.stats else 0,
+            )
+            for w in answering
+        ]
+        blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
+        best = self.picker.pick(cands, blocks, req.routing_key)
+        if parent != req.request_id:
+            self._siblings[parent] = best.slot
+            if len(self._siblings) > 4096:
+                self._siblings.popitem(last=False)
+        if self.approx is not None and hashes:
+            self.approx.record(best.slot, hashes, time.monotonic())
+        return self.workers[best.slot], best.overlap_blocks
+
+    def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self._dispatch(_Relay(self, req, q), set())
+        return q
+
+    def _dispatch(self, relay: _Relay, exclude: set[int]) -> None:
+        w, overlap = self._pick(relay, exclude)
+        req = relay.req
+        blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
+        relay.slot, relay.tries = w.slot, relay.tries + 1
+        st = self.stats_router
+        st.decisions[self.settings.policy] += 1
+        st.overlap_blocks += overlap
+        st.request_blocks += blocks
+        w.active[req.request_id] = _Active(max(blocks - overlap, 0), blocks)
+        self.placements[req.request_id] = (w.slot, overlap)
+        if len(self.placements) > 10_000:
+            self.placements.popitem(last=False)
+        self._where[req.request_id] = relay
+        assert w.client is not None
+        w.client.add_request(req, relay)  # type: ignore[arg-type]
+
+    def _redispatch(self, relay: _Relay) -> None:
+        rid = relay.req.request_id
+        if self._where.get(rid) is not relay:
+            return  # aborted while the retry waited
+        try:
+            self._dispatch(relay, {relay.slot})
+        except Exception as e:  # noqa: BLE001 - no worker left: the caller gets the error
+            del self._where[rid]
+            relay.queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+
+    def _started(self, relay: _Relay) -> None:
+        a = self.workers[relay.slot].active.get(relay.req.request_id)
+        if a is not None:
+            a.started = True
+
+    def _release(self, relay: _Relay) -> None:
+        self.workers[relay.slot].active.pop(relay.req.request_id, None)
+        if self._where.get(relay.req.request_id) is relay:
+            del self._where[relay.req.request_id]
+
+    def _forward(self, request_ids: list[str], finish: bool) -> None:
+        by_worker: dict[int, list[str]] = {}
+        for rid in request_ids:
+            relay = self._where.pop(rid, None)
+            if relay is None:
+                continue
+            self.workers[relay.slot].active.pop(rid, None)
+            by_worker.setdefault(relay.slot, []).append(rid)
+        for slot, ids in by_worker.items():
+            c = self.workers[slot].client
+            if c is not None and c.dead_reason is None:
+                (c.finish if finish else c.abort)(ids)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._forward(request_ids, finish=False)
+
+    def finish(self, request_ids: list[str]) -> None:
+        self._forward(request_ids, finish=True)
+
+    @property
+    def healthy(self) -> bool:
+        return any(w.up for w in self.workers)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self.healthy else "no worker is up"
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None
+
+    @property
+    def num_up(self) -> int:
+        return sum(w.up for w in self.workers)
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for w in self.workers:
+            if w.subscriber is not None:
+                await w.subscriber.stop()
+            if w.client is not None:
+                await w.client.shutdown()
+        if self._ctx is not None:
+            destroy_context(self._ctx)
+
+
+def startup_timeout_rejoin(startup_timeout: float) -> float:
+    return min(startup_timeout, 5.0)
+
+
+def _reachable(endpoint: str, worker_url: str) -> str:
+    """A bound address (tcp://0.0.0.0:5557) as seen from here: the worker's host instead of a wildcard."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        host = urlparse(worker_url.replace("tcp://", "http://", 1)).hostname or "127.0.0.1"
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,98 @@
+"""Publishes an engine's KV events on ZeroMQ the way vLLM does, so a router can follow its cache.
+
+Live: a PUB socket; each message is three frames, `[topic, sequence number (8 bytes, big-endian),
+msgpack batch]`, the sequence counting from 0 per process. PUB/SUB drops messages (a subscriber that
+joins late, a full queue), so consumers watch for gaps and ask the replay socket, a ROUTER, for
+everything from a sequence number on: `[identity, b"", start (8 bytes)]` is answered with one
+`[identity, b"", topic, seq, payload]` message per buffered batch and an end marker whose sequence
+is -1 with an empty payload. The replay socket is served by a thread of its own, so a consumer
+catching up never waits behind a forward pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+
+import zmq
+
+from tokenmill.config import KVEventsConfig
+from tokenmill.engine.kv_events import KVEvent, encode_batch
+
+log = logging.getLogger(__name__)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVEventPublisher:
+    def __init__(self, config: KVEventsConfig, ctx: zmq.Context | None = None) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self.topic = config.kv_events_topic.encode()
+        self.seq = 0
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
+            maxlen=config.kv_events_buffer_steps
+        )
+        self._lock = threading.Lock()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = _bind(self.pub, config.kv_events_endpoint)
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.kv_events_replay_endpoint:
+            self.replay = self.ctx.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _bind(self.replay, config.kv_events_replay_endpoint)
+            self._thread = threading.Thread(target=self._serve_replay, name="kv-event-replay", daemon=True)
+            self._thread.start()
+
+    def describe(self) -> dict:
+        """Where to listen (the bound addresses: a port of 0 or `*` resolved as far as this host knows)."""
+        topic = self.topic.decode()
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": topic}
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        payload = encode_batch(events)
+        seq = self.seq
+        self.seq += 1
+        with self._lock:
+            self._buffer.append((seq, payload))
+        with contextlib.suppress(zmq.Again):  # past the high-water mark PUB drops; replay recovers it
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.replay.poll(200):
+                    continue
+                frames = self.replay.recv_multipart()
+            except zmq.ZMQError:
+                return  # the context was closed
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("ignored a malformed KV-event replay request (%d frames)", len(frames))
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            with self._lock:
+                batches = [(s, p) for s, p in self._buffer if s >= start]
+            try:
+                for s, p in batches:
+                    self.replay.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
+                self.replay.send_multipart([ident, b"", self.topic, END_SEQ, b""])
+            except zmq.ZMQError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+            self.replay.close(linger=0)
+        self.pub.close(linger=0)
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    sock.bind(endpoint)
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
