@@ -26,20 +26,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_fixture import running_server  # noqa: E402
 
 
-def scrape(base: str) -> dict[str, float]:
-    """Sum each metric over its series (a fleet labels them by worker)."""
+def scrape(base: str) -> tuple[dict[str, float], list[float]]:
+    """Each metric summed over its series (a fleet labels them by worker), and the prompt tokens each
+    worker was given (its prefix-cache queries): how evenly the router spread the work."""
     out: dict[str, float] = {}
+    per_worker: list[float] = []
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         name, value = line.rsplit(" ", 1)
         out[name.split("{", 1)[0]] = out.get(name.split("{", 1)[0], 0.0) + float(value)
-    return out
+        if name.startswith("tokenmill:prefix_cache_queries_total"):
+            per_worker.append(float(value))
+    return out, per_worker
 
 
 def run_one(policy: str, workers: int, args: argparse.Namespace, folder: Path) -> dict:
     extra = ["--workers", str(workers), "--router", policy] if workers > 1 else []
-    with running_server(*extra, "--max-model-len", "4096", "--kv-cache-memory-gb", "0.5") as proc:
+    kv = ["--kv-cache-memory-gb", str(args.kv_cache_gb)]
+    with running_server(*extra, "--max-model-len", "4096", *kv) as proc:
         base = proc.base_url  # type: ignore[attr-defined]
         out = folder / f"{policy}-{workers}"
         cmd = [
@@ -52,7 +57,7 @@ def run_one(policy: str, workers: int, args: argparse.Namespace, folder: Path) -
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-        m = scrape(base)
+        m, per_worker = scrape(base)
     s = json.loads((out / "summary.json").read_text())
     s = s.get("levels", [s])[0] if "levels" in s else s
     q = m.get("tokenmill:prefix_cache_queries_total", 0.0)
@@ -71,6 +76,7 @@ def run_one(policy: str, workers: int, args: argparse.Namespace, folder: Path) -
         )
         if workers > 1
         else None,
+        "prompt_tokens_per_worker": [round(x) for x in per_worker],
         "wall_s": round(wall, 1),
     }
 
@@ -85,6 +91,7 @@ def main() -> None:
     ap.add_argument("--osl", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache of each worker")
     ap.add_argument("--policies", default="kv,round-robin,random")
     ap.add_argument("--no-single", action="store_true", help="skip the one-worker run")
     args = ap.parse_args()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tokenmill.cluster.fleet import LaunchingRouter, worker_config
-from tokenmill.cluster.policies import Picker, _score
+from tokenmill.cluster.policies import _score
 from tokenmill.cluster.router import RouterSettings
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.client import EngineDeadError, LocalEngineLauncher
@@ -101,7 +101,7 @@ def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
 
             sub._on_message = drop_one  # type: ignore[method-assign]
             before = len(router.index)
-            router.picker = Picker("session")  # keep these on the same worker
+            router.set_policy("session")  # keep these on the same worker
             key = next(k for k in (f"s{i}" for i in range(100)) if _best(k, 2) == w.slot)
             for i in range(3):
                 ids = prefix(llm, 20 + i)
@@ -151,7 +151,7 @@ def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> 
             # The launcher starts it again and it rejoins rotation, its index rebuilt from its events.
             await until(lambda: router.num_up == 2, timeout=120)
             assert router.restarts == 1
-            router.picker = Picker("kv")
+            router.set_policy("kv")
             await run(llm, "after", prefix(llm, 3), routing_key=key)
         finally:
             await llm.shutdown()

@@ -187,6 +187,14 @@ def _publisher(tmp_path: Path, buffer: int = 10_000) -> KVEventPublisher:
     return KVEventPublisher(cfg, zmq.Context())
 
 
+def lost_in_transit(pub: KVEventPublisher, batches: tuple[int, ...]) -> None:
+    """Published batches that reach the replay buffer but never the subscriber (as when a full PUB
+    queue drops them)."""
+    for i in batches:
+        pub._buffer.append((pub.seq, encode_batch(events_for(i))))
+        pub.seq += 1
+
+
 async def _until(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
@@ -224,12 +232,7 @@ def test_gap_in_the_live_stream_is_repaired_by_replay(tmp_path: Path) -> None:
         await asyncio.sleep(0.2)
         pub.publish(events_for(0))
         await _until(lambda: sub.last_seq == 0)
-        # Two batches go into the replay buffer but never reach the subscriber (as when a full PUB
-        # queue drops them); the next live one shows the gap.
-        for i in (1, 2):
-            payload = encode_batch(events_for(i))
-            pub._buffer.append((pub.seq, payload))
-            pub.seq += 1
+        lost_in_transit(pub, (1, 2))  # the next live one shows the gap
         pub.publish(events_for(3))
         await _until(lambda: sub.last_seq == 3)
         assert sub.stats.gaps == 1 and sub.stats.lost == 0
@@ -251,9 +254,7 @@ def test_gap_older_than_the_buffer_drops_the_workers_index(tmp_path: Path) -> No
         await asyncio.sleep(0.2)
         pub.publish(events_for(0))
         await _until(lambda: sub.last_seq == 0)
-        for i in (1, 2, 3):  # lost, and pushed out of a 2-batch buffer
-            pub._buffer.append((pub.seq, encode_batch(events_for(i))))
-            pub.seq += 1
+        lost_in_transit(pub, (1, 2, 3))  # and pushed out of a 2-batch buffer
         pub.publish(events_for(4))
         await _until(lambda: sub.last_seq == 4)
         assert sub.stats.lost == 1

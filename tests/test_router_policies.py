@@ -86,3 +86,38 @@ def test_bound_wildcard_addresses_become_the_workers_host() -> None:
     assert _reachable("tcp://0.0.0.0:5557", "tcp://10.1.2.3:7000") == "tcp://10.1.2.3:5557"
     assert _reachable("tcp://127.0.0.1:5557", "tcp://10.1.2.3:7000") == "tcp://127.0.0.1:5557"
     assert _reachable("ipc:///tmp/x/kv", "ipc:///tmp/x/engine") == "ipc:///tmp/x/kv"
+
+
+def test_the_routers_hasher_names_blocks_as_the_workers_do() -> None:
+    import random
+
+    from tokenmill.cluster.prefix_hasher import PrefixHasher
+    from tokenmill.engine.block_hash import extend_block_hashes
+    from tokenmill.engine.kv_events import external_hash
+
+    rng = random.Random(0)
+    hasher = PrefixHasher(16, capacity=50)
+    for salt in (None, "tenant-a"):
+        for n in (0, 15, 16, 100, 700):
+            tokens = [rng.randrange(50_000) for _ in range(n)]
+            raw: list[bytes] = []
+            extend_block_hashes(raw, tokens, 16, salt)
+            want = [external_hash(h) for h in raw]
+            assert hasher.hashes(tokens, salt) == want
+            assert hasher.hashes(tokens, salt) == want, "the same from the memo"
+    assert len(hasher._memo) <= 50 + 700 // 16, "the memo stays bounded"
+
+
+def test_a_session_header_keys_the_session_policy_unless_the_body_names_a_user() -> None:
+    from starlette.requests import Request
+
+    from tokenmill.server.app import _session_header
+    from tokenmill.server.openai_protocol import CompletionRequest
+
+    req = Request({"type": "http", "headers": [(b"x-session-id", b"conversation-7")]})
+    body = CompletionRequest(model="m", prompt="hi")
+    _session_header(req, body)
+    assert body.user == "conversation-7"
+    named = CompletionRequest(model="m", prompt="hi", user="alice")
+    _session_header(req, named)
+    assert named.user == "alice"

@@ -111,31 +111,28 @@ class LLM:
         cache_salt: str | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        # All submitted before the engine takes a step: a refused prompt refuses the batch whole.
-        subs: list[Submitted] = []
+        # One batch, submitted whole before the engine takes a step (a refused prompt refuses all of
+        # it), consumed as one stream of final outputs: no per-request task or per-step copies.
+        sub: Submitted | None = None
+        order: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 text = prompt if isinstance(prompt, str) else None
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prio = priority[i] if priority else 0
-                subs.append(self.frontend.submit(self.next_request_id(), ids, p, text, prio, cache_salt))
+                order.append(self.next_request_id())
+                sub = self.frontend.submit(order[-1], ids, p, text, prio, cache_salt, into=sub)
         except RequestRejectedError as e:
-            for sub in subs:
-                self.client.abort(sorted(sub.live))
-            raise ValueError(str(e)) from None
-
+            raise ValueError(str(e)) from None  # submit aborted what the batch had added
+        if sub is None:
+            return []
+        finished: dict[str, RequestOutput] = {}
         with Progress(disable=not use_tqdm, transient=True) as bar:
-            task = bar.add_task("generating", total=len(subs))
-
-            async def final(sub: Submitted) -> RequestOutput:
-                last = None
-                async for last in self.frontend.stream(sub, errors_as_outputs=True):  # noqa: B007
-                    pass
+            task = bar.add_task("generating", total=len(order))
+            async for ro in self.frontend.stream(sub, errors_as_outputs=True, final_only=True):
+                finished[ro.request_id] = ro
                 bar.advance(task)
-                assert last is not None and last.finished
-                return last
-
-            return list(await asyncio.gather(*(final(s) for s in subs)))
+        return [finished[r] for r in order]
 
     def close(self) -> None:
         """Stop the engine (and its rank processes, if any)."""

@@ -64,25 +64,28 @@ class KVIndex:
             else:
                 del holders[h]
 
-    def overlaps(self, hashes: list[int], workers: int) -> dict[int, int]:
+    def overlaps(self, hashes: Iterable[int], workers: int) -> dict[int, int]:
         """For each worker slot in the bitmask `workers`, how many leading blocks of the chain it holds
-        (workers holding none are left out)."""
+        (workers holding none are left out). `hashes` may be lazy: it is read only as far as some
+        worker still matches, so a prompt's unseen tail need not be hashed at all."""
         out: dict[int, int] = {}
         live = workers
         holders = self._holders
-        for depth, h in enumerate(hashes):
+        matched = 0
+        for h in hashes:
             now = live & holders.get(h, 0)
             gone = live & ~now
             while gone:  # workers whose run of matching blocks ends here
                 low = gone & -gone
-                if depth:
-                    out[low.bit_length() - 1] = depth
+                if matched:
+                    out[low.bit_length() - 1] = matched
                 gone ^= low
             live = now
             if not live:
                 return out
+            matched += 1
         while live:
             low = live & -live
-            out[low.bit_length() - 1] = len(hashes)
+            out[low.bit_length() - 1] = matched
             live ^= low
         return out

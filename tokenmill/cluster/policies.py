@@ -15,7 +15,7 @@ from dataclasses import dataclass
 POLICIES = ("kv", "kv-approx", "round-robin", "random", "least-load", "session")
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     slot: int
     overlap_blocks: int  # leading blocks of the request this worker holds
@@ -48,7 +48,8 @@ class Picker:
         p = self.policy
         if p in ("kv", "kv-approx"):
             costs = [kv_cost(c, request_blocks, self.prefill_weight) for c in cands]
-            return self._lowest(cands, costs)
+            slot = self.pick_by_cost([c.slot for c in cands], costs, [c.in_flight for c in cands])
+            return next(c for c in cands if c.slot == slot)
         if p == "round-robin":
             self._turn += 1
             return sorted(cands, key=lambda c: c.slot)[self._turn % len(cands)]
@@ -63,18 +64,24 @@ class Picker:
         return max(cands, key=lambda c: _score(session_key, c.slot))
 
     def _lowest(self, cands: list[Candidate], costs: list[float]) -> Candidate:
-        if self.temperature > 0 and len(cands) > 1:
+        slot = self.pick_by_cost([c.slot for c in cands], costs, [c.in_flight for c in cands])
+        return next(c for c in cands if c.slot == slot)
+
+    def pick_by_cost(self, slots: list[int], costs: list[float], in_flight: list[int]) -> int:
+        """The slot of the lowest cost (ties: fewer requests in flight, then chance), or with a
+        temperature a softmax draw. Columns, not objects: the router's hot path at fleet scale."""
+        if self.temperature > 0 and len(slots) > 1:
             # Softmax over costs normalised by their spread: the temperature means the same at any load.
             lo, hi = min(costs), max(costs)
             span = (hi - lo) or 1.0
             weights = [math.exp(-(c - lo) / span / self.temperature) for c in costs]
-            return self.rng.choices(cands, weights)[0]
+            return self.rng.choices(slots, weights)[0]
         best = min(costs)
-        tied = [c for c, cost in zip(cands, costs, strict=True) if cost == best]
+        tied = [i for i, cost in enumerate(costs) if cost == best]
         if len(tied) == 1:
-            return tied[0]
-        fewest = min(c.in_flight for c in tied)
-        return self.rng.choice([c for c in tied if c.in_flight == fewest])
+            return slots[tied[0]]
+        fewest = min(in_flight[i] for i in tied)
+        return slots[self.rng.choice([i for i in tied if in_flight[i] == fewest])]
 
 
 def _score(key: str, slot: int) -> int:

@@ -30,7 +30,7 @@ from tokenmill.cluster.discovery import Discovery
 from tokenmill.cluster.kv_index import KVIndex
 from tokenmill.cluster.kv_subscriber import KVEventSubscriber
 from tokenmill.cluster.policies import Candidate, Picker
-from tokenmill.engine.block_hash import extend_block_hashes
+from tokenmill.cluster.prefix_hasher import PrefixHasher
 from tokenmill.engine.client import (
     EngineClient,
     EngineDeadError,
@@ -38,7 +38,6 @@ from tokenmill.engine.client import (
     destroy_context,
     new_context,
 )
-from tokenmill.engine.kv_events import external_hash
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats
 
 log = logging.getLogger(__name__)
@@ -78,14 +77,32 @@ class Worker:
     joins: int = 0
     discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
     retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
+    # Running sums over `active` (kept, not recomputed: a decision must not cost O(requests)).
+    prefill_blocks: int = 0  # uncached prompt blocks of requests without a token yet
+    decode_blocks: int = 0  # blocks of requests that are generating
 
-    @property
-    def prefill_blocks(self) -> int:
-        return sum(a.prefill_blocks for a in self.active.values() if not a.started)
+    def add_active(self, rid: str, a: _Active) -> None:
+        self.active[rid] = a
+        self.prefill_blocks += a.prefill_blocks
 
-    @property
-    def decode_blocks(self) -> int:
-        return sum(a.blocks for a in self.active.values() if a.started)
+    def start_active(self, rid: str) -> None:
+        a = self.active.get(rid)
+        if a is not None and not a.started:
+            a.started = True
+            self.prefill_blocks -= a.prefill_blocks
+            self.decode_blocks += a.blocks
+
+    def drop_active(self, rid: str) -> None:
+        a = self.active.pop(rid, None)
+        if a is not None:
+            if a.started:
+                self.decode_blocks -= a.blocks
+            else:
+                self.prefill_blocks -= a.prefill_blocks
+
+    def clear_active(self) -> None:
+        self.active.clear()
+        self.prefill_blocks = self.decode_blocks = 0
 
     @property
     def answering(self) -> bool:
@@ -123,7 +140,7 @@ class _Relay:
             if item.finish_reason is not None:
                 r._release(self)
         elif isinstance(item, EngineDeadError) and not self.started and self.tries <= MAX_RETRIES:
-            r.workers[self.slot].active.pop(self.req.request_id, None)  # stays findable for abort
+            r.workers[self.slot].drop_active(self.req.request_id)  # stays findable for abort
             r.stats_router.retries += 1
             asyncio.get_running_loop().call_soon(r._redispatch, self)
             return
@@ -160,6 +177,7 @@ class RouterEngineClient(EngineClient):
         self._siblings: OrderedDict[str, int] = OrderedDict()  # parent request id -> slot (n > 1)
         # Where recent requests went, and the blocks credited there (for logs, tests and debugging).
         self.placements: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._hasher: PrefixHasher | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None
 
@@ -181,6 +199,15 @@ class RouterEngineClient(EngineClient):
             num_batched_tokens_total=sum(s.num_batched_tokens_total for s in got),
         )
 
+    def set_policy(self, policy: str) -> None:
+        """Route by another policy from now on (kv-approx's own index only exists if started with it)."""
+        if policy == "kv-approx" and self.approx is None:
+            raise ValueError("kv-approx must be chosen when the router starts")
+        self.picker = Picker(
+            policy, self.settings.temperature, self.settings.prefill_weight, self.settings.seed
+        )
+        self.settings.policy = policy
+
     def worker_stats(self) -> dict[str, EngineStats]:
         return {w.name: w.client.stats for w in self.workers if w.up and w.client and w.client.stats}
 
@@ -199,6 +226,7 @@ class RouterEngineClient(EngineClient):
             ("router_retries", "Requests sent again after their worker was lost", st.retries, 0),
             ("router_worker_losses", "Times a worker left rotation", st.worker_losses, 0),
             ("router_workers_up", "Workers in rotation", self.num_up, 1),
+            ("router_workers_answering", "Workers heard from within the last second", self.num_answering, 1),
             ("router_indexed_blocks", "Distinct KV blocks in the router's index", len(self.index), 1),
         ):
             fam = (CounterMetricFamily if kind == 0 else GaugeMetricFamily)(
@@ -336,7 +364,7 @@ class RouterEngineClient(EngineClient):
                 w.client.fail(f"worker {w.url} left: {reason}")
             await w.client.shutdown()
             w.client = None
-        w.active.clear()
+        w.clear_active()
         self.info["workers"] = sum(x.up for x in self.workers)
 
     async def _supervise(self) -> None:
@@ -361,13 +389,19 @@ class RouterEngineClient(EngineClient):
 
     def _hashes_of(self, prompt_ids: list[int], salt: str | None) -> list[int]:
         """The published names of a prompt's full blocks: the same chain the workers compute."""
-        raw: list[bytes] = []
-        extend_block_hashes(raw, prompt_ids, self.block_size, salt)
-        return [external_hash(h) for h in raw]
+        return self._hasher_for().hashes(prompt_ids, salt)
+
+    def _hasher_for(self) -> PrefixHasher:
+        if self._hasher is None or self._hasher.block_size != self.block_size:
+            self._hasher = PrefixHasher(self.block_size)
+        return self._hasher
 
     def _pick(self, relay: _Relay, exclude: set[int]) -> tuple[Worker, int]:
         ups = [w for w in self.workers if w.up and w.slot not in exclude]
-        answering = [w for w in ups if w.answering] or ups  # all silent: a long step, not death
+        # Up means connected and not known dead (the supervisor drops dead ones within 0.1 s); a worker
+        # silent for a second gets no new requests. All silent: a long step, not death.
+        now = time.monotonic()
+        answering = [w for w in ups if now - w.client.last_heard < SUSPECT_AFTER_S] or ups  # type: ignore[union-attr]
         if not answering:
             raise EngineDeadError("no worker is up")
         req = relay.req
@@ -377,34 +411,51 @@ class RouterEngineClient(EngineClient):
             for w in answering:
                 if w.slot == slot:
                     return w, 0
-        hashes = self._hashes(relay) if self.settings.policy in ("kv", "kv-approx") else []
+        kv = self.settings.policy in ("kv", "kv-approx")
         mask = 0
         for w in answering:
             mask |= 1 << w.slot
-        index = self.approx if self.approx is not None else self.index
+        hashes: list[int] = []
+        overlaps: dict[int, int] = {}
         if self.approx is not None:
-            self.approx.expire(time.monotonic())
-        overlaps = index.overlaps(hashes, mask) if hashes else {}
-        cands = [
-            Candidate(
-                slot=w.slot,
-                overlap_blocks=overlaps.get(w.slot, 0),
-                active_prefill_blocks=w.prefill_blocks,
-                active_decode_blocks=w.decode_blocks,
-                in_flight=len(w.active),
-                num_waiting=w.client.stats.num_waiting if w.client and w.client.stats else 0,
+            self.approx.expire(now)
+            hashes = self._hashes(relay)  # all of them: the approximate index records them
+            overlaps = self.approx.overlaps(hashes, mask)
+        elif kv:
+            # Hashed lazily: only as far as some worker holds the prefix (an unseen tail is never hashed).
+            overlaps = self.index.overlaps(
+                self._hasher_for().iter_hashes(req.prompt_token_ids, req.cache_salt), mask
             )
-            for w in answering
-        ]
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
-        best = self.picker.pick(cands, blocks, req.routing_key)
+        if kv:  # the cost from plain columns (this runs for every request)
+            pw = self.settings.prefill_weight
+            costs = [
+                pw * max(0, w.prefill_blocks + blocks - overlaps.get(w.slot, 0)) + w.decode_blocks
+                for w in answering
+            ]
+            slot = self.picker.pick_by_cost(
+                [w.slot for w in answering], costs, [len(w.active) for w in answering]
+            )
+        else:
+            cands = [
+                Candidate(
+                    slot=w.slot,
+                    overlap_blocks=overlaps.get(w.slot, 0),
+                    active_prefill_blocks=w.prefill_blocks,
+                    active_decode_blocks=w.decode_blocks,
+                    in_flight=len(w.active),
+                    num_waiting=w.client.stats.num_waiting if w.client and w.client.stats else 0,
+                )
+                for w in answering
+            ]
+            slot = self.picker.pick(cands, blocks, req.routing_key).slot
         if parent != req.request_id:
-            self._siblings[parent] = best.slot
+            self._siblings[parent] = slot
             if len(self._siblings) > 4096:
                 self._siblings.popitem(last=False)
         if self.approx is not None and hashes:
-            self.approx.record(best.slot, hashes, time.monotonic())
-        return self.workers[best.slot], best.overlap_blocks
+            self.approx.record(slot, hashes, time.monotonic())
+        return self.workers[slot], overlaps.get(slot, 0)
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
@@ -420,7 +471,7 @@ class RouterEngineClient(EngineClient):
         st.decisions[self.settings.policy] += 1
         st.overlap_blocks += overlap
         st.request_blocks += blocks
-        w.active[req.request_id] = _Active(max(blocks - overlap, 0), blocks)
+        w.add_active(req.request_id, _Active(max(blocks - overlap, 0), blocks))
         self.placements[req.request_id] = (w.slot, overlap)
         if len(self.placements) > 10_000:
             self.placements.popitem(last=False)
@@ -439,12 +490,10 @@ class RouterEngineClient(EngineClient):
             relay.queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
 
     def _started(self, relay: _Relay) -> None:
-        a = self.workers[relay.slot].active.get(relay.req.request_id)
-        if a is not None:
-            a.started = True
+        self.workers[relay.slot].start_active(relay.req.request_id)
 
     def _release(self, relay: _Relay) -> None:
-        self.workers[relay.slot].active.pop(relay.req.request_id, None)
+        self.workers[relay.slot].drop_active(relay.req.request_id)
         if self._where.get(relay.req.request_id) is relay:
             del self._where[relay.req.request_id]
 
@@ -454,7 +503,7 @@ class RouterEngineClient(EngineClient):
             relay = self._where.pop(rid, None)
             if relay is None:
                 continue
-            self.workers[relay.slot].active.pop(rid, None)
+            self.workers[relay.slot].drop_active(rid)
             by_worker.setdefault(relay.slot, []).append(rid)
         for slot, ids in by_worker.items():
             c = self.workers[slot].client
@@ -482,6 +531,14 @@ class RouterEngineClient(EngineClient):
     @property
     def num_up(self) -> int:
         return sum(w.up for w in self.workers)
+
+    @property
+    def num_answering(self) -> int:
+        """Workers that get new requests now (up, and heard from within SUSPECT_AFTER_S)."""
+        now = time.monotonic()
+        return sum(
+            1 for w in self.workers if w.up and w.client and now - w.client.last_heard < SUSPECT_AFTER_S
+        )
 
     async def shutdown(self) -> None:
         if self._task is not None:

@@ -24,12 +24,13 @@ from tokenmill.weights import catalog
 
 @dataclass
 class Submitted:
-    """A request handed to the engine: its frontend state and the queue its engine outputs arrive on."""
+    """Requests handed to the engine (one, or a batch added to the same Submitted): their frontend
+    state and the one queue their engine outputs arrive on."""
 
-    request_id: str
+    request_id: str  # the first one's
     proc: OutputProcessor
     queue: asyncio.Queue
-    live: set[str]  # engine ids of its sequences still running
+    live: set[str]  # engine ids of their sequences still running
 
 
 class AsyncLLM:
@@ -74,12 +75,15 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         routing_key: str | None = None,
+        into: Submitted | None = None,
     ) -> Submitted:
-        """Hand a request's n sequences to the engine; `stream` then yields its outputs. A request the
-        client refuses on the spot (the in-process one checks at once) raises, leaving nothing behind."""
-        proc = OutputProcessor(self.tokenizer)
+        """Hand a request's n sequences to the engine; `stream` then yields its outputs. With `into`, the
+        request joins that batch (one queue, one output processor: the offline API's way). A request
+        the client refuses on the spot (the in-process one checks at once) raises, leaving nothing of
+        the batch behind."""
         arrival = time.monotonic()
-        sub = Submitted(request_id, proc, asyncio.Queue(), set())
+        sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), asyncio.Queue(), set())
+        proc = sub.proc
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
             req = EngineRequest(cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key)
             try:
@@ -90,8 +94,11 @@ class AsyncLLM:
             sub.live.add(cid)
         return sub
 
-    async def stream(self, sub: Submitted, errors_as_outputs: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput each time any of the request's sequences advances (deltas inside).
+    async def stream(
+        self, sub: Submitted, errors_as_outputs: bool = False, final_only: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time any of the request's sequences advances (deltas inside), or
+        with `final_only` once per request, when it has finished.
 
         A sequence the engine failed on raises RequestFailedError, or with `errors_as_outputs` ends
         with finish reason "error" like any other. If the consumer stops early (a client
@@ -116,7 +123,7 @@ class AsyncLLM:
                         raise RequestFailedError(
                             f"the engine failed on request {sub.request_id}; the server log has the details"
                         )
-                outs, stopped = proc.process(batch)
+                outs, stopped = proc.process(batch, final_only)
                 if stopped:
                     self.client.finish(stopped)
                     live.difference_update(stopped)

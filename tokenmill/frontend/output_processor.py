@@ -103,6 +103,10 @@ class RequestState:
         self.sequences: list[SequenceState] = []
         self.n = n
 
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -149,8 +153,11 @@ class OutputProcessor:
         self.requests[request_id] = state
         return children
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns updated request outputs and the engine ids of sequences a stop string ended."""
+    def process(
+        self, outputs: list[EngineCoreOutput], final_only: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns updated request outputs (with `final_only`, only of requests that finished) and the
+        engine ids of sequences a stop string ended."""
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
         for out in outputs:
@@ -164,6 +171,8 @@ class OutputProcessor:
             touched[parent_id] = state
         results = []
         for rid, state in touched.items():
+            if final_only and not state.finished:
+                continue  # building an output copies every token so far: not at every step
             ro = state.output()
             results.append(ro)
             if ro.finished:

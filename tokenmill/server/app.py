@@ -144,11 +144,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _json_model(request, CompletionRequest)
+        _session_header(request, body)
         return await _generate(request, state, lambda t: state.serving.completions(body, t))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_model(request, ChatCompletionRequest)
+        _session_header(request, body)
         return await _generate(request, state, lambda t: state.serving.chat(body, t))
 
     @app.post("/tokenize")
@@ -200,6 +202,15 @@ async def _json_model(request: Request, model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         raise APIError(400, _describe(e.errors()), _param(e.errors())) from e
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def _session_header(request: Request, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A session id header keys the router's session policy like the body's `user` field (which wins)."""
+    if body.user is None and (sid := request.headers.get(SESSION_HEADER)):
+        body.user = sid[:256]
 
 
 async def _generate(
