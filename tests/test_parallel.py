@@ -17,7 +17,9 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.parallel import Shard, shard_state_dict, split_range
+from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_weights
+from tokenmill.models.parallel import Shard, split_range
+from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.worker.executor import WorkerDiedError
 
 SMOL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
@@ -70,7 +72,7 @@ def test_shards_put_back_together_are_the_model() -> None:
             f"layers.{i}.post_attention_layernorm.weight": rnd(16),
         }
     # 2 x 2: stage 1 holds layers 2 and 3 (named 0 and 1), the norm and the head.
-    parts = {(t, p): shard_state_dict(sd, cfg, Shard.of(cfg, 2, t, 2, p)) for t in range(2) for p in range(2)}
+    parts = {(t, p): cut(sd, cfg, Shard.of(cfg, 2, t, 2, p)) for t in range(2) for p in range(2)}
     assert "embed_tokens.weight" not in parts[0, 1] and "lm_head.weight" not in parts[0, 0]
     assert torch.equal(
         torch.cat([parts[0, 1]["lm_head.weight"], parts[1, 1]["lm_head.weight"]]), sd["lm_head.weight"]
@@ -85,8 +87,18 @@ def test_shards_put_back_together_are_the_model() -> None:
     gu = sd["layers.0.mlp.gate_up_proj.weight"]
     assert torch.equal(parts[0, 0]["layers.0.mlp.gate_up_proj.weight"], torch.cat([gu[:12], gu[24:36]]))
     # The whole model's shard is the state dict itself (no copies).
-    whole = shard_state_dict(sd, cfg, Shard.whole(cfg))
+    whole = cut(sd, cfg, Shard.whole(cfg))
     assert all(whole[k] is sd[k] for k in sd)
+    # A row-parallel layer takes no bias (it would be summed once per rank).
+    with pytest.raises(ValueError, match="row-parallel"):
+        cut({**sd, "layers.0.mlp.down_proj.bias": rnd(16)}, cfg, Shard.of(cfg, 2, 0, 1, 0))
+
+
+def cut(sd: dict[str, torch.Tensor], cfg: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """A shard's tensors as build_model loads them: the stage's, and each parallel linear's own cut."""
+    with _skip_init(), torch.device("meta"):
+        model = LlamaForCausalLM(cfg, RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta, None, None), shard)
+    return shard_weights(model, sd)
 
 
 # -- the real thing: rank processes over gloo ----------------------------------------------------

@@ -13,6 +13,16 @@ from torch import nn
 _packing_works: bool | None = None
 
 
+class LinearBase(nn.Module):
+    """What every linear layer of the models is, whatever holds or computes its weight: `in_features`
+    in, `out_features` out (on this rank). The tensor-parallel layers (models/parallel_linear.py), and
+    the packed and quantized forms they are turned into for the device, derive from it; so will LoRA
+    linears. Code that walks a model for its linears looks for this one type."""
+
+    in_features: int
+    out_features: int
+
+
 def _probe_packing() -> bool:
     # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on an
     # AVX2-only CPU; trying it once on a tiny weight is the one check that cannot disagree with it.
@@ -47,7 +57,7 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(LinearBase):
     """A bf16 linear whose weight lives in oneDNN's blocked layout (CPU inference only)."""
 
     # The batch size oneDNN tunes the layout for; measured best across 1..256 rows (see module doc).
@@ -73,13 +83,13 @@ def pack_linears(model: nn.Module) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and onednn_packing_available(child.weight):
+            if _plain_linear(child) and onednn_packing_available(child.weight):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(LinearBase):
     """Weight-only quantized linear for the small batches of decode steps, with a bf16 twin for big ones.
 
     A decode step at batch 1 streams every weight through the CPU once, so bytes are time: 4 bits
@@ -154,7 +164,14 @@ def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], 
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
-            if isinstance(child, nn.Linear) and quantized_kernels_available(child.weight):
+            if _plain_linear(child) and quantized_kernels_available(child.weight):
                 setattr(parent, name, QuantizedLinear(child, bits_for.get(full, default_bits), max_rows))
                 count += 1
     return count
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """A linear still computed by a plain matmul of its weight (not yet packed or quantized)."""
+    return isinstance(m, nn.Linear) or (
+        isinstance(m, LinearBase) and not isinstance(m, (PackedLinear, QuantizedLinear))
+    )

@@ -17,6 +17,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import pack_linears, quantize_linears
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
+from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 
 
@@ -36,8 +37,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv, self.head_dim = len(shard.q_heads), len(shard.kv_heads), cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        d, q_full, kv_full = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        kv = Part(kv_full, shard.kv_heads, d)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [Part(q_full, shard.q_heads, d), kv, kv], bias=cfg.attention_bias
+        )
+        self.o_proj = RowParallelLinear(shard.q_heads, d, q_full, cfg.hidden_size)
         self.scale = self.head_dim**-0.5
         self.comm = comm
 
@@ -76,9 +81,10 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
         super().__init__()
-        inter = len(shard.intermediate)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        full = cfg.intermediate_size
+        part = Part(full, shard.intermediate)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [part, part])  # gate rows, then up rows
+        self.down_proj = RowParallelLinear(shard.intermediate, 1, full, cfg.hidden_size)
         self.comm = comm
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
@@ -253,6 +259,20 @@ def _skip_init() -> Iterator[None]:
             setattr(nn.init, n, f)
 
 
+def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's (or its shard's) tensors from a full state dict: the stage's layers under local
+    names and its vocabulary rows (models/parallel.py), each parallel linear's part cut by the layer
+    itself."""
+    sd = shard_state_dict(state_dict, model.config, model.shard)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+    out = {}
+    for key, t in sd.items():
+        owner, _, param = key.rpartition(".")
+        layer = linears.get(owner)
+        out[key] = layer.load(param, t) if layer is not None else t
+    return out
+
+
 def build_model(
     cfg: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -272,7 +292,7 @@ def build_model(
     shard = shard or Shard.whole(cfg)
     with _skip_init(), torch.device("meta"):
         model = LlamaForCausalLM(cfg, rope, shard, comm)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in shard_state_dict(state_dict, cfg, shard).items()}
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in shard_weights(model, state_dict).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = cfg.tie_word_embeddings and shard.first_stage
     missing = [m for m in missing if not (m == "lm_head.weight" and tied)]

@@ -106,9 +106,10 @@ def _rows(t: torch.Tensor, r: range, unit: int = 1) -> torch.Tensor:
 
 
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, s: Shard) -> dict[str, torch.Tensor]:
-    """This rank's tensors, under local names (layer i of the stage is `layers.i`). The whole model's
-    shard returns the same tensors (no copies)."""
-    d, q_size, kv_size = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    """This stage's tensors, under local names (layer i of the stage is `layers.i`), with this rank's
+    vocabulary rows of the embedding and head. The linear layers' tensors stay whole: each parallel
+    layer cuts its own part (models/parallel_linear.py). The whole model's shard returns the same
+    tensors (no copies)."""
     tp = s.tp_size > 1
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
@@ -117,22 +118,7 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, s: Shard) ->
             i = int(idx)
             if i not in s.layers:
                 continue
-            local = f"layers.{i - s.layers.start}.{rest}"
-            if not tp:
-                pass
-            elif rest.startswith("self_attn.qkv_proj."):
-                q, k, v = t[:q_size], t[q_size : q_size + kv_size], t[q_size + kv_size :]
-                t = torch.cat([_rows(q, s.q_heads, d), _rows(k, s.kv_heads, d), _rows(v, s.kv_heads, d)])
-            elif rest == "self_attn.o_proj.weight":
-                t = t[:, s.q_heads.start * d : s.q_heads.stop * d]
-            elif rest == "mlp.gate_up_proj.weight":
-                gate, up = t[: cfg.intermediate_size], t[cfg.intermediate_size :]
-                t = torch.cat([_rows(gate, s.intermediate), _rows(up, s.intermediate)])
-            elif rest == "mlp.down_proj.weight":
-                t = t[:, s.intermediate.start : s.intermediate.stop]
-            elif rest.endswith("_proj.bias") and "qkv" not in rest:
-                raise ValueError(f"{name}: a bias on a row-parallel layer is not supported")
-            out[local] = t
+            out[f"layers.{i - s.layers.start}.{rest}"] = t
         elif name == "embed_tokens.weight":
             if s.first_stage:
                 out[name] = _rows(t, s.vocab) if tp else t
