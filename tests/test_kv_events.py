@@ -177,14 +177,24 @@ async def _subscribe(pub: KVEventPublisher, index: KVIndex, **kw) -> KVEventSubs
     return sub
 
 
-def _publisher(tmp_path: Path, buffer: int = 10_000) -> KVEventPublisher:
-    cfg = KVEventsConfig(
-        enable_kv_events=True,
-        kv_events_endpoint=f"ipc://{tmp_path}/pub",
-        kv_events_replay_endpoint=f"ipc://{tmp_path}/replay",
-        kv_events_buffer_steps=buffer,
-    )
-    return KVEventPublisher(cfg, zmq.Context())
+@pytest.fixture
+def make_publisher(tmp_path: Path):
+    """Publishers on ipc:// sockets in tmp_path, closed after the test."""
+    made: list[KVEventPublisher] = []
+
+    def make(buffer: int = 10_000) -> KVEventPublisher:
+        cfg = KVEventsConfig(
+            enable_kv_events=True,
+            kv_events_endpoint=f"ipc://{tmp_path}/pub{len(made)}",
+            kv_events_replay_endpoint=f"ipc://{tmp_path}/replay{len(made)}",
+            kv_events_buffer_steps=buffer,
+        )
+        made.append(KVEventPublisher(cfg, zmq.Context()))
+        return made[-1]
+
+    yield make
+    for pub in made:
+        pub.close()
 
 
 def lost_in_transit(pub: KVEventPublisher, batches: tuple[int, ...]) -> None:
@@ -202,8 +212,18 @@ async def _until(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
         await asyncio.sleep(0.01)
 
 
-def test_late_subscriber_catches_up_by_replay(tmp_path: Path) -> None:
-    pub = _publisher(tmp_path)
+async def _following(pub: KVEventPublisher) -> tuple[KVIndex, KVEventSubscriber]:
+    """A subscriber that has joined and received batch 0 on the live stream."""
+    index = KVIndex()
+    sub = await _subscribe(pub, index)
+    await asyncio.sleep(0.2)  # let the subscription reach the publisher
+    pub.publish(events_for(0))
+    await _until(lambda: sub.last_seq == 0)
+    return index, sub
+
+
+def test_late_subscriber_catches_up_by_replay(make_publisher) -> None:
+    pub = make_publisher()
 
     async def main() -> None:
         for i in range(5):  # before anyone listens: PUB drops these
@@ -217,21 +237,14 @@ def test_late_subscriber_catches_up_by_replay(tmp_path: Path) -> None:
         assert sub.stats.gaps == 0
         await sub.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        pub.close()
+    asyncio.run(main())
 
 
-def test_gap_in_the_live_stream_is_repaired_by_replay(tmp_path: Path) -> None:
-    pub = _publisher(tmp_path)
+def test_gap_in_the_live_stream_is_repaired_by_replay(make_publisher) -> None:
+    pub = make_publisher()
 
     async def main() -> None:
-        index = KVIndex()
-        sub = await _subscribe(pub, index)
-        await asyncio.sleep(0.2)
-        pub.publish(events_for(0))
-        await _until(lambda: sub.last_seq == 0)
+        index, sub = await _following(pub)
         lost_in_transit(pub, (1, 2))  # the next live one shows the gap
         pub.publish(events_for(3))
         await _until(lambda: sub.last_seq == 3)
@@ -239,21 +252,14 @@ def test_gap_in_the_live_stream_is_repaired_by_replay(tmp_path: Path) -> None:
         assert index.overlaps([1001], 1) == {0: 1} and index.overlaps([1002], 1) == {0: 1}
         await sub.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        pub.close()
+    asyncio.run(main())
 
 
-def test_gap_older_than_the_buffer_drops_the_workers_index(tmp_path: Path) -> None:
-    pub = _publisher(tmp_path, buffer=2)
+def test_gap_older_than_the_buffer_drops_the_workers_index(make_publisher) -> None:
+    pub = make_publisher(buffer=2)
 
     async def main() -> None:
-        index = KVIndex()
-        sub = await _subscribe(pub, index)
-        await asyncio.sleep(0.2)
-        pub.publish(events_for(0))
-        await _until(lambda: sub.last_seq == 0)
+        index, sub = await _following(pub)
         lost_in_transit(pub, (1, 2, 3))  # and pushed out of a 2-batch buffer
         pub.publish(events_for(4))
         await _until(lambda: sub.last_seq == 4)
@@ -262,33 +268,27 @@ def test_gap_older_than_the_buffer_drops_the_workers_index(tmp_path: Path) -> No
         assert index.overlaps([1000], 1) == {} and index.overlaps([1004], 1) == {0: 1}
         await sub.stop()
 
-    try:
-        asyncio.run(main())
-    finally:
-        pub.close()
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("start", [0, 2])
-def test_replay_socket_speaks_the_vllm_protocol(tmp_path: Path, start: int) -> None:
+def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> None:
     """A DEALER sends [b"", start]; replies are [b"", topic, seq, payload]; the end is seq -1, empty."""
-    pub = _publisher(tmp_path)
-    try:
-        for i in range(4):
-            pub.publish(events_for(i))
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.connect(pub.describe()["replay_endpoint"])
-        s.send_multipart([b"", start.to_bytes(8, "big")])
-        seqs = []
-        while True:
-            assert s.poll(5000)
-            _, topic, seq, payload = s.recv_multipart()
-            n = int.from_bytes(seq, "big", signed=True)
-            if n == -1:
-                assert payload == b""
-                break
-            seqs.append(n)
-            assert decode_batch(payload).events == events_for(n)
-        assert seqs == list(range(start, 4))
-        s.close(0)
-    finally:
-        pub.close()
+    pub = make_publisher()
+    for i in range(4):
+        pub.publish(events_for(i))
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.connect(pub.describe()["replay_endpoint"])
+    s.send_multipart([b"", start.to_bytes(8, "big")])
+    seqs = []
+    while True:
+        assert s.poll(5000)
+        _, topic, seq, payload = s.recv_multipart()
+        n = int.from_bytes(seq, "big", signed=True)
+        if n == -1:
+            assert payload == b""
+            break
+        seqs.append(n)
+        assert decode_batch(payload).events == events_for(n)
+    assert seqs == list(range(start, 4))
+    s.close(0)

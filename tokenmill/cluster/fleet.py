@@ -93,25 +93,9 @@ class LaunchingRouter(RouterEngineClient):
         if launcher.exit_reason() is not None:  # it died: start it again before rejoining it
             launcher.start()
             self.restarts += 1
-        return _LaunchedClient(w.url, launcher, timeout, self.heartbeat_timeout)
+        return ZmqEngineClient(w.url, timeout, self.heartbeat_timeout, launcher=launcher)
 
     async def shutdown(self) -> None:
         await super().shutdown()
         for launcher in self.launchers.values():
             await launcher.stop(5.0)
-
-
-class _LaunchedClient(ZmqEngineClient):
-    def __init__(self, url: str, launcher: LocalEngineLauncher, timeout: float, heartbeat: float) -> None:
-        super().__init__(url, startup_timeout=timeout, heartbeat_timeout=heartbeat)
-        self.launcher = launcher
-
-    def _process_exit(self) -> str | None:
-        return self.launcher.exit_reason()
-
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        if self._ctx is not None and self.launcher.exit_reason() is None and self.dead_reason is None:
-            from tokenmill.engine.protocol import Shutdown, encode
-
-            self._sock.send(encode(Shutdown()))
-        await super().shutdown(timeout)

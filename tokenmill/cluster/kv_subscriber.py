@@ -48,6 +48,7 @@ class KVEventSubscriber:
         self.last_seq = -1
         self.stats = SubscriberStats()
         self._task: asyncio.Task | None = None
+        self._want_replay: int | None = None  # where a gap seen on the live stream begins
         self.synced = asyncio.Event()  # set once the first replay (or its absence) is done
 
     def start(self) -> None:
@@ -77,8 +78,6 @@ class KVEventSubscriber:
                     await self._replay(start)
         finally:
             sub.close(linger=0)
-
-    _want_replay: int | None = None
 
     def _on_message(self, seq: int, payload: bytes) -> None:
         if seq <= self.last_seq:

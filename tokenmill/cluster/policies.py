@@ -25,9 +25,18 @@ class Candidate:
     num_waiting: int  # the worker's own queue, from its last stats
 
 
+def kv_costs(
+    loads: list[tuple[int, float, float]], request_blocks: int, prefill_weight: float
+) -> list[float]:
+    """Dynamo's cost of sending a request of `request_blocks` to each worker, given per worker (blocks
+    of the request it holds, its active prefill blocks, its active decode blocks). One call per
+    decision: the router's hot path at fleet scale."""
+    return [prefill_weight * (e if (e := p + request_blocks - o) > 0 else 0.0) + d for o, p, d in loads]
+
+
 def kv_cost(c: Candidate, request_blocks: int, prefill_weight: float) -> float:
-    prefill = max(0.0, c.active_prefill_blocks + request_blocks - c.overlap_blocks)
-    return prefill_weight * prefill + c.active_decode_blocks
+    load = (c.overlap_blocks, c.active_prefill_blocks, c.active_decode_blocks)
+    return kv_costs([load], request_blocks, prefill_weight)[0]
 
 
 class Picker:
@@ -47,7 +56,8 @@ class Picker:
             raise ValueError("no worker to pick from")
         p = self.policy
         if p in ("kv", "kv-approx"):
-            costs = [kv_cost(c, request_blocks, self.prefill_weight) for c in cands]
+            loads = [(c.overlap_blocks, c.active_prefill_blocks, c.active_decode_blocks) for c in cands]
+            costs = kv_costs(loads, request_blocks, self.prefill_weight)
             slot = self.pick_by_cost([c.slot for c in cands], costs, [c.in_flight for c in cands])
             return next(c for c in cands if c.slot == slot)
         if p == "round-robin":
@@ -77,9 +87,9 @@ class Picker:
             weights = [math.exp(-(c - lo) / span / self.temperature) for c in costs]
             return self.rng.choices(slots, weights)[0]
         best = min(costs)
+        if costs.count(best) == 1:  # the usual case, without building the list of ties
+            return slots[costs.index(best)]
         tied = [i for i, cost in enumerate(costs) if cost == best]
-        if len(tied) == 1:
-            return slots[tied[0]]
         fewest = min(in_flight[i] for i in tied)
         return slots[self.rng.choice([i for i in tied if in_flight[i] == fewest])]
 

@@ -8,11 +8,10 @@ SHA-256 and an int conversion, about 2.3x less. The memo is bounded; when full i
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-from tokenmill.engine.block_hash import ROOT_HASH
+from tokenmill.engine.block_hash import ROOT_HASH, block_input, digest
 from tokenmill.engine.kv_events import external_hash
 
 
@@ -28,18 +27,18 @@ class PrefixHasher:
         """The names block by block, each computed only when asked for."""
         bs = self.block_size
         n = len(tokens) // bs
-        memo, sha256 = self._memo, hashlib.sha256
+        memo = self._memo
         if len(memo) > self.capacity:
             memo.clear()
         parent = ROOT_HASH
         for k in range(n):
             # Converted block by block: a caller that stops early never pays for the rest.
-            key = parent + array("q", tokens[k * bs : (k + 1) * bs]).tobytes()
-            if k == 0 and salt is not None:
-                key += b"\x00salt\x00" + salt.encode()
+            key = block_input(
+                parent, array("q", tokens[k * bs : (k + 1) * bs]).tobytes(), salt if k == 0 else None
+            )
             hit = memo.get(key)
             if hit is None:
-                digest = sha256(key).digest()[:16]
-                hit = memo[key] = (digest, external_hash(digest))
+                name = digest(key)
+                hit = memo[key] = (name, external_hash(name))
             parent = hit[0]
             yield hit[1]

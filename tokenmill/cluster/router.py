@@ -29,7 +29,7 @@ from tokenmill.cluster.approx_index import ApproxKVIndex
 from tokenmill.cluster.discovery import Discovery
 from tokenmill.cluster.kv_index import KVIndex
 from tokenmill.cluster.kv_subscriber import KVEventSubscriber
-from tokenmill.cluster.policies import Candidate, Picker
+from tokenmill.cluster.policies import Candidate, Picker, kv_costs
 from tokenmill.cluster.prefix_hasher import PrefixHasher
 from tokenmill.engine.client import (
     EngineClient,
@@ -104,10 +104,10 @@ class Worker:
         self.active.clear()
         self.prefill_blocks = self.decode_blocks = 0
 
-    @property
-    def answering(self) -> bool:
-        c = self.client
-        return c is not None and c.healthy and time.monotonic() - c.last_heard < SUSPECT_AFTER_S
+    def answering(self, now: float) -> bool:
+        """Gets new requests: up (connected, not known dead: the supervisor drops dead ones within
+        0.1 s) and heard from within SUSPECT_AFTER_S."""
+        return self.up and self.client is not None and now - self.client.last_heard < SUSPECT_AFTER_S
 
 
 @dataclass
@@ -184,7 +184,7 @@ class RouterEngineClient(EngineClient):
     @property
     def stats(self) -> EngineStats | None:  # type: ignore[override]
         """The fleet's stats: counts summed, KV usage averaged over the workers that are up."""
-        got = [w.client.stats for w in self.workers if w.up and w.client and w.client.stats]
+        got = list(self.worker_stats().values())
         if not got:
             return None
         return EngineStats(
@@ -398,10 +398,9 @@ class RouterEngineClient(EngineClient):
 
     def _pick(self, relay: _Relay, exclude: set[int]) -> tuple[Worker, int]:
         ups = [w for w in self.workers if w.up and w.slot not in exclude]
-        # Up means connected and not known dead (the supervisor drops dead ones within 0.1 s); a worker
-        # silent for a second gets no new requests. All silent: a long step, not death.
+        # A worker silent for a second gets no new requests; all of them silent: a long step, not death.
         now = time.monotonic()
-        answering = [w for w in ups if now - w.client.last_heard < SUSPECT_AFTER_S] or ups  # type: ignore[union-attr]
+        answering = [w for w in ups if w.answering(now)] or ups
         if not answering:
             raise EngineDeadError("no worker is up")
         req = relay.req
@@ -428,11 +427,8 @@ class RouterEngineClient(EngineClient):
             )
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         if kv:  # the cost from plain columns (this runs for every request)
-            pw = self.settings.prefill_weight
-            costs = [
-                pw * max(0, w.prefill_blocks + blocks - overlaps.get(w.slot, 0)) + w.decode_blocks
-                for w in answering
-            ]
+            loads = [(overlaps.get(w.slot, 0), w.prefill_blocks, w.decode_blocks) for w in answering]
+            costs = kv_costs(loads, blocks, self.settings.prefill_weight)
             slot = self.picker.pick_by_cost(
                 [w.slot for w in answering], costs, [len(w.active) for w in answering]
             )
@@ -536,9 +532,7 @@ class RouterEngineClient(EngineClient):
     def num_answering(self) -> int:
         """Workers that get new requests now (up, and heard from within SUSPECT_AFTER_S)."""
         now = time.monotonic()
-        return sum(
-            1 for w in self.workers if w.up and w.client and now - w.client.last_heard < SUSPECT_AFTER_S
-        )
+        return sum(w.answering(now) for w in self.workers)
 
     async def shutdown(self) -> None:
         if self._task is not None:

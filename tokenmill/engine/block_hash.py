@@ -14,12 +14,17 @@ from collections.abc import Sequence
 ROOT_HASH = b"tokenmill-kv-root"
 
 
+def block_input(parent: bytes, token_bytes: bytes, salt: str | None) -> bytes:
+    """What a block's name is the digest of: its parent's name, its tokens (int64), and the salt."""
+    return parent + token_bytes if salt is None else parent + token_bytes + b"\x00salt\x00" + salt.encode()
+
+
+def digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
+
+
 def hash_block(parent: bytes, tokens: Sequence[int], salt: str | None = None) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(array("q", tokens).tobytes())
-    if salt is not None:
-        h.update(b"\x00salt\x00" + salt.encode())
-    return h.digest()[:16]
+    return digest(block_input(parent, array("q", tokens).tobytes(), salt))
 
 
 def extend_block_hashes(
@@ -37,10 +42,7 @@ def extend_block_hashes(
     data = array("q", tokens[first * block_size : last * block_size]).tobytes()
     step = block_size * 8
     parent = hashes[-1] if hashes else ROOT_HASH
-    sha256 = hashlib.sha256
     for k in range(last - first):
         chunk = data[k * step : (k + 1) * step]
-        if first + k == 0 and salt is not None:
-            chunk += b"\x00salt\x00" + salt.encode()
-        parent = sha256(parent + chunk).digest()[:16]
+        parent = digest(block_input(parent, chunk, salt if first + k == 0 else None))
         hashes.append(parent)

@@ -110,8 +110,17 @@ class ZmqEngineClient(EngineClient):
     and its requests fail rather than wait forever.
     """
 
-    def __init__(self, address: str, startup_timeout: float = 600.0, heartbeat_timeout: float = 40.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        startup_timeout: float = 600.0,
+        heartbeat_timeout: float = 40.0,
+        launcher: LocalEngineLauncher | None = None,
+    ) -> None:
+        """`launcher`: the engine's process, when this client's owner started it: its exit is noticed
+        at once, and shutdown() stops it."""
         self.address = address
+        self.launcher = launcher
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.info = {}
@@ -124,7 +133,7 @@ class ZmqEngineClient(EngineClient):
 
     def _process_exit(self) -> str | None:
         """Why the engine's process is gone, when this client knows its process (else None)."""
-        return None
+        return None if self.launcher is None else self.launcher.exit_reason()
 
     async def start(self) -> None:
         self._ctx = new_context()
@@ -259,8 +268,19 @@ class ZmqEngineClient(EngineClient):
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Leave the engine; an engine this client does not own keeps running for others."""
+        # An engine this client's owner launched is told to stop, and waited for before the socket
+        # closes (closing drops unsent messages: linger 0).
+        launcher = self.launcher
+        told = False
+        alive = self._ctx is not None and self._dead is None and self._process_exit() is None
+        if launcher is not None and alive:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(encode(Shutdown()))
+                told = True
         for t in self._tasks:
             t.cancel()
+        if told:
+            await launcher.wait_exit(timeout)  # type: ignore[union-attr]
         if self._ctx is not None:
             destroy_context(self._ctx)
 
@@ -289,11 +309,16 @@ class LocalEngineLauncher:
             return f"engine process exited with code {self.proc.exitcode}"
         return None
 
-    async def stop(self, timeout: float) -> None:
+    async def wait_exit(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the process to exit; True if it has."""
         deadline = time.monotonic() + timeout
         while self.proc is not None and self.proc.is_alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.proc is not None and self.proc.is_alive():
+        return self.proc is None or not self.proc.is_alive()
+
+    async def stop(self, timeout: float) -> None:
+        """Wait for the process to exit (it was told to), kill it past `timeout`, remove its folder."""
+        if not await self.wait_exit(timeout):
             self.proc.kill()
         self._dir.cleanup()
 
@@ -308,11 +333,8 @@ class MPEngineClient(ZmqEngineClient):
     """The server's default: an engine process of its own, launched here and talked to over ipc://."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
-        self.launcher = LocalEngineLauncher(config)
-        super().__init__(self.launcher.address, startup_timeout)
-
-    def _process_exit(self) -> str | None:
-        return self.launcher.exit_reason()
+        launcher = LocalEngineLauncher(config)
+        super().__init__(launcher.address, startup_timeout, launcher=launcher)
 
     async def start(self) -> None:
         self.launcher.start()
@@ -323,14 +345,8 @@ class MPEngineClient(ZmqEngineClient):
         return None if self.launcher.proc is None else self.launcher.proc.pid
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        if self.launcher.proc is not None and self.launcher.proc.is_alive() and self._ctx is not None:
-            with contextlib.suppress(Exception):
-                self._sock.send(encode(Shutdown()))
-        for t in self._tasks:
-            t.cancel()
-        await self.launcher.stop(timeout)
-        if self._ctx is not None:
-            destroy_context(self._ctx)
+        await super().shutdown(timeout)
+        await self.launcher.stop(timeout)  # gone by now, unless it would not stop: then killed
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -51,8 +51,8 @@ class EngineCore:
             self.tokenizer = loader.load_tokenizer(Path(self.info["source"]), cache_dir)
         cc = config.cache
         # One pool for all workers, sized so the worker with the costliest blocks fits its share.
-        self.kv_specs = self.executor.kv_cache_specs(cc.block_size)
-        block_bytes = max(s.block_bytes for s in self.kv_specs)
+        specs = self.executor.kv_cache_specs(cc.block_size)
+        block_bytes = max(s.block_bytes for s in specs)
         num_blocks = cc.num_blocks or int(cc.kv_cache_memory_gb * 2**30 // block_bytes)
         need = -(-self.max_model_len // cc.block_size)
         if num_blocks < need:

@@ -10,6 +10,7 @@ Without tensor parallelism every part is whole, and `load` returns the tensor it
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ class Part:
         return self.keep.start == 0 and len(self.keep) * self.unit == self.size
 
 
-class ParallelLinear(LinearBase):
+class ParallelLinear(LinearBase, ABC):
     """y = x W^T + b with this rank's part of W (and b)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -44,9 +45,9 @@ class ParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
+    @abstractmethod
     def load(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor for parameter `name` ("weight" or "bias")."""
-        raise NotImplementedError
 
 
 class ColumnParallelLinear(ParallelLinear):
