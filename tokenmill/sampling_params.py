@@ -6,6 +6,34 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class StructuredOutputs:
+    """A constraint on a request's output, as plain data (it crosses the engine protocol as it is).
+    Exactly one kind is set. The worker compiles it to a grammar and masks the tokens it forbids."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark-syntax grammar (llguidance's dialect; EBNF-like rules)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured output needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {kinds or 'none'}"
+            )
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured output choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy."""
 
@@ -27,6 +55,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each token's logprob
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # constrain the output to a schema, regex, choice, grammar
+    speculative: bool = True  # False: this request opts out of speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +64,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutputs(**self.structured)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
