@@ -36,10 +36,10 @@ def test_a_sampling_failure_fails_that_request_only(llm: LLM, monkeypatch) -> No
     sampler = llm.engine.runner.sampler
     real = sampler._sample
 
-    def flaky(logits, reqs):
+    def flaky(logits, reqs, *args):
         if any(r.request_id == "bad" for r in reqs):
             raise RuntimeError("boom")
-        return real(logits, reqs)
+        return real(logits, reqs, *args)
 
     monkeypatch.setattr(sampler, "_sample", flaky)
     got = run(llm, [req("a", [1, 2, 3, 4, 5]), req("bad", [7, 8, 9]), req("c", [10, 11, 12, 13])])

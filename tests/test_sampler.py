@@ -9,8 +9,19 @@ import torch
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.request_state import CachedRequestState as Request
-from tokenmill.worker.sampler import Sampler
+from tokenmill.worker import sampler as sampler_module
 from tokenmill.worker.step import NewRequestData
+
+
+class Sampler(sampler_module.Sampler):
+    """The real sampler, with one token per request as these tests expect when nothing is drafted
+    (the result holds each request's list of tokens: accepted drafts, then its own)."""
+
+    def __call__(self, logits, reqs, drafts=None, bitmask=None):  # noqa: ANN001, ANN204
+        res = super().__call__(logits, reqs, drafts, bitmask)
+        res.token_ids = [t[0] if t else -1 for t in res.token_ids]
+        res.logprobs = [lp[0] if lp else None for lp in res.logprobs]
+        return res
 
 P3 = [0.5, 0.3, 0.2]  # a known 3-token distribution
 
@@ -307,10 +318,10 @@ def test_a_request_that_breaks_sampling_fails_alone(monkeypatch) -> None:
     s = Sampler(0)
     real = s._sample
 
-    def flaky(logits, reqs):
+    def flaky(logits, reqs, *args):
         if any(r.request_id == "bad" for r in reqs):
             raise RuntimeError("boom")
-        return real(logits, reqs)
+        return real(logits, reqs, *args)
 
     monkeypatch.setattr(s, "_sample", flaky)
     res = s(rows([0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]), [greedy(), make_req("bad"), greedy()])

@@ -55,6 +55,45 @@ class KVEventsConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a cheap proposer guesses the next tokens, one target pass verifies them all
+    (worker/spec_decode/). Greedy output is unchanged; sampled output keeps the target's distribution."""
+
+    method: str | None = setting(
+        None, flag="speculative",
+        help='"ngram" (prompt lookup), "suffix" (suffix trees over this and recent requests), '
+        '"draft:MODEL" (a small model with the same tokenizer; "draft:self-int4": the target in 4 bits)',
+    )  # fmt: skip
+    num_speculative_tokens: int = setting(4, help="most draft tokens per request per step")
+    prompt_lookup_min: int = setting(2, help="ngram: shortest suffix of the context to look up")
+    prompt_lookup_max: int = setting(5, help="ngram: longest suffix of the context to look up")
+    suffix_max_tree_depth: int = setting(24, help="suffix: longest pattern and draft the trees hold")
+    suffix_max_cached_requests: int = setting(1000, help="suffix: recent requests kept in the global tree")
+    suffix_min_token_prob: float = setting(0.1, help="suffix: draft only tokens seen at least this often")
+    # Past this many tokens in a step, verifying drafts costs more than the steps they save (the forward
+    # pass stops being bound by reading the weights): speculation pauses until the batch shrinks.
+    max_batch_tokens: int = setting(
+        64, help="speculate only while running requests x (1 + draft length) stay within this"
+    )
+
+    def __post_init__(self) -> None:
+        if self.method is not None:
+            kind = self.method.split(":", 1)[0]
+            if kind not in ("ngram", "suffix", "draft") or (kind == "draft") != (":" in self.method):
+                raise ValueError(
+                    f"speculative method must be ngram, suffix or draft:MODEL, got {self.method!r}"
+                )
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def draft_model(self) -> str | None:
+        return self.method.split(":", 1)[1] if self.method and self.method.startswith("draft:") else None
+
+
+@dataclass
 class ParallelConfig:
     tensor_parallel_size: int = setting(
         1, help="rank processes that split each layer (heads, MLP, vocabulary)"
@@ -100,3 +139,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import typing
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rich.progress import Progress
 
-from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.client import RequestRejectedError
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.inproc_client import InprocEngineClient
@@ -143,27 +145,29 @@ class LLM:
 
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """Sort flat keyword arguments into the engine, scheduler and cache configs."""
-    groups: dict[type, dict[str, Any]] = {
-        EngineConfig: {},
-        SchedulerConfig: {},
-        CacheConfig: {},
-        ParallelConfig: {},
-        KVEventsConfig: {},
+    """Sort flat keyword arguments into the engine config and its sections. `speculative_config` (a
+    mapping, as in vLLM) sets the speculative section whole, e.g. {"method": "ngram"}."""
+    hints = typing.get_type_hints(EngineConfig)
+    section_cls = {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(EngineConfig)
+        if dataclasses.is_dataclass(hints[f.name])
     }
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in section_cls}
+    spec = kwargs.pop("speculative_config", None)
+    if spec is not None:
+        nested["speculative"] = dict(spec)
     for key, value in kwargs.items():
-        for cls, bucket in groups.items():
-            if key in cls.__dataclass_fields__ and key not in ("scheduler", "cache", "parallel", "kv_events"):
-                bucket[key] = value
+        if key in EngineConfig.__dataclass_fields__ and key not in section_cls:
+            top[key] = value
+            continue
+        for name, cls in section_cls.items():
+            if key in cls.__dataclass_fields__ and key != "method":
+                nested[name][key] = value
                 break
         else:
             raise TypeError(f"unknown engine option {key!r}")
     if model is not None:
-        groups[EngineConfig]["model"] = model
-    return EngineConfig(
-        **groups[EngineConfig],
-        scheduler=SchedulerConfig(**groups[SchedulerConfig]),
-        cache=CacheConfig(**groups[CacheConfig]),
-        parallel=ParallelConfig(**groups[ParallelConfig]),
-        kv_events=KVEventsConfig(**groups[KVEventsConfig]),
-    )
+        top["model"] = model
+    return EngineConfig(**top, **{name: cls(**nested[name]) for name, cls in section_cls.items()})

@@ -17,7 +17,14 @@ from typing import Any
 
 import typer
 
-from tokenmill.config import CacheConfig, EngineConfig, KVEventsConfig, ParallelConfig, SchedulerConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    KVEventsConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenmill.server.config import FleetConfig, ServerConfig
 
 
@@ -34,6 +41,7 @@ ENGINE_SECTIONS = [
     Section("KV cache", CacheConfig, ("cache",)),
     Section("Parallelism", ParallelConfig, ("parallel",)),
     Section("KV events", KVEventsConfig, ("kv_events",)),
+    Section("Speculative decoding", SpeculativeConfig, ("speculative",)),
 ]
 SERVER_SECTIONS = [
     Section("Server", ServerConfig, ()),

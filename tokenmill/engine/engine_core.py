@@ -67,6 +67,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
 
     def describe(self) -> dict:
         """Plain facts a frontend needs (the engine protocol's Ready info)."""
@@ -145,8 +147,10 @@ class EngineCore:
             r: t for r, t in zip(result.req_ids, result.sampled_token_ids, strict=True) if r not in errors
         }
         lps = dict(zip(result.req_ids, result.logprobs, strict=True))
+        if out.spec_token_ids:
+            self._count_acceptance(out.spec_token_ids, sampled)
         outputs = []
-        for req, k in self.scheduler.update(out, sampled):
+        for req, k in self.scheduler.update(out, sampled, result.spec_token_ids):
             lp = lps.get(req.request_id)
             new = req.output_token_ids[-k:]
             outputs.append(self._output(req, new, None if lp is None else lp[:k], req.token_times[-k:]))
@@ -154,6 +158,21 @@ class EngineCore:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
             outputs.extend(self._output(r, [], None, []) for r in failed)
         return outputs
+
+    def _count_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        for rid, draft in drafts.items():
+            new = sampled.get(rid)
+            if not new:
+                continue
+            accepted = len(new) - 1
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(draft)
+            self.spec_num_accepted_tokens += accepted
+            per_pos = self.spec_accepted_per_pos
+            if len(per_pos) < len(draft):
+                per_pos.extend([0] * (len(draft) - len(per_pos)))
+            for i in range(accepted):
+                per_pos[i] += 1
 
     def _output(
         self, req: Request, new: list[int], lps: list[TokenLogprobs] | None, times: list[float]
@@ -185,4 +204,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_batched_tokens_total=self.num_batched_tokens_total,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )

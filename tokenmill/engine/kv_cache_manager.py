@@ -81,13 +81,15 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # Name every block that is full once this step runs: other requests can reuse it at once
             # (their attention reads it after this step's keys and values are written).
+            # Only real tokens name a block: draft tokens past num_tokens may yet be rejected.
+            known = min(end, req.num_tokens)
             extend_block_hashes(
-                req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=end
+                req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=known
             )
             # Blocks that were already full before `start` were named when their step was scheduled.
             named = [
                 i
-                for i in range(start // self.block_size, end // self.block_size)
+                for i in range(start // self.block_size, known // self.block_size)
                 if blocks[i].block_hash is None and self.pool.cache(blocks[i], req.block_hashes[i])
             ]
             if named and self.events is not None:

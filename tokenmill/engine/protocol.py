@@ -68,6 +68,12 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_batched_tokens_total: int
+    # Speculative decoding, totals since start: draft tokens verified, and how many were accepted,
+    # in all and by position in the draft (acceptance falls with the position).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class Request:
         self.stop_token: int | None = None
         # Hashes of this request's full blocks, extended as tokens arrive (see block_hash.py).
         self.block_hashes: list[bytes] = []
+        # Draft tokens a proposer guessed after the last step, verified in the next (never in
+        # all_token_ids: they are not the request's tokens until accepted).
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.max_tokens = self._max_tokens(max_model_len)

@@ -81,6 +81,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
+                # The budget may have cut into the drafts: verify only those that fit.
+                del req.spec_token_ids[max(n - (req.num_tokens - req.num_computed_tokens), 0) :]
                 scheduled[req.request_id] = _Scheduled(req, n, req.num_computed_tokens)
                 budget -= n
                 i += 1
@@ -145,6 +147,8 @@ class Scheduler:
                 )
             req.num_sent_tokens, req.num_sent_blocks = req.num_tokens, len(blocks)
             out.num_scheduled_tokens[rid] = s.num_new_tokens
+            if req.spec_token_ids:
+                out.spec_token_ids[rid] = list(req.spec_token_ids)
         return out
 
     def _make_room_for_urgent(self) -> list[Request]:
@@ -168,7 +172,7 @@ class Scheduler:
         return victims
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
@@ -187,6 +191,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.num_sent_tokens = victim.num_sent_blocks = 0  # the workers drop it: it comes back whole
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -194,19 +199,30 @@ class Scheduler:
         return returned
 
     # -- after the forward pass -------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
-        """Advance computed tokens, append sampled ones (a step may bring several per request), finish
-        what must stop. Returns each request that got tokens, with how many it kept."""
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> list[tuple[Request, int]]:
+        """Advance computed tokens, append sampled ones (a step may bring several per request: accepted
+        drafts and one more), finish what must stop, and keep the proposer's new drafts. Returns each
+        request that got tokens, with how many it kept."""
         now = time.monotonic()
         touched = []
         starts = out.num_computed_before()
+        drafts = drafts or {}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:
                 continue
-            req.num_computed_tokens = starts[rid] + n
+            new = sampled.get(rid, ())
+            # Drafts past the first rejection were computed for nothing: their KV slots are rewritten
+            # by the next step. (k drafts verified, len(new) - 1 of them accepted.)
+            rejected = len(out.spec_token_ids.get(rid, ())) - max(len(new) - 1, 0)
+            req.num_computed_tokens = starts[rid] + n - rejected
             kept = 0
-            for token in sampled.get(rid, ()):
+            for token in new:
                 req.append_token(token, now)
                 kept += 1
                 reason = req.check_stop()
@@ -216,7 +232,15 @@ class Scheduler:
                     break
             if kept:
                 touched.append((req, kept))
+            if not req.is_finished:
+                req.spec_token_ids = self._usable_drafts(req, drafts.get(rid, []))
         return touched
+
+    def _usable_drafts(self, req: Request, draft: list[int]) -> list[int]:
+        """Drafts that can still matter: none past max_tokens (the step after the last draft samples one
+        more token of its own) or past the context length."""
+        room = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens)
+        return draft[: max(room, 0)]
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
         """End requests for a reason found outside the engine loop (an abort, a stop string); unknown

@@ -13,10 +13,12 @@ import torch
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.spec_decode.speculator import Speculator
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -31,6 +33,8 @@ class ModelRunner:
         backend: str = "torch",
         seed: int = 0,
         parallel: ParallelState | None = None,
+        speculator: Speculator | None = None,
+        grammars: RequestGrammars | None = None,
     ) -> None:
         self.model = model
         self.block_size = kv_spec.block_size
@@ -43,12 +47,28 @@ class ModelRunner:
         # Kept across preemptions, so a seeded request's draws continue where they stopped.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches = torch.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+        # Both live on the sampling rank only: they act on sampled tokens.
+        self.speculator = speculator if self.parallel.samples else None
+        self.grammars = grammars if self.parallel.samples else None
 
     # -- what the worker remembers ----------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
+        if out.finished_req_ids:
+            if self.speculator is not None:
+                finished = [self.requests[r] for r in out.finished_req_ids if r in self.requests]
+                self.speculator.forget(
+                    out.finished_req_ids, {st.request_id: st.output_token_ids for st in finished}
+                )
+            if self.grammars is not None:
+                self.grammars.forget(out.finished_req_ids)
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.generators.pop(rid, None)
+        if out.preempted_req_ids:
+            if self.speculator is not None:
+                self.speculator.forget(out.preempted_req_ids, None)
+            if self.grammars is not None:
+                self.grammars.forget(out.preempted_req_ids)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in out.new_requests:
@@ -56,7 +76,9 @@ class ModelRunner:
             if gen is None and new.sampling_params.seed is not None:
                 gen = torch.Generator().manual_seed(new.sampling_params.seed)
                 self.generators[new.request_id] = gen
-            self.requests[new.request_id] = CachedRequestState(new, gen)
+            st = self.requests[new.request_id] = CachedRequestState(new, gen)
+            if self.grammars is not None:
+                self.grammars.add(st)
         for run in out.running_requests:
             st = self.requests[run.request_id]
             st.all_token_ids.extend(run.new_token_ids)
@@ -64,61 +86,71 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one forward pass; on the sampling rank, return each finished-prompt request's new token."""
+        """Run one forward pass; on the sampling rank, return each finished-prompt request's new tokens
+        (accepted drafts and one more) and, when speculating, the next drafts."""
         self._update_states(out)
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput()
         t0 = time.perf_counter()
         bs = self.block_size
         starts = out.num_computed_before()
+        spec = out.spec_token_ids
         sched = [(self.requests[rid], starts[rid], n) for rid, n in out.num_scheduled_tokens.items()]
-        # Decode rows (one new token) first, then prefill segments: the backend batches the former.
-        decodes = [s for s in sched if s[2] == 1]
-        prefills = [s for s in sched if s[2] > 1]
+        # Decode rows (one new token) first, then prefill segments: the backend batches the former. A
+        # request verifying drafts is several decode rows, one per position: the step writes all of
+        # their keys and values before any row attends, so row i sees the drafts before it.
+        decodes = [s for s in sched if s[2] == 1 or s[0].request_id in spec]
+        prefills = [s for s in sched if s[2] > 1 and s[0].request_id not in spec]
 
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[CachedRequestState] = []
+        drafts: list[list[int]] = []
         segments: list[PrefillSegment] = []
         tables: list[list[int]] = []
+        ctx_lens: list[int] = []
         for st, start, n in decodes + prefills:
             end = start + n
             block_ids = st.block_ids
+            draft = spec.get(st.request_id, [])
             q_start = len(token_ids)
             token_ids.extend(st.all_token_ids[start:end])
+            token_ids.extend(draft)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1:
-                tables.append(block_ids[: (end + bs - 1) // bs])
+            if n == 1 or draft:
+                for p in range(start, end):
+                    tables.append(block_ids[: p // bs + 1])
+                    ctx_lens.append(p + 1)
             else:
                 ids = block_ids[: (end + bs - 1) // bs]
                 seg = PrefillSegment(q_start, n, start, torch.tensor(ids, dtype=torch.long))
                 if ids == list(range(ids[0], ids[0] + len(ids))):  # a run: the context is a cache slice
                     seg.first_block = ids[0]
                 segments.append(seg)
-            if end == st.num_tokens:  # the step completes its known tokens: the last logits give a new one
-                logits_rows.append(len(token_ids) - 1)
+            if end - len(draft) == st.num_tokens:  # the step completes its known tokens: sample
+                logits_rows.extend(range(len(token_ids) - len(draft) - 1, len(token_ids)))
                 sampled.append(st)
+                drafts.append(draft)
 
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decodes),
+            num_decode=len(tables),
             decode_block_tables=None,
             decode_context_lens=None,
             prefills=segments,
             block_size=bs,
         )
-        if decodes:
+        if tables:
             max_blocks = max(len(t) for t in tables)
             bt = torch.zeros(len(tables), max_blocks, dtype=torch.long)
             for i, t in enumerate(tables):
                 bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            ctx = torch.tensor([start + 1 for _, start, _ in decodes], dtype=torch.long)
             meta.decode_block_tables = bt.to(dev)
-            meta.decode_context_lens = ctx.to(dev)
+            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long).to(dev)
         for seg in segments:
             seg.block_ids = seg.block_ids.to(dev)
 
@@ -140,13 +172,19 @@ class ModelRunner:
             return ModelRunnerOutput()
         if not ps.samples or not sampled:
             return ModelRunnerOutput()
-        res = self.sampler(result.cpu(), sampled)
+        bitmask = self.grammars.bitmask(sampled, drafts, result.shape[-1]) if self.grammars else None
+        res = self.sampler(result.cpu(), sampled, drafts, bitmask)
         errors = {sampled[i].request_id: msg for i, msg in res.errors.items()}
         ids = [st.request_id for st in sampled]
-        return ModelRunnerOutput(
+        if self.grammars:
+            errors.update(self.grammars.advance(sampled, res.token_ids, errors))
+        output = ModelRunnerOutput(
             req_ids=ids,
-            sampled_token_ids=[[] if ids[i] in errors else [t] for i, t in enumerate(res.token_ids)],
-            logprobs=[None if lp is None else [lp] for lp in res.logprobs],
+            sampled_token_ids=[[] if ids[i] in errors else t for i, t in enumerate(res.token_ids)],
+            logprobs=res.logprobs,
             errors=errors,
-            execute_seconds=time.perf_counter() - t0,
         )
+        if self.speculator is not None:
+            output.spec_token_ids = self.speculator.propose(sampled, output, drafts)
+        output.execute_seconds = time.perf_counter() - t0
+        return output

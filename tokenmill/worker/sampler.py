@@ -1,9 +1,15 @@
-"""Turn a step's logits into next tokens, request by request, in one batch.
+"""Turn a step's logits into next tokens, request by request, in one batch; verify speculative drafts.
 
 Order of operations: logit bias, min_tokens (EOS masked), repetition / presence / frequency
 penalties, then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Requests with a seed
 draw from their own generator, so their output does not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (before any of the above), as in vLLM.
+
+Drafts (speculative decoding) are verified against the distribution the request would sample from at
+each position: greedy requests keep drafts while they equal the argmax and then take the argmax;
+random ones accept draft x with probability p(x) and, at the first rejection, draw from p without x,
+or draw one more token from the position after the last draft when all were accepted. Either way the
+output is distributed exactly as token-by-token sampling from p (Leviathan et al. 2023, with q = 1).
 """
 
 from __future__ import annotations
@@ -21,80 +27,177 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    # Row index -> what went wrong, for requests that could not be sampled (their token id is -1).
+    # Per request: the accepted draft tokens, then one token of the target's own (empty on error).
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+    # Request index -> what went wrong, for requests that could not be sampled.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class _DraftRow:
+    """A request as seen from one draft position: its history extended by the drafts before it, so
+    penalties and min_tokens apply as if those drafts had been sampled."""
+
+    __slots__ = ("all_token_ids", "eos_token_ids", "generator", "num_output_tokens", "params", "request_id")
+
+    def __init__(self, st: CachedRequestState, prefix: list[int]) -> None:
+        self.request_id = st.request_id
+        self.params = st.params
+        self.eos_token_ids = st.eos_token_ids
+        self.generator = st.generator
+        self.all_token_ids = [*st.all_token_ids, *prefix]
+        self.num_output_tokens = st.num_output_tokens + len(prefix)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.all_token_ids) - self.num_output_tokens :]
+
+
+Row = CachedRequestState | _DraftRow
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> SampleResult:
-        """Sample the batch; a request whose parameters make sampling fail fails alone."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        reqs: list[CachedRequestState],
+        drafts: list[list[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> SampleResult:
+        """Sample the batch: logits has one row per request, or 1 + len(drafts[i]) rows for request i
+        (a row per draft position and one after the last). Drafts are verified by rejection sampling.
+        `bitmask` (one row per logits row) forbids tokens a grammar rules out. A request whose
+        parameters make sampling fail fails alone."""
+        drafts = drafts or [[] for _ in reqs]
         try:
-            return self._sample(logits, reqs)
+            return self._sample(logits, reqs, drafts, bitmask)
         except Exception:
             log.exception("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
-        tokens: list[int] = []
-        lps: list[TokenLogprobs | None] = []
+        tokens: list[list[int]] = []
+        lps: list[list[TokenLogprobs] | None] = []
         errors: dict[int, str] = {}
+        first = 0
         for i, r in enumerate(reqs):
+            rows = slice(first, first + 1 + len(drafts[i]))
+            first = rows.stop
             try:
-                one = self._sample(logits[i : i + 1], [r])
+                one = self._sample(logits[rows], [r], [drafts[i]], None if bitmask is None else bitmask[rows])
                 tokens.append(one.token_ids[0])
                 lps.append(one.logprobs[0])
             except Exception as e:
                 log.exception("sampling failed for request %s", r.request_id)
-                tokens.append(-1)
+                tokens.append([])
                 lps.append(None)
                 errors[i] = type(e).__name__
         return SampleResult(tokens, lps, errors)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> SampleResult:
-        logits = logits.float()
-        raw = logits
-        logits = self._apply_penalties(logits, reqs)
-        tokens = torch.empty(len(reqs), dtype=torch.long)
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[CachedRequestState],
+        drafts: list[list[int]],
+        bitmask: torch.Tensor | None,
+    ) -> SampleResult:
+        raw = logits.float()
+        rows: list[Row] = []
+        first: list[int] = []  # each request's first row
+        for r, d in zip(reqs, drafts, strict=True):
+            first.append(len(rows))
+            rows.append(r)
+            rows.extend(_DraftRow(r, d[: j + 1]) for j in range(len(d)))
+        logits = raw
+        if bitmask is not None:
+            from tokenmill.structured import apply_bitmask
 
-        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        if greedy:
+            logits = raw.clone()
+            apply_bitmask(logits, bitmask)
+        logits = self._apply_penalties(logits, rows)
+
+        targets = torch.empty(len(rows), dtype=torch.long)
+        greedy_rows = [j for j, r in enumerate(rows) if r.params.greedy]
+        if greedy_rows:
             # max().indices, not argmax(): the same first-maximum index, ~3x faster on CPU here.
-            if len(greedy) == len(reqs):
-                tokens = logits.max(dim=-1).indices
+            if len(greedy_rows) == len(rows):
+                targets = logits.max(dim=-1).indices
             else:
-                tokens[greedy] = logits[greedy].max(dim=-1).indices
-        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rand:
-            probs = self._probs(logits[rand], [reqs[i] for i in rand])
-            for j, i in enumerate(rand):
-                g = reqs[i].generator
-                if g is not None:
-                    tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
-            unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
-            if unseeded:
-                drawn = torch.multinomial(probs[unseeded], 1, generator=self.generator)[:, 0]
-                for j, t in zip(unseeded, drawn.tolist(), strict=True):
-                    tokens[rand[j]] = t
+                targets[greedy_rows] = logits[greedy_rows].max(dim=-1).indices
+        target_list = targets.tolist()
+        rand_rows = [j for j, r in enumerate(rows) if not r.params.greedy]
+        probs = self._probs(logits[rand_rows], [rows[j] for j in rand_rows]) if rand_rows else None
+        prob_row = {j: n for n, j in enumerate(rand_rows)}
 
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        out: list[list[int]] = []
+        draws: list[tuple[int, int, torch.Tensor]] = []  # (request, emitted slot, distribution) to draw
+        for i, r in enumerate(reqs):
+            d, f = drafts[i], first[i]
+            if r.params.greedy:
+                a = 0
+                while a < len(d) and d[a] == target_list[f + a]:
+                    a += 1
+                out.append([*d[:a], target_list[f + a]])
+                continue
+            assert probs is not None
+            a = 0
+            if d:
+                # Accept draft x with probability p(x): the drafts carry no distribution (q = 1).
+                u = torch.rand(len(d), generator=r.generator or self.generator)
+                p_draft = probs[[prob_row[f + j] for j in range(len(d))], d]
+                while a < len(d) and bool(u[a] < p_draft[a]):
+                    a += 1
+            dist = probs[prob_row[f + a]]
+            if a < len(d):  # rejected: draw from p without the rejected token (the residual)
+                dist = dist.clone()
+                dist[d[a]] = 0.0
+                if not bool(dist.sum() > 0):
+                    dist = probs[prob_row[f + a]]  # p was all on the rejected token (u >= 1 is impossible)
+            out.append([*d[:a], -1])
+            draws.append((i, a, dist))
+        self._draw(draws, reqs, out)
+
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            for j, i in enumerate(want):
+            lp_rows = [first[i] + j for i in want for j in range(len(out[i]))]
+            lp = torch.log_softmax(raw[lp_rows], dim=-1)
+            n_row = 0
+            for i in want:
                 n = reqs[i].params.logprobs or 0
-                top_v, top_i = lp[j].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
-                logprobs[i] = TokenLogprobs(
-                    token_list[i],
-                    float(lp[j, token_list[i]]),
-                    list(zip(top_i.tolist(), top_v.tolist(), strict=True)),
-                )
-        return SampleResult(token_list, logprobs)
+                entries = []
+                for t in out[i]:
+                    top_v, top_i = (
+                        lp[n_row].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
+                    )
+                    entries.append(
+                        TokenLogprobs(
+                            t, float(lp[n_row, t]), list(zip(top_i.tolist(), top_v.tolist(), strict=True))
+                        )
+                    )
+                    n_row += 1
+                logprobs[i] = entries
+        return SampleResult(out, logprobs)
+
+    def _draw(
+        self, draws: list[tuple[int, int, torch.Tensor]], reqs: list[CachedRequestState], out: list[list[int]]
+    ) -> None:
+        """The sampled token of each random request: seeded requests from their own generator, the
+        others in one batched draw from the sampler's."""
+        unseeded = []
+        for i, a, dist in draws:
+            g = reqs[i].generator
+            if g is not None:
+                out[i][a] = int(torch.multinomial(dist, 1, generator=g)[0])
+            else:
+                unseeded.append((i, a, dist))
+        if unseeded:
+            drawn = torch.multinomial(torch.stack([d for _, _, d in unseeded]), 1, generator=self.generator)
+            for (i, a, _), t in zip(unseeded, drawn[:, 0].tolist(), strict=True):
+                out[i][a] = t
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, reqs: list[CachedRequestState]) -> torch.Tensor:
+    def _apply_penalties(logits: torch.Tensor, reqs: list[Row]) -> torch.Tensor:
         cloned = False
         for i, r in enumerate(reqs):
             p = r.params
@@ -136,7 +239,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, reqs: list[CachedRequestState]) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, reqs: list[Row]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         logits = logits / temps.unsqueeze(1)
         top_k = [r.params.top_k for r in reqs]

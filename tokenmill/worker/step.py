@@ -52,7 +52,8 @@ class SchedulerOutput:
     running_requests: list[RunningRequestData] = field(default_factory=list)
     # Tokens to compute this step per request, in the order the requests were scheduled.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # Draft tokens to verify per request (speculative decoding; empty until a proposer exists).
+    # Draft tokens to verify per request (speculative decoding): they follow the request's known tokens
+    # and are counted in its num_scheduled_tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The workers drop these requests' state: preempted ones keep only their random generator (their
     # draws continue where they stopped); finished ones are forgotten.
@@ -80,9 +81,11 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     # One entry per request that sampled this step (a request still in its prompt does not).
     req_ids: list[str] = field(default_factory=list)
-    # Several per request once drafts are verified; one for now.
+    # The drafts a request had verified that were accepted, then one token of the target's own.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     # Request id -> what went wrong, for requests that could not be sampled (they fail alone).
     errors: dict[str, str] = field(default_factory=dict)
     execute_seconds: float = 0.0  # the forward pass and sampling, as the worker timed them
+    # Speculative decoding: the proposer's guesses of each request's next tokens, for the next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -18,9 +18,11 @@ from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.weights import catalog
+from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
+from tokenmill.worker.spec_decode.speculator import make_speculator
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.thread_governor import make_governor
 
@@ -93,6 +95,10 @@ class Worker:
             self.config.kernels,
             self.config.seed,
             self.parallel,
+            make_speculator(self.config.speculative),
+            RequestGrammars(
+                self.tokenizer, self.model_config.vocab_size, self.config.speculative.num_speculative_tokens
+            ),
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
