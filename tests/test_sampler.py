@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.request_state import CachedRequestState as Request
 from tokenmill.worker import sampler as sampler_module
+from tokenmill.worker.request_state import CachedRequestState as Request
 from tokenmill.worker.step import NewRequestData
 
 
