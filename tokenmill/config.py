@@ -61,10 +61,9 @@ class SpeculativeConfig:
 
     method: str | None = setting(
         None, flag="speculative",
-        help='"ngram" (prompt lookup), "suffix" (suffix trees over this and recent requests), '
-        '"draft:MODEL" (a small model with the same tokenizer; "draft:self-int4": the target in 4 bits)',
+        help='"ngram" (prompt lookup) or "suffix" (suffix trees over this and recent requests)',
     )  # fmt: skip
-    num_speculative_tokens: int = setting(4, help="most draft tokens per request per step")
+    num_speculative_tokens: int = setting(8, help="most draft tokens per request per step")
     prompt_lookup_min: int = setting(2, help="ngram: shortest suffix of the context to look up")
     prompt_lookup_max: int = setting(5, help="ngram: longest suffix of the context to look up")
     suffix_max_tree_depth: int = setting(24, help="suffix: longest pattern and draft the trees hold")
@@ -73,24 +72,19 @@ class SpeculativeConfig:
     # Past this many tokens in a step, verifying drafts costs more than the steps they save (the forward
     # pass stops being bound by reading the weights): speculation pauses until the batch shrinks.
     max_batch_tokens: int = setting(
-        64, help="speculate only while running requests x (1 + draft length) stay within this"
+        16, help="speculate only while running requests x (1 + draft length) stay within this"
     )
 
     def __post_init__(self) -> None:
         if self.method is not None:
-            kind = self.method.split(":", 1)[0]
-            if kind not in ("ngram", "suffix", "draft") or (kind == "draft") != (":" in self.method):
-                raise ValueError(
-                    f"speculative method must be ngram, suffix or draft:MODEL, got {self.method!r}"
-                )
+            if self.method.startswith("draft:"):
+                raise ValueError("speculative method draft:MODEL (a draft model) is not implemented yet")
+            if self.method not in ("ngram", "suffix"):
+                raise ValueError(f"speculative method must be ngram or suffix, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-
-    @property
-    def draft_model(self) -> str | None:
-        return self.method.split(":", 1)[1] if self.method and self.method.startswith("draft:") else None
 
 
 @dataclass

@@ -126,6 +126,12 @@ def config_command(
                 setattr(obj, f.path[-1], values.pop(f.param))
             else:
                 values.pop(f.param)
+        try:
+            _check(tree)
+        except ValueError as e:
+            from tokenmill.cli.common import fail
+
+            fail(str(e))
         body(tree, **values)
 
     kind = inspect.Parameter.KEYWORD_ONLY
@@ -146,3 +152,14 @@ def _read_yaml(path: Path) -> dict:
 
     data = yaml.safe_load(path.read_text())
     return {} if data is None else data
+
+
+def _check(obj: Any) -> None:
+    """Run every section's own checks (__post_init__) again: flags were set after construction."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    post = getattr(obj, "__post_init__", None)
+    if post is not None:
+        post()
+    for f in dataclasses.fields(obj):
+        _check(getattr(obj, f.name))

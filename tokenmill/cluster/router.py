@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -197,6 +198,13 @@ class RouterEngineClient(EngineClient):
             num_preemptions=sum(s.num_preemptions for s in got),
             num_steps=sum(s.num_steps for s in got),
             num_batched_tokens_total=sum(s.num_batched_tokens_total for s in got),
+            spec_num_drafts=sum(s.spec_num_drafts for s in got),
+            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in got),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in got),
+            spec_accepted_per_pos=[
+                sum(col)
+                for col in itertools.zip_longest(*(s.spec_accepted_per_pos for s in got), fillvalue=0)
+            ],
         )
 
     def set_policy(self, policy: str) -> None:

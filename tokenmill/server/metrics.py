@@ -147,6 +147,28 @@ class _EngineCollector(Collector):
             "tokenmill:prefix_cache_hits", "Prompt tokens found cached", lambda s: s.prefix_cache_hits
         )
         yield counter("tokenmill:num_preemptions", "Requests preempted", lambda s: s.num_preemptions)
+        # Speculative decoding (vLLM's spec_decode_* family): acceptance rate = accepted / draft
+        # tokens; mean accepted length = 1 + accepted / drafts.
+        yield counter("tokenmill:spec_decode_num_drafts", "Drafts verified", lambda s: s.spec_num_drafts)
+        yield counter(
+            "tokenmill:spec_decode_num_draft_tokens",
+            "Draft tokens verified",
+            lambda s: s.spec_num_draft_tokens,
+        )
+        yield counter(
+            "tokenmill:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+            lambda s: s.spec_num_accepted_tokens,
+        )
+        per_pos = CounterMetricFamily(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            labels=[*names, "position"],
+        )
+        for labels, st in series:
+            for pos, n in enumerate(st.spec_accepted_per_pos if st else []):
+                per_pos.add_metric([*labels, str(pos)], n)
+        yield per_pos
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
             yield from router_metrics(m)
