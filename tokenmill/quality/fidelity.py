@@ -56,15 +56,15 @@ def forced_run(
     runner = llm.engine.runner
     sample = runner.sampler
 
-    def recording_sampler(logits, reqs):  # noqa: ANN001, ANN202 - the sampler's own signature
-        result = sample(logits, reqs)
+    def recording_sampler(logits, reqs, *args):  # noqa: ANN001, ANN002, ANN202 - the sampler's own signature
+        result = sample(logits, reqs, *args)  # no drafts here: one logits row and one token per request
         lp = torch.log_softmax(logits.float(), dim=-1)
         for j, r in enumerate(reqs):
             i = index[tuple(r.prompt_token_ids)]
             pos = len(rows[i])
             rows[i].append(lp[j].clone())
             if forced is not None:
-                result.token_ids[j] = forced.tokens[i][pos]
+                result.token_ids[j] = [forced.tokens[i][pos]]
         return result
 
     runner.sampler = recording_sampler

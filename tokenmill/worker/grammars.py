@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.structured import GrammarBackend, GrammarError, allocate_bitmask
 from tokenmill.worker.request_state import CachedRequestState
+
+if TYPE_CHECKING:
+    from tokenmill.structured import GrammarMatcher
+    from tokenmill.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 class RequestGrammars:
-    def __init__(self, tokenizer: object, vocab_size: int, max_rollback: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_rollback: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_rollback = max_rollback
-        self._backend = None
-        self.matchers: dict[str, object] = {}
+        self._backend: GrammarBackend | None = None
+        self.matchers: dict[str, GrammarMatcher] = {}
         self.failed: dict[str, str] = {}  # request -> why its grammar could not be used
 
     def add(self, st: CachedRequestState) -> None:
@@ -32,8 +38,6 @@ class RequestGrammars:
         spec = st.params.structured
         if spec is None:
             return
-        from tokenmill.structured import GrammarBackend, GrammarError
-
         try:
             if self._backend is None:
                 self._backend = GrammarBackend(self.tokenizer, self.vocab_size)
@@ -59,8 +63,6 @@ class RequestGrammars:
         of the step is constrained."""
         if not any(r.request_id in self.matchers for r in reqs):
             return None
-        from tokenmill.structured import allocate_bitmask
-
         rows = sum(1 + len(d) for d in drafts)
         mask = allocate_bitmask(rows, vocab_size)
         first = 0

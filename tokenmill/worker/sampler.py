@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.structured.bitmask import apply_bitmask
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step import TokenLogprobs
 
@@ -36,21 +37,34 @@ class SampleResult:
 
 class _DraftRow:
     """A request as seen from one draft position: its history extended by the drafts before it, so
-    penalties and min_tokens apply as if those drafts had been sampled."""
+    penalties and min_tokens apply as if those drafts had been sampled. The history is only built
+    when a penalty asks for it (most requests have none)."""
 
-    __slots__ = ("all_token_ids", "eos_token_ids", "generator", "num_output_tokens", "params", "request_id")
+    __slots__ = (
+        "_prefix",
+        "_state",
+        "eos_token_ids",
+        "generator",
+        "num_output_tokens",
+        "params",
+        "request_id",
+    )
 
     def __init__(self, st: CachedRequestState, prefix: list[int]) -> None:
+        self._state, self._prefix = st, prefix
         self.request_id = st.request_id
         self.params = st.params
         self.eos_token_ids = st.eos_token_ids
         self.generator = st.generator
-        self.all_token_ids = [*st.all_token_ids, *prefix]
         self.num_output_tokens = st.num_output_tokens + len(prefix)
 
     @property
+    def all_token_ids(self) -> list[int]:
+        return [*self._state.all_token_ids, *self._prefix]
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.all_token_ids) - self.num_output_tokens :]
+        return [*self._state.output_token_ids, *self._prefix]
 
 
 Row = CachedRequestState | _DraftRow
@@ -110,8 +124,6 @@ class Sampler:
             rows.extend(_DraftRow(r, d[: j + 1]) for j in range(len(d)))
         logits = raw
         if bitmask is not None:
-            from tokenmill.structured import apply_bitmask
-
             logits = raw.clone()
             apply_bitmask(logits, bitmask)
         logits = self._apply_penalties(logits, rows)
