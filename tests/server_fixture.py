@@ -51,7 +51,9 @@ def running_server(*args: str, api_key: str | None = None, timeout: float = 180.
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
+                proc.kill()  # its output is what tells why: read it once the pipe closes
+                out = proc.communicate(timeout=30)[0]
+                raise RuntimeError(f"server did not become ready in {timeout:.0f}s; it said:\n{out[-4000:]}")
             time.sleep(0.2)
         proc.base_url = base  # type: ignore[attr-defined]
         yield proc

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -40,15 +41,20 @@ def worker_process(*args: str):
         "512",
         *args,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield url, proc
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            yield url, proc
+        except BaseException:
+            log.seek(0)  # a worker that failed to start (a port taken, a crash) says why in the test output
+            print(f"worker {url} (exit code {proc.poll()}) said:\n{log.read()[-4000:]}")
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 async def collect(llm: AsyncLLM, rid: str, ids: list[int]) -> list[int]:

@@ -23,6 +23,7 @@ class Sampler(sampler_module.Sampler):
         res.logprobs = [lp[0] if lp else None for lp in res.logprobs]
         return res
 
+
 P3 = [0.5, 0.3, 0.2]  # a known 3-token distribution
 
 
