@@ -77,6 +77,8 @@ def chat_body(**extra) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}).encode()
 
 
+SCHEMA_OF_NUMBER_TYPE = {"name": "s", "schema": {"type": 7}}  # `type` must name a JSON type
+
 BAD_BODIES = {
     "deep-nesting": ("/v1/completions", b"[" * 100_000),
     "deep-object": ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
@@ -92,8 +94,15 @@ BAD_BODIES = {
     "tokenize-empty-message": ("/tokenize", b'{"messages": [{}]}'),
     "tokenize-surrogate": ("/tokenize", b'{"prompt": "\\udfff"}'),
     "infinite-temperature": ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}'),
-    "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}])),
-    "response-format": ("/v1/chat/completions", chat_body(response_format={"type": "json_object"})),
+    "tool-name": (
+        "/v1/chat/completions",
+        chat_body(tools=[{"type": "function", "function": {"name": "a b"}}]),
+    ),
+    "response-format": ("/v1/chat/completions", chat_body(response_format={"type": "xml"})),
+    "bad-schema": (
+        "/v1/chat/completions",
+        chat_body(response_format={"type": "json_schema", "json_schema": SCHEMA_OF_NUMBER_TYPE}),
+    ),
     "image-part": (
         "/v1/chat/completions",
         json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),

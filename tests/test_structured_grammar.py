@@ -385,6 +385,16 @@ def test_validate_after_termination_is_zero(backend, tokenizer):
         (StructuredOutputs(grammar='start: "a" ('), "invalid grammar: "),
         (StructuredOutputs(grammar='start: %json {"type": "strin"}'), "invalid grammar: "),
         (StructuredOutputs(json="false"), "invalid JSON schema: "),
+        # Past what the compiler's own checks catch: nesting beyond Python's recursion limit, a lone
+        # surrogate that cannot be encoded.
+        (StructuredOutputs(json='{"items": ' * 5000 + "{}" + "}" * 5000), "invalid JSON schema: "),
+        (StructuredOutputs(regex="a\ud800"), "invalid regex: "),
+        (StructuredOutputs(choice=["\ud800"]), "invalid choice: "),
+        # Text that needs a byte no token of this vocabulary has (a rare control character, a character
+        # past U+3FFFF): the mask could not be followed.
+        (StructuredOutputs(choice=["+\U00095a76"]), "invalid choice: U+95A76 is not in this model's"),
+        (StructuredOutputs(regex="a\x14"), "invalid regex: U+0014 is not in this model's"),
+        (StructuredOutputs(json='{"const": "\U00095a76"}'), "invalid JSON schema: U+95A76 is not"),
     ],
 )
 def test_bad_specs_raise_one_line_grammar_errors(backend, spec, prefix):

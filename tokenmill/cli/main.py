@@ -284,7 +284,9 @@ def probe(
 
 
 config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve)
-_listen = typer.Option(..., "--listen", help="where to serve the engine protocol: tcp://HOST:PORT or ipc://PATH")
+_listen = typer.Option(
+    ..., "--listen", help="where to serve the engine protocol: tcp://HOST:PORT or ipc://PATH"
+)
 config_command(
     app, "worker", EngineConfig, ENGINE_SECTIONS, worker,
     extra=[inspect.Parameter("listen", inspect.Parameter.KEYWORD_ONLY, default=_listen, annotation=str)],

@@ -21,9 +21,17 @@ from tokenmill.server.errors import APIError, error_response
 from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware
 from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenId
+from tokenmill.server.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    CompletionRequest,
+    RequestFieldError,
+    TokenId,
+)
 from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
 from tokenmill.server.openapi import install as install_openapi
+from tokenmill.server.tool_calls import plan_tools, template_messages
 from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
 class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered as chat completions render them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -158,9 +167,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         body = await _json_model(request, TokenizeRequest)
         tok = llm.tokenizer
         if body.messages is not None:
-            messages = [chat_message_dict(m) for m in body.messages]
+            # The same prompt a chat completion would build: tools and tool turns rendered alike.
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
             try:
-                ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+                plan = plan_tools(tools, None)
+            except RequestFieldError as e:
+                raise APIError(400, str(e), e.param) from e
+            messages, prompt_tools = template_messages(
+                [chat_message_dict(m) for m in body.messages], plan, tok.supports_tools
+            )
+            extra = {"tools": prompt_tools} if prompt_tools else {}
+            try:
+                ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **extra)
             except ChatTemplateError as e:
                 raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
         elif body.prompt is not None:

@@ -2,17 +2,21 @@
 
 Field names follow the OpenAI API; engine options that OpenAI lacks are accepted as extra fields
 (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, cache_salt,
-stop_token_ids, include_stop_str_in_output, skip_special_tokens.
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, speculative (false opts the request
+out of speculative decoding); and output constraints beside OpenAI's
+`response_format`: `structured_outputs` and the older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 
 
 class ErrorInfo(BaseModel):
@@ -35,6 +39,57 @@ class StreamOptions(BaseModel):
 # torch's generators take them; priorities int64): larger values are a 400 here, not a 500 later.
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class RequestFieldError(ValueError):
+    """A request that is well-formed JSON but asks for something inconsistent; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# OpenAI's rule for names the model writes back (json_schema names, function names).
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute: kept under another name, spelled `schema` on the wire.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # every schema is enforced exactly, strict or not
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a `json_schema` object')
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` body field: exactly one kind of constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # vLLM's tuning knobs: accepted and ignored (JSON output here never has free whitespace, and a
+    # schema is enforced as written, so there is nothing to tune).
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -67,8 +122,42 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     cache_salt: str | None = None
+    speculative: bool = True  # false: this request is never given draft tokens (--speculative)
+    # Output constraints (at most one per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def output_constraint(self) -> tuple[StructuredOutputs, str] | None:
+        """The request's constraint on its output and the field it came from; None if unconstrained.
+        RequestFieldError when more than one field constrains it."""
+        found: list[tuple[StructuredOutputs, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutputs(json_object=True), "response_format"))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append((StructuredOutputs(json=json.dumps(rf.json_schema.schema_)), "response_format"))
+        if self.structured_outputs is not None:
+            found.append((_structured_field(self.structured_outputs), "structured_outputs"))
+        if self.guided_json is not None:
+            found.append((_spec("guided_json", json=_schema_text(self.guided_json)), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((_spec("guided_regex", regex=self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((_spec("guided_choice", choice=self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((_spec("guided_grammar", grammar=self.guided_grammar), "guided_grammar"))
+        if len(found) > 1:
+            names = " and ".join(source for _, source in found)
+            raise RequestFieldError(f"a request takes one output constraint, got {names}", found[1][1])
+        return found[0] if found else None
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, structured: StructuredOutputs | None = None
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -98,7 +187,42 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
+            structured=structured,
+            speculative=self.speculative,
         )
+
+
+def _schema_text(schema: dict[str, Any] | bool | str) -> str:
+    # A schema given as text stays text: the grammar backend reports text that is not JSON.
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _spec(field: str, **kind: Any) -> StructuredOutputs:
+    (name, value), *_ = kind.items()
+    if not value and value is not True:  # said here: StructuredOutputs would call it "none" given
+        raise RequestFieldError(f"{field}: the {name} must not be empty", field)
+    try:
+        return StructuredOutputs(**kind)
+    except ValueError as e:  # an empty regex, choice list or grammar
+        raise RequestFieldError(f"{field}: {e}", field) from e
+
+
+def _structured_field(f: StructuredOutputsField) -> StructuredOutputs:
+    kinds = {
+        "json": None if f.json_ is None else _schema_text(f.json_),
+        "json_object": bool(f.json_object),
+        "regex": f.regex,
+        "choice": f.choice,
+        "grammar": f.grammar,
+    }
+    set_kinds = [k for k, v in kinds.items() if v not in (None, False)]
+    if len(set_kinds) != 1:
+        raise RequestFieldError(
+            f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+            f"got {', '.join(set_kinds) or 'none'}",
+            "structured_outputs",
+        )
+    return _spec("structured_outputs", **{set_kinds[0]: kinds[set_kinds[0]]})
 
 
 class CompletionRequest(_SamplingFields):
@@ -113,10 +237,56 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class FunctionCall(BaseModel):
+    name: str
+    # OpenAI sends the arguments as JSON text; some clients send the object itself.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an earlier assistant turn made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -125,25 +295,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # Not supported yet: declared so that a request using them gets a 400 saying so, rather than an
-    # answer that silently ignored them.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        if self.tools:
-            raise ValueError("tools (tool calling) are not supported by this server yet")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server yet")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(
-                f"response_format {self.response_format.get('type')!r} (structured output) is not supported "
-                "by this server yet"
-            )
         for m in self.messages:
             if isinstance(m.content, list):
                 kinds = {part.get("type") for part in m.content} - {"text"}

@@ -1,4 +1,8 @@
-"""/v1/completions and /v1/chat/completions over the asyncio frontend, streaming (SSE) or not."""
+"""/v1/completions and /v1/chat/completions over the asyncio frontend, streaming (SSE) or not.
+
+Output constraints (response_format, structured_outputs, guided_*) and tool calling are turned into a
+SamplingParams.structured constraint here, checked by a grammar backend first (a bad schema is a 400,
+not a failed generation); tool-call prompts and parsing live in tool_calls.py."""
 
 from __future__ import annotations
 
@@ -6,16 +10,35 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.client import EngineDeadError, RequestFailedError, RequestRejectedError
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError, error_body
-from tokenmill.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, now
+from tokenmill.server.openai_protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    RequestFieldError,
+    now,
+)
+from tokenmill.server.tool_calls import (
+    ParsedDelta,
+    ToolCallParser,
+    ToolPlan,
+    finish_reason,
+    parse_complete,
+    plan_tools,
+    template_messages,
+)
 from tokenmill.tokenizer.chat_template import ChatTemplateError
+
+if TYPE_CHECKING:
+    from tokenmill.structured import GrammarBackend
 
 
 def sse(obj: Any) -> str:
@@ -27,6 +50,9 @@ class OpenAIServing:
         self.llm = llm
         self.model_name = model_name
         self.admission = admission
+        # Built on the first constrained request (it reads the whole vocabulary, ~0.2 s).
+        self._grammars: GrammarBackend | None = None
+        self._grammars_lock = asyncio.Lock()
 
     # -- input checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -56,12 +82,77 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def params(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int, max_tokens, logprobs):
+    def params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        n_prompt: int,
+        max_tokens,
+        logprobs,
+        structured: StructuredOutputs | None = None,
+    ):
         max_tokens = self.check_length(n_prompt, max_tokens)
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.sampling_params(max_tokens, logprobs, structured)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+
+    # -- output constraints ---------------------------------------------------------------------
+    async def output_constraint(
+        self, req: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None = None
+    ) -> StructuredOutputs | None:
+        """The request's constraint (from response_format, structured_outputs, guided_* or its tool
+        choice), checked by the grammar backend; APIError 400 naming the field otherwise."""
+        try:
+            found = req.output_constraint()
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from e
+        tool_spec = plan.constraint() if plan is not None else None
+        if plan is not None and plan.mode != "none":
+            # Each tool's parameters on their own first, so that an error names the tool.
+            for name in plan.names:
+                spec = StructuredOutputs(json=json.dumps(plan.parameters(name)))
+                await self.check_grammar(spec, "tools", f"tool {name!r}: parameters: ")
+        if tool_spec is not None:
+            if found is not None:
+                choice = "'required'" if plan and plan.mode == "required" else "a named function"
+                raise APIError(
+                    400,
+                    f"tool_choice {choice} constrains the output to tool calls; it cannot be combined "
+                    f"with {found[1]}",
+                    found[1],
+                )
+            await self.check_grammar(tool_spec, "tools", "tools: ")
+            return tool_spec
+        if found is None:
+            return None
+        await self.check_grammar(found[0], found[1], f"{found[1]}: ")
+        return found[0]
+
+    async def check_grammar(self, spec: StructuredOutputs, param: str, prefix: str) -> None:
+        backend = await self.grammar_backend()
+        if backend is None:
+            return  # no grammar package here: the engine reports a bad spec when it compiles it
+        from tokenmill.structured import GrammarError
+
+        try:
+            # Compiling a large schema takes a while: off the event loop.
+            await asyncio.to_thread(backend.check, spec)
+        except GrammarError as e:
+            raise APIError(400, f"{prefix}{e}", param) from e
+
+    async def grammar_backend(self) -> GrammarBackend | None:
+        if self._grammars is not None:
+            return self._grammars
+        try:
+            from tokenmill.structured import GrammarBackend
+        except ImportError:
+            return None
+        async with self._grammars_lock:
+            if self._grammars is None:
+                tok = self.llm.tokenizer
+                vocab = int(self.llm.client.info.get("vocab_size") or tok.vocab_size)
+                self._grammars = await asyncio.to_thread(GrammarBackend, tok, vocab)
+        return self._grammars
 
     def vocab_check(self, ids: list[int]) -> None:
         vocab = self.llm.client.info.get("vocab_size", 1 << 62)
@@ -84,12 +175,13 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = self.completion_prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        structured = await self.output_constraint(req)
         jobs = []
         for text, ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             self.vocab_check(ids)
-            jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs)))
+            jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs, structured)))
         self.admission.add_work(ticket, sum(p.n for _, _, p in jobs), sum(len(ids) for _, ids, _ in jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -231,31 +323,33 @@ class OpenAIServing:
     # -- chat -----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        messages = []
-        for m in req.messages:
-            messages.append(chat_message_dict(m))
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
         try:
-            ids = self.llm.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+            plan = plan_tools(tools, choice, req.parallel_tool_calls)
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from e
+        structured = await self.output_constraint(req, plan)
+        tok = self.llm.tokenizer
+        messages, prompt_tools = template_messages(
+            [chat_message_dict(m) for m in req.messages], plan, tok.supports_tools
+        )
+        extra = {"tools": prompt_tools} if prompt_tools else {}
+        try:
+            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        p = self.params(req, len(ids), max_tokens, logprobs)
+        p = self.params(req, len(ids), max_tokens, logprobs, structured)
         self.admission.add_work(ticket, p.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return self._stream_chat(rid, req, ids, p)
+            return self._stream_chat(rid, req, ids, p, plan)
         ro = await self._final(rid, ids, p, req)
-        choices = [
-            {
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": {"content": self._chat_logprobs(o.logprobs)} if o.logprobs is not None else None,
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-            for o in ro.outputs
-        ]
+        choices = [self._chat_choice(o, plan) for o in ro.outputs]
         completion = sum(len(o.token_ids) for o in ro.outputs)
         return {
             "id": rid,
@@ -266,8 +360,26 @@ class OpenAIServing:
             "usage": usage(len(ids), completion, ro.num_cached_tokens),
         }
 
+    def _chat_choice(self, o: CompletionOutput, plan: ToolPlan | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        reason = o.finish_reason
+        parser = plan.parser() if plan is not None else None
+        if parser is not None:
+            content, calls = parse_complete(parser, o.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            reason = finish_reason(reason, len(calls))
+        return {
+            "index": o.index,
+            "message": message,
+            "logprobs": {"content": self._chat_logprobs(o.logprobs)} if o.logprobs is not None else None,
+            "finish_reason": reason,
+            "stop_reason": o.stop_reason,
+        }
+
     async def _stream_chat(
-        self, rid: str, req: ChatCompletionRequest, ids: list[int], p: SamplingParams
+        self, rid: str, req: ChatCompletionRequest, ids: list[int], p: SamplingParams, plan: ToolPlan | None
     ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
@@ -287,6 +399,10 @@ class OpenAIServing:
                 }
             )
         last: RequestOutput | None = None
+        parsers: dict[int, ToolCallParser] = {}  # one per choice when the output may hold tool calls
+        if plan is not None:
+            made = [plan.parser() for _ in range(p.n)]
+            parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
         try:
             async for ro in self.llm.generate(
                 rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
@@ -294,6 +410,10 @@ class OpenAIServing:
                 last = ro
                 for o in ro.outputs:
                     if not (o.delta_text or o.finished):
+                        continue
+                    if o.index in parsers:
+                        for chunk in self._tool_chunks(parsers[o.index], o):
+                            yield sse({**head, "choices": [chunk]})
                         continue
                     choice: dict[str, Any] = {
                         "index": o.index,
@@ -314,6 +434,26 @@ class OpenAIServing:
             completion = sum(len(o.token_ids) for o in last.outputs)
             yield sse({**head, "choices": [], "usage": usage(len(ids), completion, last.num_cached_tokens)})
         yield "data: [DONE]\n\n"
+
+    def _tool_chunks(self, parser: ToolCallParser, o: CompletionOutput) -> list[dict[str, Any]]:
+        """The stream choices for one step of a request with tools: content and call fragments as the
+        parser releases them, then (when it ended) an empty delta with the finish reason."""
+        parsed = parser.feed(o.delta_text) if o.delta_text else ParsedDelta()
+        if o.finished:
+            parsed.extend(parser.finish())
+        deltas = parsed.deltas()
+        logprobs = None
+        if o.logprobs is not None and o.delta_token_ids:
+            logprobs = {"content": self._chat_logprobs(o.logprobs[-len(o.delta_token_ids) :])}
+            deltas = deltas or [{}]  # the step's logprobs go out even when its text is held back
+        chunks = [
+            {"index": o.index, "delta": d, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+            for i, d in enumerate(deltas)
+        ]
+        if o.finished:
+            reason = finish_reason(o.finish_reason, parser.calls_made)
+            chunks.append({"index": o.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return chunks
 
     def _chat_logprobs(self, lps) -> list[dict]:
         tok = self.llm.tokenizer

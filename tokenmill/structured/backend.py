@@ -9,6 +9,7 @@ dependencies (xgrammar brings transformers and triton)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -48,6 +49,13 @@ class GrammarBackend:
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(self.eos_ids)
         )
+        # Bytes in no token (rare control characters, UTF-8 lead bytes of the planes past U+3FFFF in a
+        # byte-level BPE vocabulary): text that needs one cannot be written, and llguidance's mask can
+        # then allow a token that it refuses once sampled. Specs that spell such text are refused.
+        written = set()
+        for t in range(tokenizer.vocab_size):
+            written.update(self._tokenizer.decode_bytes([t]))
+        self._unwritable = frozenset(range(256)) - written
         # Short messages, without the grammar's internals (they go back to HTTP clients).
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._eos_row = _eos_only_row(self.eos_ids, vocab_size)
@@ -82,8 +90,19 @@ class GrammarBackend:
         return template
 
     def _compile(self, spec: StructuredOutputs, kind: str) -> llguidance.LLMatcher:
-        grammar = grammar_of(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        ch = self._unwritable_char(spec, kind)
+        if ch is not None:
+            raise GrammarError(f"{WHAT[kind]}: U+{ord(ch):04X} is not in this model's vocabulary")
+        try:
+            grammar = grammar_of(spec)
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        except GrammarError:
+            raise
+        except (ValueError, RecursionError) as e:
+            # What the compiler chokes on beyond its own checks (schema text nested past Python's
+            # recursion limit, lone surrogates it cannot encode) is still the spec's fault.
+            detail = one_line(f"{type(e).__name__}: {e}")[:200]
+            raise GrammarError(f"{WHAT[kind]}: cannot be compiled: {detail}") from None
         if matcher.is_error():
             # Positions in generated grammars (regex, choice, JSON) point at text the user never wrote.
             message = one_line(matcher.get_error(), drop_position=kind != "grammar")
@@ -91,6 +110,27 @@ class GrammarBackend:
         for warning in matcher.get_grammar_warnings():
             log.debug("grammar warning (%s): %s", kind, warning)
         return matcher
+
+    def _unwritable_char(self, spec: StructuredOutputs, kind: str) -> str | None:
+        """The first character of the spec's text that needs a byte no token has (None if all can be
+        written). Over-strict for a character only offered as one alternative, which is a price worth
+        paying for characters this rare."""
+        if not self._unwritable or kind == "json_object":
+            return None
+        value = getattr(spec, kind)
+        texts = value if kind == "choice" else [value]
+        if kind == "json":
+            try:  # escapes in the schema (\u0014) are characters the output must spell
+                texts = [json.dumps(json.loads(value), ensure_ascii=False)]
+            except (ValueError, RecursionError):
+                return None  # compiling reports it
+        for text in texts:
+            for ch in text if isinstance(text, str) else ():
+                if ord(ch) < 0x80 and (ord(ch) not in self._unwritable or kind == "json"):
+                    continue  # JSON strings spell control characters as \u escapes
+                if not self._unwritable.isdisjoint(ch.encode("utf-8", "surrogatepass")):
+                    return ch
+        return None
 
 
 def _eos_only_row(eos: frozenset[int], vocab_size: int) -> torch.Tensor:

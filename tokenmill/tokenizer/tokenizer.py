@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -24,6 +25,8 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _MARK = re.compile("\ue000(\\d+)\ue001")
 # Used to find which token closes an assistant turn in a chat template; unlikely to occur in a template.
 _PROBE_REPLY = "\u2063tokenmill-probe\u2063"
+# A function name no template writes on its own: seeing it in the output means the template lists tools.
+_PROBE_TOOL = "tokenmill_probe_function"
 
 
 class Tokenizer:
@@ -161,6 +164,20 @@ class Tokenizer:
             eos_token=self.config["eos_token"],
             **kwargs,
         )
+
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (Hermes-, Qwen-, Llama-3.1-style templates
+        do; plain ChatML does not, and then the server describes the tools in the system prompt)."""
+        probe = [{"role": "user", "content": "Hi"}]
+        tool = {
+            "type": "function",
+            "function": {"name": _PROBE_TOOL, "description": "", "parameters": {"type": "object"}},
+        }
+        try:
+            return _PROBE_TOOL in self.apply_chat_template(probe, tools=[tool])
+        except ValueError:
+            return False  # a template that fails on tools cannot be given them
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
