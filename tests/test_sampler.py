@@ -327,3 +327,17 @@ def test_a_request_that_breaks_sampling_fails_alone(monkeypatch) -> None:
     monkeypatch.setattr(s, "_sample", flaky)
     res = s(rows([0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 3.0]), [greedy(), make_req("bad"), greedy()])
     assert res.errors == {1: "RuntimeError"} and res.token_ids == [1, -1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitmask_masks_sampling_but_not_logprobs_or_the_callers_logits(dtype):
+    """A grammar's bitmask decides the token; logprobs stay the model's, and the logits the model
+    runner passed in are left as they were (the sampler masks a copy)."""
+    logits = rows([0.0, 3.0, 1.0, 2.0], [4.0, 0.0, 1.0, 0.0]).to(dtype)
+    before = logits.clone()
+    bitmask = torch.tensor([[0b0101], [0b1110]], dtype=torch.int32)  # row 0: tokens 0, 2; row 1: 1, 2, 3
+    out = Sampler()(logits, [greedy(logprobs=0), greedy()], None, bitmask)
+    assert out.token_ids == [2, 2]
+    assert torch.equal(logits, before)
+    expected = torch.log_softmax(before[0].float(), dim=-1)[2]
+    assert out.logprobs[0].logprob == pytest.approx(float(expected), abs=1e-6)

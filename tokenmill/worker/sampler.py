@@ -122,11 +122,15 @@ class Sampler:
             first.append(len(rows))
             rows.append(r)
             rows.extend(_DraftRow(r, d[: j + 1]) for j in range(len(d)))
-        logits = raw
+        # `raw` must stay as it is when it is the caller's tensor or when logprobs (the model's, before
+        # masks and penalties) are read from it; otherwise it is edited in place: a copy of the batch's
+        # logits costs as much as applying a grammar mask (page faults on a fresh 6 MB tensor).
+        keep_raw = raw is logits or any(r.params.logprobs is not None for r in reqs)
+        masked = raw
         if bitmask is not None:
-            logits = raw.clone()
-            apply_bitmask(logits, bitmask)
-        logits = self._apply_penalties(logits, rows)
+            masked = raw.clone() if keep_raw else raw
+            apply_bitmask(masked, bitmask)
+        logits = self._apply_penalties(masked, rows, owned=masked is not raw or not keep_raw)
 
         targets = torch.empty(len(rows), dtype=torch.long)
         greedy_rows = [j for j, r in enumerate(rows) if r.params.greedy]
@@ -209,8 +213,11 @@ class Sampler:
                 out[i][a] = t
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, reqs: list[Row]) -> torch.Tensor:
-        cloned = False
+    def _apply_penalties(logits: torch.Tensor, reqs: list[Row], owned: bool = False) -> torch.Tensor:
+        """Logit bias, min_tokens and the repetition penalties, on `logits` itself if `owned`, else
+        on a copy made only when some row needs them."""
+        touched: list[int] = []
+        risky = False  # a bias or penalty was applied: values may overflow (min_tokens only writes -inf)
         for i, r in enumerate(reqs):
             p = r.params
             needs = (
@@ -222,8 +229,11 @@ class Sampler:
             )
             if not needs:
                 continue
-            if not cloned:
-                logits, cloned = logits.clone(), True
+            if not touched and not owned:
+                logits = logits.clone()
+            touched.append(i)
+            risky = risky or bool(p.logit_bias or p.repetition_penalty != 1.0)
+            risky = risky or bool(p.presence_penalty or p.frequency_penalty)
             row = logits[i]
             vocab = row.shape[0]
             if p.logit_bias:
@@ -243,11 +253,20 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)
                 counts = counts[:vocab].to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if touched:
             # Extreme but accepted parameters (a tiny repetition penalty, huge biases) can overflow;
-            # NaN would poison the draw, so such logits become impossible tokens instead.
-            torch.nan_to_num_(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
-            if not bool(torch.isfinite(row).any()):
-                row.zero_()  # every token ruled out: no choice is better than another
+            # NaN would poison the draw, so such logits become impossible tokens instead. Over the
+            # touched rows at once: per row, these small passes added up to milliseconds at 32 rows.
+            whole = len(touched) == logits.shape[0]
+            index = torch.tensor(touched, dtype=torch.long)
+            part = logits if whole else logits.index_select(0, index)
+            if risky:
+                torch.nan_to_num_(part, nan=float("-inf"), posinf=torch.finfo(part.dtype).max)
+            dead = part.amax(dim=1) == float("-inf")
+            if bool(dead.any()):
+                part[dead] = 0.0  # every token ruled out: no choice is better than another
+            if not whole:
+                logits.index_copy_(0, index, part)
         return logits
 
     @staticmethod
