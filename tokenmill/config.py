@@ -61,7 +61,8 @@ class SpeculativeConfig:
 
     method: str | None = setting(
         None, flag="speculative",
-        help='"ngram" (prompt lookup) or "suffix" (suffix trees over this and recent requests)',
+        help='"ngram" (prompt lookup), "suffix" (suffix trees over this and recent requests), or '
+        '"draft:MODEL" (a draft model with the same tokenizer; draft:self is the model itself in 4 bits)',
     )  # fmt: skip
     num_speculative_tokens: int = setting(8, help="most draft tokens per request per step")
     prompt_lookup_min: int = setting(2, help="ngram: shortest suffix of the context to look up")
@@ -69,18 +70,35 @@ class SpeculativeConfig:
     suffix_max_tree_depth: int = setting(24, help="suffix: longest pattern and draft the trees hold")
     suffix_max_cached_requests: int = setting(1000, help="suffix: recent requests kept in the global tree")
     suffix_min_token_prob: float = setting(0.1, help="suffix: draft only tokens seen at least this often")
+    draft_quantization: str | None = setting(
+        "int4", help='draft model weights: "int4" (4-bit, the cheap default) or "none" (the dtype)'
+    )
     # Past this many tokens in a step, verifying drafts costs more than the steps they save (the forward
     # pass stops being bound by reading the weights): speculation pauses until the batch shrinks.
     max_batch_tokens: int = setting(
         16, help="speculate only while running requests x (1 + draft length) stay within this"
     )
 
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model of draft:MODEL ("self": the target's own checkpoint), else None."""
+        if self.method is None or not self.method.startswith("draft:"):
+            return None
+        return self.method.removeprefix("draft:").strip() or None
+
     def __post_init__(self) -> None:
         if self.method is not None:
             if self.method.startswith("draft:"):
-                raise ValueError("speculative method draft:MODEL (a draft model) is not implemented yet")
-            if self.method not in ("ngram", "suffix"):
-                raise ValueError(f"speculative method must be ngram or suffix, got {self.method!r}")
+                if not self.draft_model:
+                    raise ValueError("speculative method draft:MODEL needs a model (a name, a path or self)")
+            elif self.method not in ("ngram", "suffix"):
+                raise ValueError(
+                    f"speculative method must be ngram, suffix or draft:MODEL, got {self.method!r}"
+                )
+        if self.draft_quantization == "none":
+            self.draft_quantization = None
+        if self.draft_quantization not in (None, "int4"):
+            raise ValueError(f'draft_quantization must be "int4" or "none", got {self.draft_quantization!r}')
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

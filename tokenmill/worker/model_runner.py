@@ -185,6 +185,9 @@ class ModelRunner:
             errors=errors,
         )
         if self.speculator is not None:
-            output.spec_token_ids = self.speculator.propose(sampled, output, drafts)
+            # A step that also read prompts says nothing about what decoding with or without drafts
+            # costs: only pure decode steps are timed for the speculator.
+            step_seconds = None if segments else time.perf_counter() - t0
+            output.spec_token_ids = self.speculator.propose(sampled, output, drafts, step_seconds)
         output.execute_seconds = time.perf_counter() - t0
         return output

@@ -22,6 +22,7 @@ from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
+from tokenmill.worker.spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
 from tokenmill.worker.spec_decode.speculator import make_speculator
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.thread_governor import make_governor
@@ -95,10 +96,37 @@ class Worker:
             self.config.kernels,
             self.config.seed,
             self.parallel,
-            make_speculator(self.config.speculative),
+            make_speculator(self.config.speculative, self._draft_proposer(num_blocks, block_size)),
             RequestGrammars(
                 self.tokenizer, self.model_config.vocab_size, self.config.speculative.num_speculative_tokens
             ),
+        )
+
+    def _draft_proposer(self, num_blocks: int, block_size: int) -> DraftModelProposer | None:
+        """The draft model of `--speculative draft:MODEL`, on the rank that samples, with a KV pool of
+        as many blocks as the target's (a 4-bit self-draft's blocks are the same size)."""
+        spec = self.config.speculative
+        name = spec.draft_model
+        if name is None or not self.parallel.samples:
+            return None
+        t0 = time.perf_counter()
+        path = self.source if name == "self" else catalog.resolve(name)
+        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
+        loaded = registry.load_checkpoint(path, self.dtype, cache_dir)
+        check_draft_vocabulary(self.tokenizer, loaded.tokenizer, name)
+        model = registry.build(
+            loaded.config,
+            loaded.state_dict,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.config.kernels,
+            spec.draft_quantization,
+        )
+        log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
+                 time.perf_counter() - t0)  # fmt: skip
+        return DraftModelProposer(
+            model, num_blocks, block_size, self.dtype, self.device, self.config.kernels, self.max_model_len
         )
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -23,9 +23,18 @@ class ProposeInput:
 
 
 class Proposer(ABC):
+    # True when each guessed token costs a model pass (a draft model), so that guessing can cost more
+    # than it saves; lookups (n-gram, suffix) cost next to nothing.
+    costly: bool = False
+
     @abstractmethod
     def propose(self, batch: list[ProposeInput]) -> list[list[int]]:
         """Up to `k` draft tokens for each request (an empty list: no guess this step)."""
+
+    def held(self, request_id: str) -> int | None:
+        """How many of the request's tokens the proposer has read (a draft model's cache), None if it
+        keeps nothing per request or has never seen it."""
+        return None
 
     def forget(  # noqa: B027 - an optional hook
         self, request_ids: Sequence[str], outputs: dict[str, list[int]] | None = None
