@@ -136,23 +136,7 @@ class ModelRunner:
                 drafts.append(draft)
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(tables),
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefills=segments,
-            block_size=bs,
-        )
-        if tables:
-            max_blocks = max(len(t) for t in tables)
-            bt = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-            for i, t in enumerate(tables):
-                bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            meta.decode_block_tables = bt.to(dev)
-            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long).to(dev)
-        for seg in segments:
-            seg.block_ids = seg.block_ids.to(dev)
+        meta = AttentionMetadata.of(slots, tables, ctx_lens, segments, bs, dev)
 
         ps = self.parallel
         if ps.is_first_stage:

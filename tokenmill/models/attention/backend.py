@@ -53,6 +53,36 @@ class AttentionMetadata:
     # [num_decode, 1, 1, max_blocks * block_size] bool, built on first use (by backends that gather).
     _decode_mask: torch.Tensor | None = None
 
+    @classmethod
+    def of(
+        cls,
+        slots: list[int],
+        tables: list[list[int]],
+        context_lens: list[int],
+        prefills: list[PrefillSegment],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """From plain lists: each token's cache slot, each decode row's block table and context length
+        (tokens it attends to, itself included), and the prefill segments (moved to `device`)."""
+        meta = cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode=len(tables),
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefills=prefills,
+            block_size=block_size,
+        )
+        if tables:
+            bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+            for i, t in enumerate(tables):
+                bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            meta.decode_block_tables = bt.to(device)
+            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long).to(device)
+        for seg in prefills:
+            seg.block_ids = seg.block_ids.to(device)
+        return meta
+
     def decode_mask(self) -> torch.Tensor:
         """Which positions of the gathered, padded block tables each decode row may see."""
         if self._decode_mask is None:

@@ -142,25 +142,10 @@ class DraftModelProposer(Proposer):
                     tables.append(seq.blocks[: pos // bs + 1])
                     ctx_lens.append(pos + 1)
             else:
-                ids = seq.blocks[: (start + n + bs - 1) // bs]
-                segments.append(
-                    PrefillSegment(q_start, n, start, torch.tensor(ids, dtype=torch.long, device=dev))
-                )
+                ids = torch.tensor(seq.blocks[: (start + n + bs - 1) // bs], dtype=torch.long)
+                segments.append(PrefillSegment(q_start, n, start, ids))
             last_rows[j] = len(token_ids) - 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(tables),
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefills=segments,
-            block_size=bs,
-        )
-        if tables:
-            bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
-            for r, t in enumerate(tables):
-                bt[r, : len(t)] = torch.tensor(t, dtype=torch.long)
-            meta.decode_block_tables = bt.to(dev)
-            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
+        meta = AttentionMetadata.of(slots, tables, ctx_lens, segments, bs, dev)
         logits = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
