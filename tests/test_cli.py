@@ -65,3 +65,10 @@ def test_chat_streams_a_reply_and_exits() -> None:
 def test_serve_unknown_model_is_one_line_error() -> None:
     r = run("serve", "--model", "no-such-model", "--port", "1")
     assert r.returncode == 2 and "unknown model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_unknown_draft_model_is_one_line_error() -> None:
+    r = run("serve", "--speculative", "draft:no-such-model", "--port", "1")
+    assert r.returncode == 2 and "draft model: unknown model" in r.stderr and "Traceback" not in r.stderr
+    r = run("worker", "--listen", "tcp://127.0.0.1:1", "--speculative", "draft:")
+    assert r.returncode == 2 and "draft:MODEL needs a model" in r.stderr and "Traceback" not in r.stderr

@@ -199,15 +199,24 @@ def chat_cmd(
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def check_models(engine: EngineConfig) -> None:
+    """The model and the draft model (--speculative draft:MODEL) exist, or a one-line error."""
+    draft = engine.speculative.draft_model
+    for name, what in ((engine.model, ""), (None if draft == "self" else draft, "draft model: ")):
+        if name is None:
+            continue
+        try:
+            catalog.resolve(name)
+        except catalog.ModelNotFoundError as e:
+            fail(f"{what}{e}")
+
+
 def serve(config: ServerConfig) -> None:
     """Serve the OpenAI-compatible API (engine core in its own process)."""
     from tokenmill.server.main import run
 
     engine = config.engine
-    try:
-        catalog.resolve(engine.model)
-    except catalog.ModelNotFoundError as e:
-        fail(str(e))
+    check_models(engine)
     repo = config.model_repository
     if repo is not None and not Path(repo).is_dir():
         fail(f"--model-repository {repo} is not a directory")
@@ -240,10 +249,7 @@ def worker(config: EngineConfig, listen: str) -> None:
 
     if not listen.startswith(("tcp://", "ipc://")):
         fail(f"--listen {listen!r}: use tcp://HOST:PORT or ipc://PATH")
-    try:
-        catalog.resolve(config.model)
-    except catalog.ModelNotFoundError as e:
-        fail(str(e))
+    check_models(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         code = serve_engine(config, listen)
