@@ -13,11 +13,20 @@ from pathlib import Path
 
 import httpx
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and never one this test process handed out before: the OS may give a just
+    closed port again, and two endpoints of one test (a worker's socket, its KV-event sockets) on
+    the same port would make one of them fail to bind."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @contextmanager
