@@ -67,8 +67,9 @@ class DraftModelProposer(Proposer):
     def propose(self, batch: list[ProposeInput]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in batch]
         feed: list[tuple[int, _Seq, list[int]]] = []  # (index in batch, its sequence, tokens to feed)
+        want = [min(b.k, self.max_len - len(b.context)) for b in batch]  # guesses that fit the context
         for i, b in enumerate(batch):
-            k = min(b.k, self.max_len - len(b.context))
+            k = want[i]
             seq = self.seqs.setdefault(b.request_id, _Seq())
             keep = _common_prefix(seq.tokens, b.context, len(b.context) - 1)  # feed at least one token
             self._truncate(seq, keep)
@@ -83,7 +84,7 @@ class DraftModelProposer(Proposer):
             for (i, seq, tokens), t in zip(feed, nxt, strict=True):
                 seq.tokens.extend(tokens)
                 guesses[i].append(t)
-                if len(guesses[i]) < min(batch[i].k, self.max_len - len(batch[i].context)):
+                if len(guesses[i]) < want[i]:
                     more.append((i, seq, [t]))
             feed = more
         return guesses

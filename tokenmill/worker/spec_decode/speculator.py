@@ -40,6 +40,9 @@ class Speculator:
         """`step_seconds`: how long the target's step took (what a draft model's passes are weighed
         against)."""
         n = len(sampled)
+        for st, new, draft in zip(sampled, output.sampled_token_ids, drafts, strict=True):
+            if new:  # (empty: the request failed) how the drafts it verified fared, drafting on or off
+                self.lengths.observe(st.request_id, len(draft), len(new) - 1)
         cost: float | None = 0.0
         if self.costs is not None:
             # What this step emitted, and what it took: its target step, and the draft passes that
@@ -56,10 +59,9 @@ class Speculator:
             cost = self.costs.share(n)
         cap = self.lengths.cap(n)
         batch = []
-        for st, new, draft in zip(sampled, output.sampled_token_ids, drafts, strict=True):
+        for st, new in zip(sampled, output.sampled_token_ids, strict=True):
             if not new:
-                continue  # the request failed
-            self.lengths.observe(st.request_id, len(draft), len(new) - 1)
+                continue
             k = self.lengths.length(st.request_id, cap, cost)
             if k and st.params.speculative and self._in_step(st, len(new)):
                 batch.append(
