@@ -55,6 +55,25 @@ class KVEventsConfig:
 
 
 @dataclass
+class KVOffloadConfig:
+    """KV cache tiers below the engine's pool (Dynamo's G2-G4): blocks evicted from the pool go to host
+    memory, those evicted from host memory to a local disk directory, and from there to a directory
+    shared by all workers; admission loads a prompt's blocks back from whichever tier holds them."""
+
+    kv_offload: str | None = setting(
+        None,
+        help='tiers, e.g. "host=4GB,disk=/var/kv:20GB,shared=/mnt/kv[:SIZE]" (any subset; sizes in '
+        "B, KB, MB, GB, KiB, MiB, GiB)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_offload is not None:
+            from tokenmill.worker.kv_offload.tiers import parse_tiers
+
+            parse_tiers(self.kv_offload)  # a bad spec fails when the config is built, not in a worker
+
+
+@dataclass
 class SpeculativeConfig:
     """Speculative decoding: a cheap proposer guesses the next tokens, one target pass verifies them all
     (worker/spec_decode/). Greedy output is unchanged; sampled output keeps the target's distribution."""
@@ -152,3 +171,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)

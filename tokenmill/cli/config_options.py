@@ -21,6 +21,7 @@ from tokenmill.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    KVOffloadConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -41,6 +42,7 @@ ENGINE_SECTIONS = [
     Section("KV cache", CacheConfig, ("cache",)),
     Section("Parallelism", ParallelConfig, ("parallel",)),
     Section("KV events", KVEventsConfig, ("kv_events",)),
+    Section("KV offload", KVOffloadConfig, ("offload",)),
     Section("Speculative decoding", SpeculativeConfig, ("speculative",)),
 ]
 SERVER_SECTIONS = [

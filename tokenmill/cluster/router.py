@@ -12,6 +12,7 @@ that answers again rejoins with its index rebuilt from its events.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -205,6 +206,7 @@ class RouterEngineClient(EngineClient):
                 sum(col)
                 for col in itertools.zip_longest(*(s.spec_accepted_per_pos for s in got), fillvalue=0)
             ],
+            kv_offload=dict(sum((collections.Counter(s.kv_offload) for s in got), collections.Counter())),
         )
 
     def set_policy(self, policy: str) -> None:

@@ -26,8 +26,15 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_removed: Callable[[bytes], None] | None = None) -> None:
-        """`on_removed` hears of every hash that stops naming a block here (for KV events)."""
+    def __init__(
+        self,
+        num_blocks: int,
+        on_removed: Callable[[bytes], None] | None = None,
+        on_evicted: Callable[[bytes, int], None] | None = None,
+    ) -> None:
+        """`on_removed` hears of every hash that stops naming a block here (for KV events);
+        `on_evicted` of every cached block handed out again, before its content is overwritten
+        (a KV connector saves it to an offload tier)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -35,6 +42,7 @@ class BlockPool:
         self._by_hash: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
         self.on_removed = on_removed
+        self.on_evicted = on_evicted
 
     @property
     def num_blocks(self) -> int:
@@ -72,6 +80,8 @@ class BlockPool:
                 del self._by_hash[b.block_hash]
                 if self.on_removed is not None:
                     self.on_removed(b.block_hash)
+                if self.on_evicted is not None:
+                    self.on_evicted(b.block_hash, b.block_id)
                 b.block_hash = None
                 self.num_evictions += 1
             b.ref_cnt = 1
@@ -86,6 +96,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
         return True
+
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """Every named block, as (hash, block id)."""
+        return [(h, b.block_id) for h, b in self._by_hash.items()]
 
     def uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None and self._by_hash.get(block.block_hash) is block:

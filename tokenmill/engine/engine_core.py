@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.offload_connector import OffloadConnector
 from tokenmill.engine.protocol import EngineCoreOutput, EngineStats, TokenLogprobs
 from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.scheduler import Scheduler
@@ -20,6 +21,9 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
 from tokenmill.worker.executor import Executor, UniProcExecutor, WorkerDiedError, make_executor
+from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
+from tokenmill.worker.kv_spec import KVCacheSpec
+from tokenmill.worker.step import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +68,36 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events
         )
+        if config.offload.kv_offload:
+            self._attach_offload(config, specs[0])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = []
+        self.kv_connector_worker_stats: dict[str, int] = {}
+
+    def _attach_offload(self, config: EngineConfig, spec: KVCacheSpec) -> None:
+        if config.parallel.world_size > 1:
+            raise ValueError(
+                "--kv-offload works with one worker per engine for now (no tensor/pipeline parallelism)"
+            )
+        if not config.cache.enable_prefix_caching:
+            raise ValueError(
+                "--kv-offload needs prefix caching: blocks are found in the tiers by their hashes"
+            )
+        tiers = parse_tiers(config.offload.kv_offload)  # type: ignore[arg-type]
+        kv = self.kv
+        kv.attach_connector(
+            OffloadConnector(
+                tiers,
+                spec.block_size,
+                spec.block_bytes,
+                layout_namespace(Path(self.info["source"]).name, config.dtype, config.quantization, spec, 0),
+                kv.events,
+                lambda h: kv.pool.lookup(h) is not None,
+            )
+        )
 
     def describe(self) -> dict:
         """Plain facts a frontend needs (the engine protocol's Ready info)."""
@@ -89,6 +118,15 @@ class EngineCore:
         return self.executor.worker.runner
 
     def shutdown(self) -> None:
+        connector = getattr(self, "kv", None) and self.kv.connector
+        if connector is not None:
+            # What the pool and the host tier hold goes to the file tiers, so a restart starts warm.
+            meta = connector.flush_meta(self.kv.pool.cached_blocks())
+            if meta is not None:
+                try:
+                    self.executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
+                except Exception:
+                    log.exception("could not write the KV cache to the offload tiers at shutdown")
         self.executor.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
@@ -125,7 +163,7 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        if not out.num_scheduled_tokens:
+        if not out.num_scheduled_tokens and out.kv_connector_metadata is None and not self.scheduler.loading:
             return []
         try:
             result = self.executor.execute_model(out)
@@ -140,6 +178,12 @@ class EngineCore:
             failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
             self.kv.pool.reset_prefix_cache()
             return [self._output(r, [], None, []) for r in failed]
+        if result.kv_connector_stats is not None:
+            self.kv_connector_worker_stats = result.kv_connector_stats
+        if result.kv_loads_done:
+            self.scheduler.finish_loads(result.kv_loads_done)
+        if not out.num_scheduled_tokens:
+            return []
         self.num_steps += 1
         self.num_batched_tokens_total += out.num_batched_tokens
         errors = result.errors
@@ -208,4 +252,11 @@ class EngineCore:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            kv_offload=self._offload_counters(),
         )
+
+    def _offload_counters(self) -> dict[str, int]:
+        connector = self.kv.connector
+        if connector is None:
+            return {}
+        return {**connector.counters(), **self.kv_connector_worker_stats}

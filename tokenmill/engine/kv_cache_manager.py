@@ -3,10 +3,15 @@ the KV events (engine/kv_events.py) that tell a router which blocks this engine 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.block_pool import BlockPool, KVBlock
 from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
 from tokenmill.engine.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.engine.kv_connector import KVConnectorScheduler
 
 
 class KVCacheManager:
@@ -16,6 +21,7 @@ class KVCacheManager:
         # Events only mean something with prefix caching: without it no block is ever named.
         self.events: list[KVEvent] | None = [] if kv_events and enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self._removed if self.events is not None else None)
+        self.connector: KVConnectorScheduler | None = None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -46,6 +52,35 @@ class KVCacheManager:
                 break
             hits.append(b)
         return hits, len(hits) * self.block_size
+
+    def attach_connector(self, connector: KVConnectorScheduler) -> None:
+        """Blocks the pool evicts are offered to the connector before their content is overwritten."""
+        self.connector = connector
+        self.pool.on_evicted = connector.on_evicted
+
+    def allocate_for_load(self, req: Request, computed: list[KVBlock], n: int) -> list[KVBlock] | None:
+        """Take the request's pool hits and `n` fresh blocks after them for a background load, without
+        naming the fresh ones (their content arrives later); None (and no change) if blocks are short."""
+        if n + sum(1 for b in computed if b.ref_cnt == 0) > self.pool.num_free:
+            return None
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        assert not blocks, "a background load is for a request that holds no blocks"
+        self.pool.touch(computed)
+        fresh = self.pool.allocate(n)
+        blocks.extend(computed)
+        blocks.extend(fresh)
+        return fresh
+
+    def cache_loaded(self, req: Request, first: int, n: int) -> None:
+        """Name the request's blocks first..first+n-1, whose content a background load brought."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        named = [
+            i
+            for i in range(first, first + n)
+            if blocks[i].block_hash is None and self.pool.cache(blocks[i], req.block_hashes[i])
+        ]
+        if named and self.events is not None:
+            self._stored(req, named)
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
         return self._blocks_to_take(req, num_new_tokens, computed or []) <= self.pool.num_free

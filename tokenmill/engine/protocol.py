@@ -74,6 +74,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # KV offload tiers, totals since start (engine/offload_connector.py and the worker's counters).
+    kv_offload: dict[str, int] = field(default_factory=dict)
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------

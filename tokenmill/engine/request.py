@@ -13,6 +13,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Holding blocks whose content a KV connector is loading in the background (offload tiers).
+    WAITING_FOR_KV = "waiting_for_kv"
     FINISHED = "finished"
 
 
@@ -39,6 +41,7 @@ class Request:
         # Draft tokens a proposer guessed after the last step, verified in the next (never in
         # all_token_ids: they are not the request's tokens until accepted).
         self.spec_token_ids: list[int] = []
+        self.kv_loaded = False  # a KV connector loaded blocks for it once (it is not asked again)
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.max_tokens = self._max_tokens(max_model_len)

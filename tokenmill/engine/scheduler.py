@@ -36,6 +36,8 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Requests waiting for a KV connector's background load, holding their blocks.
+        self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
         # Requests ended since the last step: the workers forget them with the next step.
         self._finished_ids: list[str] = []
@@ -51,7 +53,7 @@ class Scheduler:
         return self.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -89,18 +91,41 @@ class Scheduler:
 
         # Admit waiting requests only when nobody had to be preempted for memory this step. (Requests
         # pushed out for a more urgent one leave room that the urgent one should take.)
+        connector = self.kv.connector
+        bs = self.kv.block_size
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting.peek()
-            computed, hit = ([], 0)
+            computed, hit, ext, background = [], 0, 0, False
             if req.num_computed_tokens == 0:
                 computed, hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - hit, budget)
+                if connector is not None and self.kv.enable_prefix_caching and not req.kv_loaded:
+                    ext, background = connector.num_external_blocks(req, len(computed))
+            if background:
+                # Blocks from the file tiers arrive in the background: the request waits aside, holding
+                # its blocks, and the step goes on without it.
+                fresh = self.kv.allocate_for_load(req, computed, ext)
+                if fresh is None:
+                    break
+                self.waiting.pop()
+                connector.after_alloc(req, fresh, len(computed), background=True)  # type: ignore[union-attr]
+                req.status = RequestStatus.WAITING_FOR_KV
+                req.kv_loaded = True
+                self.loading[req.request_id] = req
+                continue
+            n = min(req.num_tokens - hit - ext * bs, budget)
             if self.config.long_prefill_token_threshold:
                 n = min(n, self.config.long_prefill_token_threshold)
-            if not self.kv.allocate_slots(req, n, computed):
+            # Blocks from host memory are copied in before this step's forward pass: they cost no budget.
+            if not self.kv.allocate_slots(req, n + ext * bs, computed):
                 break
+            if ext:
+                blocks = self.kv.req_blocks[req.request_id]
+                connector.after_alloc(  # type: ignore[union-attr]
+                    req, blocks[len(computed) : len(computed) + ext], len(computed), background=False
+                )
+                hit += ext * bs
             self.waiting.pop()
             self.kv.prefix_cache_queries += req.num_tokens
             self.kv.prefix_cache_hits += hit
@@ -116,9 +141,34 @@ class Scheduler:
 
         return self._describe(scheduled, urgent_victims + preempted)
 
+    def finish_loads(self, done: dict[str, int]) -> None:
+        """Background loads the workers finished (request id -> leading file blocks that arrived intact).
+        The blocks that hold their content are named in the pool and the request goes back to the head
+        of the queue holding none: its next admission finds them as ordinary prefix hits, and computes
+        the rest (everything after a block that failed to load)."""
+        connector = self.kv.connector
+        assert connector is not None or not done
+        for rid, num_ok in done.items():
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            first, valid = connector.loaded(rid, num_ok)  # type: ignore[union-attr]
+            if req.status == RequestStatus.FINISHED:  # aborted while loading: its blocks were kept
+                req.num_computed_tokens = first * self.kv.block_size
+                self.kv.free(req)
+                continue
+            self.kv.cache_loaded(req, first, valid)
+            req.num_computed_tokens = (first + valid) * self.kv.block_size
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.push_front(req)
+
     def _describe(self, scheduled: dict[str, _Scheduled], preempted: list[Request]) -> SchedulerOutput:
         """The step as plain data: requests the workers do not hold in full, diffs for those they do."""
         out = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted])
+        if self.kv.connector is not None:
+            out.kv_connector_metadata = self.kv.connector.build_meta()
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         for rid, s in scheduled.items():
             req = s.request
@@ -252,16 +302,24 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_KV:
+                # The worker may still be writing into its blocks: they are freed when the load ends.
+                self._finish(req, reason, free=False)
+                ended.append(req)
+                continue
             else:
                 self.waiting.remove(req)
             self._finish(req, reason)
             ended.append(req)
         return ended
 
-    def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
+    def _finish(
+        self, req: Request, reason: FinishReason, now: float | None = None, free: bool = True
+    ) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_time = now or time.monotonic()
-        self.kv.free(req)
+        if free:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill.engine.client import EngineClient
@@ -101,6 +102,38 @@ class _EngineCollector(Collector):
     def __init__(self, client: EngineClient, metrics: Metrics) -> None:
         self.client, self.metrics = client, metrics
 
+    # (metric, help, {tier label: counter key}) for the KV offload tiers; absent when no tier is set.
+    _OFFLOAD = (
+        ("tokenmill:kv_offload_loaded_blocks", "KV blocks loaded into the pool, by the tier they came from",
+         {"host": "host_loads", "disk": "disk_hits", "shared": "shared_hits"}),
+        ("tokenmill:kv_offload_saved_blocks", "KV blocks written to a tier (file: disk, else shared)",
+         {"host": "host_saved_blocks", "file": "file_writes"}),
+    )  # fmt: skip
+
+    @staticmethod
+    def _offload(names: list[str], series: list) -> Iterator[Metric]:  # type: ignore[type-arg]
+        stats = [(labels, st.kv_offload) for labels, st in series if st is not None and st.kv_offload]
+        if not stats:
+            return
+        for name, doc, tiers in _EngineCollector._OFFLOAD:
+            c = CounterMetricFamily(name, doc, labels=[*names, "tier"])
+            for labels, kv in stats:
+                for tier, key in tiers.items():
+                    c.add_metric([*labels, tier], kv.get(key, 0))
+            yield c
+        for name, doc, key, cls in (
+            ("tokenmill:kv_offload_corrupt_blocks", "Offloaded KV blocks found damaged or stale (recomputed)",
+             "corrupt_blocks", CounterMetricFamily),
+            ("tokenmill:kv_offload_load_failures", "Background loads cut short by a missing or bad block",
+             "file_load_failures", CounterMetricFamily),
+            ("tokenmill:kv_offload_host_blocks", "KV blocks held in the host tier", "host_blocks",
+             GaugeMetricFamily),
+        ):  # fmt: skip
+            f = cls(name, doc, labels=names)
+            for labels, kv in stats:
+                f.add_metric(labels, kv.get(key, 0))
+            yield f
+
     def collect(self):
         m = self.metrics.model
         # A fleet's engine metrics carry a `worker` label, one series per worker (sum them for the
@@ -169,6 +202,7 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(st.spec_accepted_per_pos if st else []):
                 per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
+        yield from self._offload(names, series)
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
             yield from router_metrics(m)

@@ -56,6 +56,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
 
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
 
 def make_executor(config: EngineConfig) -> Executor:
     p = config.parallel

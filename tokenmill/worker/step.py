@@ -89,3 +89,7 @@ class ModelRunnerOutput:
     execute_seconds: float = 0.0  # the forward pass and sampling, as the worker timed them
     # Speculative decoding: the proposer's guesses of each request's next tokens, for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: background loads that ended (request id -> leading blocks that arrived intact),
+    # and the worker side's counters since start.
+    kv_loads_done: dict[str, int] = field(default_factory=dict)
+    kv_connector_stats: dict[str, int] | None = None

@@ -19,6 +19,8 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.weights import catalog
 from tokenmill.worker.grammars import RequestGrammars
+from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
+from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
@@ -87,7 +89,7 @@ class Worker:
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(
+        self.runner = runner = ModelRunner(
             self.model,
             self.kv_cache_spec(block_size),
             num_blocks,
@@ -101,6 +103,19 @@ class Worker:
                 self.tokenizer, self.model_config.vocab_size, self.config.speculative.num_speculative_tokens
             ),
         )
+        self.offload: OffloadWorker | None = None
+        if self.config.offload.kv_offload:
+            spec = self.kv_cache_spec(block_size)
+            tiers = parse_tiers(self.config.offload.kv_offload)
+            self.offload = OffloadWorker(
+                runner.kv_caches,
+                tiers,
+                (tiers.host_bytes or 0) // spec.block_bytes,
+                layout_namespace(
+                    Path(self.source).name, self.config.dtype, self.config.quantization, spec,
+                    self.parallel.rank,
+                ),
+            )  # fmt: skip
 
     def _draft_proposer(self, num_blocks: int, block_size: int) -> DraftModelProposer | None:
         """The draft model of `--speculative draft:MODEL`, on the rank that samples, with a KV pool of
@@ -131,10 +146,21 @@ class Worker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "allocate_kv_cache first"
+        offload = self.offload
+        if offload is not None and out.kv_connector_metadata is not None:
+            offload.apply(out.kv_connector_metadata)  # before the forward pass overwrites any block
         result = self.runner.execute(out)
+        if offload is not None:
+            # A step with nothing to compute is the engine waiting for loads: wait a little for one.
+            result.kv_loads_done = offload.take_finished_loads(0.005 if not out.num_scheduled_tokens else 0.0)
+            result.kv_connector_stats = offload.counters()
         if self.governor is not None:
             self.governor.tick()
         return result
+
+    def shutdown(self) -> None:
+        if getattr(self, "offload", None) is not None:
+            self.offload.close()  # type: ignore[union-attr]
 
     def describe(self) -> dict:
         """Plain facts the engine needs from its workers (the same on every rank)."""

@@ -1,0 +1,217 @@
+"""The scheduler's half of KV offloading (Dynamo's KV block manager, tiers G2-G4 below the pool).
+
+Blocks leave the pool when it evicts them, not as they are computed: only what the pool cannot keep
+costs a copy. An evicted block goes to host memory (G2) when there is a host tier, else straight to
+the file tiers; a host slot that must be reused spills its block to the file tiers first (disk G3,
+then shared G4: the disk tier passes on what it evicts). This side keeps the host tier's index (which
+slot holds which block, least recently used first) so the worker's side only copies bytes; the file
+tiers are looked up on the filesystem, where other workers' blocks (the shared tier) and those of an
+earlier run (warm start) are too.
+
+Admission asks for the blocks after the pool's own hits: a leading run found in host memory is
+copied in before the step's forward pass; a run that reaches the file tiers is read in the
+background while the request waits. A block that fails to load (missing, corrupt) only ends the run:
+the request recomputes from there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenmill.engine.block_pool import KVBlock
+from tokenmill.engine.kv_connector import KVConnectorScheduler
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
+from tokenmill.engine.request import Request
+from tokenmill.worker.kv_offload.file_store import block_path
+from tokenmill.worker.kv_offload.ops import OffloadOps
+from tokenmill.worker.kv_offload.tiers import OffloadTiers
+
+MEDIUM_HOST = "CPU"  # vLLM's name for the host tier in KV events
+
+
+class HostIndex:
+    """Which host slot holds which block, least recently used first; slots pinned for this step's loads
+    are never handed to a save of the same step."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.slots: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.pinned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.slots.get(key)
+
+    def touch(self, key: bytes) -> None:
+        self.slots.move_to_end(key)
+
+    def take(self, key: bytes) -> tuple[int, bytes | None] | None:
+        """A slot for a new block, and the block it held before (None: it was free); None when every
+        slot is pinned. The slot stays pinned for the rest of the step: the worker spills every slot
+        before it saves into any, so a slot refilled twice in one step would spill the wrong block."""
+        if self.free:
+            slot = self.free.pop()
+            self.slots[key] = slot
+            self.pinned.add(slot)
+            return slot, None
+        for old, slot in self.slots.items():
+            if slot not in self.pinned:
+                del self.slots[old]
+                self.slots[key] = slot
+                self.pinned.add(slot)
+                return slot, old
+        return None
+
+
+class OffloadConnector(KVConnectorScheduler):
+    def __init__(
+        self,
+        tiers: OffloadTiers,
+        block_size: int,
+        block_bytes: int,
+        namespace: str,
+        events: list[KVEvent] | None = None,
+        is_cached: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self.tiers = tiers
+        self.block_size = block_size
+        self.namespace = namespace
+        self.host = HostIndex(tiers.host_bytes // block_bytes) if tiers.host_bytes else None
+        if self.host is not None and self.host.num_slots == 0:
+            raise ValueError(
+                f"--kv-offload host={tiers.host_bytes} bytes holds no block of {block_bytes} bytes"
+            )
+        self.file_roots = [Path(p) for p in (tiers.disk_path, tiers.shared_path) if p is not None]
+        # The engine's event list: host-tier blocks are published beside the pool's, as vLLM's
+        # offloading connector does (medium "CPU"), so a router credits what this worker can load.
+        self.events = events
+        self.is_cached = is_cached  # whether the pool still holds a hash (its removal is then not news)
+        self.ops = OffloadOps()
+        # request id -> (its first block loaded, whether each block comes from the file tiers)
+        self._loading: dict[str, tuple[int, list[bool]]] = {}
+        self.c = {
+            "host_hit_blocks": 0, "file_load_blocks": 0, "file_loaded_blocks": 0, "host_saved_blocks": 0,
+            "file_saved_blocks": 0, "host_evicted_blocks": 0, "save_skipped_blocks": 0,
+        }  # fmt: skip
+
+    # -- lookups -------------------------------------------------------------------------------------
+    def _in_files(self, key: bytes) -> bool:
+        return any(os.path.exists(block_path(root, self.namespace, key)) for root in self.file_roots)
+
+    def num_external_blocks(self, req: Request, num_local_blocks: int) -> tuple[int, bool]:
+        # As with the pool's own hits, the last prompt token is always computed (its logits are needed).
+        limit = (req.num_tokens - 1) // self.block_size
+        n, background = 0, False
+        for key in req.block_hashes[num_local_blocks:limit]:
+            slot = self.host.lookup(key) if self.host is not None else None
+            if slot is not None:
+                self.host.pinned.add(slot)  # type: ignore[union-attr]
+            elif self.file_roots and self._in_files(key):
+                background = True
+            else:
+                break
+            n += 1
+        return n, background
+
+    def after_alloc(self, req: Request, blocks: list[KVBlock], first: int, background: bool) -> None:
+        keys = req.block_hashes[first : first + len(blocks)]
+        files: list[tuple[bytes, int]] = []
+        from_files: list[bool] = []
+        for key, block in zip(keys, blocks, strict=True):
+            slot = self.host.lookup(key) if self.host is not None else None
+            if slot is not None:
+                self.host.touch(key)  # type: ignore[union-attr]
+                self.ops.host_loads.append((slot, block.block_id))
+                self.c["host_hit_blocks"] += 1
+            else:
+                files.append((key, block.block_id))
+            from_files.append(slot is None)
+        if files:
+            assert background, "file-tier blocks are only loaded in the background"
+            self.ops.file_loads[req.request_id] = files
+            self.c["file_load_blocks"] += len(files)
+        if background:
+            self._loading[req.request_id] = (first, from_files)
+
+    def loaded(self, request_id: str, num_ok: int) -> tuple[int, int]:
+        """The worker read the first `num_ok` file blocks of a background load: the request's first
+        block given, and how many leading blocks from there hold their content (a host block copied
+        before the forward pass always does; the run ends at the first file block that did not come)."""
+        first, from_files = self._loading.pop(request_id)
+        self.c["file_loaded_blocks"] += num_ok
+        seen = valid = 0
+        for is_file in from_files:
+            if is_file:
+                if seen == num_ok:
+                    break
+                seen += 1
+            valid += 1
+        return first, valid
+
+    # -- leaving the pool ----------------------------------------------------------------------------
+    def on_evicted(self, block_hash: bytes, block_id: int) -> None:
+        host = self.host
+        if host is not None:
+            if host.lookup(block_hash) is not None:
+                host.touch(block_hash)
+                self._stored(block_hash)  # the pool's removal went out just before: still loadable here
+                return
+            taken = host.take(block_hash)
+            if taken is None:  # every slot is busy this step: straight to the files, keeping the chain whole
+                self._save_to_files(block_hash, block_id)
+                return
+            slot, old = taken
+            if old is not None:
+                self.c["host_evicted_blocks"] += 1
+                if self.file_roots:
+                    self.ops.spills.append((slot, old))
+                    self.c["file_saved_blocks"] += 1
+                if self.events is not None and not (self.is_cached and self.is_cached(old)):
+                    self.events.append(BlockRemoved([external_hash(old)], medium=MEDIUM_HOST))
+            self.ops.saves.append((block_id, slot, block_hash))
+            self.c["host_saved_blocks"] += 1
+            self._stored(block_hash)
+        else:
+            self._save_to_files(block_hash, block_id)
+
+    def _save_to_files(self, block_hash: bytes, block_id: int) -> None:
+        if not self.file_roots:
+            self.c["save_skipped_blocks"] += 1
+        elif not self._in_files(block_hash):
+            self.ops.file_saves.append((block_id, block_hash))
+            self.c["file_saved_blocks"] += 1
+
+    def _stored(self, block_hash: bytes) -> None:
+        if self.events is not None:
+            self.events.append(
+                BlockStored([external_hash(block_hash)], None, [], self.block_size, medium=MEDIUM_HOST)
+            )
+
+    def build_meta(self) -> OffloadOps | None:
+        ops, self.ops = self.ops, OffloadOps()
+        if self.host is not None:
+            self.host.pinned.clear()
+        return ops or None
+
+    def flush_meta(self, cached: list[tuple[bytes, int]]) -> OffloadOps | None:
+        """At shutdown: the pool's named blocks and the host tier's go to the file tiers, so a restart
+        starts warm."""
+        if not self.file_roots:
+            return None
+        ops = self.build_meta() or OffloadOps()
+        ops.file_saves.extend((block_id, key) for key, block_id in cached)
+        if self.host is not None:
+            ops.spills.extend((slot, key) for key, slot in self.host.slots.items())
+        return ops or None
+
+    def counters(self) -> dict[str, int]:
+        out = dict(self.c)
+        out["host_blocks"] = len(self.host) if self.host is not None else 0
+        out["host_capacity_blocks"] = self.host.num_slots if self.host is not None else 0
+        return out

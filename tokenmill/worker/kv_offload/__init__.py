@@ -1,0 +1,1 @@
+"""KV-cache offload tiers: host memory, local disk and a shared directory."""
