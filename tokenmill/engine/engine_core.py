@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.offload.kv_offload:
+            if config.parallel.world_size > 1:
+                raise ValueError("--kv-offload works with one worker per engine for now (no TP/PP)")
+            if not config.cache.enable_prefix_caching:
+                raise ValueError("--kv-offload needs prefix caching: tiers find blocks by their hashes")
         t0 = time.perf_counter()
         self.executor: Executor = make_executor(config)
         try:
@@ -78,14 +83,6 @@ class EngineCore:
         self.kv_connector_worker_stats: dict[str, int] = {}
 
     def _attach_offload(self, config: EngineConfig, spec: KVCacheSpec) -> None:
-        if config.parallel.world_size > 1:
-            raise ValueError(
-                "--kv-offload works with one worker per engine for now (no tensor/pipeline parallelism)"
-            )
-        if not config.cache.enable_prefix_caching:
-            raise ValueError(
-                "--kv-offload needs prefix caching: blocks are found in the tiers by their hashes"
-            )
         tiers = parse_tiers(config.offload.kv_offload)  # type: ignore[arg-type]
         kv = self.kv
         kv.attach_connector(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.block_pool import BlockPool, KVBlock
-from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
+from tokenmill.engine.kv_events import MEDIUM_DEVICE, BlockRemoved, BlockStored, KVEvent, external_hash
 from tokenmill.engine.request import Request
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class KVCacheManager:
     def _removed(self, block_hash: bytes) -> None:
         events = self.events
         assert events is not None
-        if events and isinstance(events[-1], BlockRemoved):
+        if events and isinstance(events[-1], BlockRemoved) and events[-1].medium == MEDIUM_DEVICE:
             events[-1].block_hashes.append(external_hash(block_hash))
         else:
             events.append(BlockRemoved([external_hash(block_hash)]))
@@ -165,7 +165,9 @@ class KVCacheManager:
         """The events since the last call (empty when events are off)."""
         if not self.events:
             return []
-        out, self.events = self.events, []
+        # Emptied in place: a KV connector appends its own events (offload tiers) to this same list.
+        out = list(self.events)
+        self.events.clear()
         return out
 
     def free(self, req: Request) -> None:

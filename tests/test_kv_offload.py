@@ -1,0 +1,311 @@
+"""KV offload tiers (host, disk, shared) behind the KV connector seam.
+
+The reference for every output is the same engine with a pool big enough that nothing is evicted:
+greedy float32 token ids must be identical when blocks came back from host memory, from disk, from the
+shared directory, after a restart (warm start), and when a damaged block on disk had to be recomputed.
+The bookkeeping (host slots, pins, events, the request waiting for a background load) is tested by hand
+without a model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import KVOffloadConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored
+from tokenmill.engine.offload_connector import HostIndex, OffloadConnector
+from tokenmill.engine.protocol import EngineStats
+from tokenmill.engine.request import EngineRequest, Request
+from tokenmill.server.metrics import _EngineCollector
+from tokenmill.worker.kv_offload.file_store import FileStore
+from tokenmill.worker.kv_offload.tiers import OffloadTiers, parse_size, parse_tiers
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "judge",
+    "boxing",
+    "matches",
+]
+# Six prompts of ~230 tokens (15 blocks each): a 40-block pool holds two of them, so by the time a
+# prompt comes back, its blocks have left the pool for the tiers.
+PROMPTS = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(220)) + f" story {i}:" for i in range(6)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+SMALL_POOL = {"dtype": "float32", "max_model_len": 512, "num_blocks": 40}
+
+
+# -- configuration -----------------------------------------------------------------------------------
+def test_sizes_and_tier_specs() -> None:
+    assert parse_size("4GB") == 4 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5G") == int(1.5 * 2**30)
+    assert parse_size("1000") == 1000
+    t = parse_tiers("host=4GB,disk=/var/kv:20GB,shared=/mnt/kv")
+    assert t == OffloadTiers(4 * 10**9, "/var/kv", 20 * 10**9, "/mnt/kv", None)
+    assert parse_tiers("shared=/mnt/a:b:1GiB").shared_path == "/mnt/a:b"
+    assert parse_tiers("disk=/d:1MB").host_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("host=lots", "not a size"),
+        ("disk=/var/kv", "needs a size"),
+        ("gpu=1GB", "unknown tier"),
+        ("host=1GB,host=2GB", "given twice"),
+        ("host", "not TIER=VALUE"),
+        ("disk=/a:1GB,shared=/a", "different directories"),
+        (",", "names no tier"),
+        ("host=0", "positive"),
+    ],
+)
+def test_bad_tier_specs_fail_when_the_config_is_built(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVOffloadConfig(kv_offload=spec)
+
+
+def test_offload_refuses_what_it_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="prefix caching"):
+        LLM(kv_offload="host=1MB", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="one worker"):
+        LLM(kv_offload="host=1MB", tensor_parallel_size=2)
+
+
+# -- bookkeeping, no model ---------------------------------------------------------------------------
+def test_host_index_is_lru_and_never_reuses_a_pinned_slot() -> None:
+    h = HostIndex(2)
+    assert h.take(b"a") == (0, None) and h.take(b"b") == (1, None)
+    assert h.take(b"c") is None  # both taken this step
+    h.pinned.clear()  # the next step
+    h.touch(b"a")
+    assert h.take(b"c") == (1, b"b")  # b was the least recently used
+    h.pinned = {0, 1}
+    assert h.take(b"d") is None
+
+
+def _req(rid: str, tokens: list[int]) -> Request:
+    return Request(EngineRequest(rid, tokens, SamplingParams(max_tokens=4)), 512)
+
+
+def test_pool_evictions_become_host_saves_spills_and_events(tmp_path: Path) -> None:
+    bs = 4
+    kv = KVCacheManager(4, bs, kv_events=True)
+    tiers = OffloadTiers(host_bytes=2 * 100, disk_path=str(tmp_path), disk_bytes=10**6)
+    conn = OffloadConnector(tiers, bs, 100, "ns", kv.events, lambda h: kv.pool.lookup(h) is not None)
+    kv.attach_connector(conn)
+    a = _req("a", list(range(1, 13)))  # three full blocks
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12  # its step ran: the blocks hold their content
+    a_ids = kv.block_ids("a")
+    kv.free(a)
+    kv.take_events()
+    b = _req("b", list(range(100, 113)))  # four blocks: every cached block of a is evicted
+    assert kv.allocate_slots(b, 13)
+    b.num_computed_tokens = 13
+    ops = conn.build_meta()
+    assert ops is not None
+    # Two host slots: the first two evictions go to host memory, the third straight to the disk tier
+    # (both slots were filled this step, so neither may be spilled and refilled in the same step).
+    assert len(ops.saves) == 2 and len(ops.file_saves) == 1 and not ops.spills
+    moved = {(block_id, key) for block_id, _, key in ops.saves} | set(ops.file_saves)
+    assert moved == set(zip(a_ids, a.block_hashes, strict=True))
+    events = kv.take_events()
+    removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+    stored_host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert len(removed) == 3 and len(stored_host) == 2
+    # The next step may spill a host slot: the slot's old block goes to the files before it is refilled.
+    kv.free(b)
+    c = _req("c", list(range(200, 209)))  # three blocks: b's unnamed tail block, then two evictions
+    assert kv.allocate_slots(c, 9)
+    ops = conn.build_meta()
+    assert ops is not None and len(ops.spills) == len(ops.saves) == 2
+    assert {k for _, k in ops.spills} <= set(a.block_hashes)
+
+
+def test_admission_finds_host_blocks_after_the_pool_hits(tmp_path: Path) -> None:
+    bs = 4
+    kv = KVCacheManager(8, bs)
+    conn = OffloadConnector(OffloadTiers(host_bytes=10 * 100), bs, 100, "ns")
+    kv.attach_connector(conn)
+    a = _req("a", list(range(1, 18)))  # four full blocks and one token
+    assert kv.allocate_slots(a, 17)
+    a.num_computed_tokens = 17
+    kv.free(a)
+    for h, block_id in kv.pool.cached_blocks()[2:]:  # the pool forgets blocks 2 and 3 (as if evicted)
+        conn.on_evicted(h, block_id)
+        kv.pool.uncache(kv.pool.blocks[block_id])
+    conn.build_meta()
+    again = _req("a2", list(range(1, 18)))
+    computed, hit = kv.get_computed_blocks(again)
+    assert hit == 2 * bs
+    assert conn.num_external_blocks(again, len(computed)) == (2, False)  # in memory: loaded in-step
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM(dtype="float32", max_model_len=512, num_blocks=400)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.close()
+
+
+def _rounds(llm: LLM, rounds: int = 2) -> list[list[list[int]]]:
+    """Each prompt alone, in turn, `rounds` times: every later round finds its blocks in the tiers."""
+    return [
+        [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+        for _ in range(rounds)
+    ]
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk", "shared", "host+disk+shared"])
+def test_greedy_output_is_identical_when_blocks_come_back_from_a_tier(
+    tiers: str, reference: list[list[int]], tmp_path: Path
+) -> None:
+    spec = {
+        "host": "host=200MB",
+        "disk": f"disk={tmp_path / 'disk'}:100MB",
+        "shared": f"shared={tmp_path / 'shared'}",
+        # A host tier of 5 blocks and a disk tier of 8 blocks: most blocks end up in the shared tier.
+        "host+disk+shared": f"host=2MB,disk={tmp_path / 'disk'}:3MB,shared={tmp_path / 'shared'}",
+    }[tiers]
+    llm = LLM(**SMALL_POOL, kv_offload=spec)
+    try:
+        for outputs in _rounds(llm):
+            assert outputs == reference
+        kv = llm.engine.stats().kv_offload
+    finally:
+        llm.close()
+    loaded = {"host": kv["host_loads"], "disk": kv["disk_hits"], "shared": kv["shared_hits"]}
+    if tiers == "host+disk+shared":
+        assert loaded["shared"] > 0 and kv["host_evicted_blocks"] > 0
+    else:
+        # The second round's six prompts each find about 14 of their 15 blocks in the tier.
+        assert loaded[tiers] >= 6 * 12, kv
+    assert kv["corrupt_blocks"] == 0
+
+
+def test_warm_restart_and_a_damaged_block_is_recomputed(reference: list[list[int]], tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+    finally:
+        llm.close()  # the pool's blocks are written out too
+    files = sorted(disk.rglob("*.kvb"))
+    assert len(files) >= 6 * 14
+    # Damage one block of every prompt's chain: the payload's last byte, past the header.
+    store_dirs = {f.parent.parent for f in files}
+    assert len(store_dirs) == 1
+    damaged: dict[Path, bytes] = {}
+    for f in files[::7]:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+        damaged[f] = bytes(data)
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+        kv = llm.engine.stats().kv_offload
+    finally:
+        llm.close()
+    assert kv["disk_hits"] > 0  # a warm start: the first round already loads from disk
+    assert kv["corrupt_blocks"] >= 1 and kv["file_load_failures"] >= 1
+    # A damaged file that was read was removed, and the recomputed block written again whole when the
+    # pool evicted it; one never read (past an earlier failure in its chain) is still refused.
+    store = FileStore(disk, files[0].parent.parent.name)
+    rewritten = [f for f, data in damaged.items() if f.exists() and f.read_bytes() != data]
+    assert rewritten
+    for f in damaged:
+        if f.exists():
+            assert (store.get(bytes.fromhex(f.stem)) is None) == (f not in rewritten)
+
+
+def test_a_block_of_another_layout_is_never_found(reference: list[list[int]], tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        _rounds(llm, 1)
+    finally:
+        llm.close()
+    # The same model in bfloat16 has other keys and values: its namespace is another directory.
+    llm = LLM(dtype="bfloat16", max_model_len=512, num_blocks=40, kv_offload=f"disk={disk}:100MB")
+    try:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert llm.engine.stats().kv_offload["disk_hits"] == 0
+    finally:
+        llm.close()
+    assert len([d for d in disk.iterdir() if d.is_dir()]) == 2
+
+
+def test_salted_requests_never_load_each_others_blocks(tmp_path: Path) -> None:
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={tmp_path}:100MB")
+    try:
+        for p in PROMPTS[:4]:
+            llm.generate([p], GREEDY, cache_salt="tenant-a", use_tqdm=False)
+        hits = llm.engine.stats().kv_offload["disk_hits"]
+        llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-b", use_tqdm=False)
+        assert llm.engine.stats().kv_offload["disk_hits"] == hits
+        llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a", use_tqdm=False)
+        assert llm.engine.stats().kv_offload["disk_hits"] > hits
+    finally:
+        llm.close()
+
+
+def test_abort_while_loading_frees_blocks_only_when_the_load_ends(tmp_path: Path) -> None:
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={tmp_path}:100MB")
+    try:
+        for p in PROMPTS[:4]:
+            llm.generate([p], GREEDY, use_tqdm=False)
+        engine = llm.engine
+        tok = engine.tokenizer.encode(PROMPTS[0])
+        engine.add_request(EngineRequest("x", tok, GREEDY))
+        out = engine.scheduler.schedule()
+        assert "x" in engine.scheduler.loading and not out.num_scheduled_tokens
+        engine.abort(["x"])
+        assert "x" in engine.scheduler.loading  # still holding blocks the loader may be writing
+        engine.executor.execute_model(out)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+        assert not engine.kv.req_blocks
+    finally:
+        llm.close()
+
+
+def test_offload_metrics_by_tier() -> None:
+    stats = EngineStats(
+        0, 0, 0.0, 40, 0, 0, 0, 0, 0, kv_offload={"host_loads": 5, "disk_hits": 2, "corrupt_blocks": 1}
+    )
+    fams = {f.name: f for f in _EngineCollector._offload(["model_name"], [(["m"], stats)])}
+    loaded = {s.labels["tier"]: s.value for s in fams["tokenmill:kv_offload_loaded_blocks"].samples}
+    assert loaded == {"host": 5, "disk": 2, "shared": 0}
+    assert fams["tokenmill:kv_offload_corrupt_blocks"].samples[0].value == 1
+    assert not list(
+        _EngineCollector._offload(["model_name"], [(["m"], EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0))])
+    )
+
+
+def test_shutdown_leaves_no_stray_files(tmp_path: Path) -> None:
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={tmp_path}:100MB")
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.close()
+    assert not list(tmp_path.rglob("*.tmp"))
+    shutil.rmtree(tmp_path)
