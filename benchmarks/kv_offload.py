@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -184,12 +183,14 @@ def play(llm: LLM, convs: list[Conversation], turns: range, ref: list[list[list[
                 ref[c].append(list(comp.token_ids))
 
 
-def engine(args: argparse.Namespace, spec: str | None, warm_up: list[int]) -> LLM:
+def engine(args: argparse.Namespace, spec: str | None, warm_up: list[list[int]]) -> LLM:
+    """A fresh engine, past its first forward passes (prompts unrelated to the conversations')."""
     kw = {"kv_offload": spec} if spec else {}
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.pool_blocks, **kw
     )
-    llm.generate([warm_up], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for ids in warm_up:
+        llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     return llm
 
 
@@ -198,54 +199,53 @@ def collect(llm: LLM, run: Run) -> None:
     run.counters = {"prefix_cache_hits": st.prefix_cache_hits, **st.kv_offload}
 
 
-def run_config(name: str, args: argparse.Namespace, convs: list[Conversation], ref: list[list[list[int]]],
-               warm_up: list[int]) -> Run:  # fmt: skip
-    tmp = tempfile.mkdtemp(prefix=f"kv_offload_{name.replace('+', '_')}_", dir=args.tmpdir)
-    spec = None
+def tier_spec(name: str, args: argparse.Namespace, directory: str) -> str | None:
     if name == "host":
-        spec = f"host={args.host_bytes}"
-    elif name == "disk":
-        spec = f"disk={tmp}:{args.disk_bytes}"
-    elif name == "host+disk":
-        spec = f"host={args.small_host_bytes},disk={tmp}:{args.disk_bytes}"
+        return f"host={args.host_bytes}"
+    if name == "disk":
+        return f"disk={directory}:{args.disk_bytes}"
+    if name == "host+disk":
+        return f"host={args.small_host_bytes},disk={directory}:{args.disk_bytes}"
+    return None  # recompute
+
+
+def run_config(name: str, args: argparse.Namespace, convs: list[Conversation], ref: list[list[list[int]]],
+               warm_up: list[list[int]]) -> Run:  # fmt: skip
+    """All turns of every conversation in a fresh engine with configuration `name`."""
     run = Run()
-    try:
-        llm = engine(args, spec, warm_up)
+    with tempfile.TemporaryDirectory(prefix="kv_offload_", dir=args.tmpdir) as tmp:
+        llm = engine(args, tier_spec(name, args, tmp), warm_up)
         try:
             run.block_bytes = llm.engine.executor.kv_cache_specs(BLOCK)[0].block_bytes
             play(llm, convs, range(args.turns), ref, run, args.max_tokens)
             collect(llm, run)
         finally:
             llm.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return run
 
 
 def restart(args: argparse.Namespace, convs: list[Conversation], ref: list[list[list[int]]],
-            warm_up: list[int]) -> tuple[Run, Run]:  # fmt: skip
+            warm_up: list[list[int]]) -> tuple[Run, Run]:  # fmt: skip
     """Turn T in a new engine on the disk directory the first T-1 turns left (warm), and in one on an
     empty directory (cold)."""
     last = range(args.turns - 1, args.turns)
-    warm_dir = tempfile.mkdtemp(prefix="kv_offload_warm_", dir=args.tmpdir)
-    cold_dir = tempfile.mkdtemp(prefix="kv_offload_cold_", dir=args.tmpdir)
     warm, cold = Run(), Run()
-    try:
-        llm = engine(args, f"disk={warm_dir}:{args.disk_bytes}", warm_up)
+    with (
+        tempfile.TemporaryDirectory(prefix="kv_offload_warm_", dir=args.tmpdir) as warm_dir,
+        tempfile.TemporaryDirectory(prefix="kv_offload_cold_", dir=args.tmpdir) as cold_dir,
+    ):
+        llm = engine(args, tier_spec("disk", args, warm_dir), warm_up)
         try:
             play(llm, convs, range(args.turns - 1), ref, Run(), args.max_tokens)
         finally:
-            llm.close()
+            llm.close()  # writes the pool's blocks to the disk tier
         for run, d in ((cold, cold_dir), (warm, warm_dir)):
-            llm = engine(args, f"disk={d}:{args.disk_bytes}", warm_up)
+            llm = engine(args, tier_spec("disk", args, d), warm_up)
             try:
                 play(llm, convs, last, ref, run, args.max_tokens)
                 collect(llm, run)
             finally:
                 llm.close()
-    finally:
-        shutil.rmtree(warm_dir, ignore_errors=True)
-        shutil.rmtree(cold_dir, ignore_errors=True)
     return warm, cold
 
 
@@ -290,7 +290,8 @@ def main() -> None:
     conv_blocks = [-(-n // BLOCK) for n in longest]
     args.max_model_len = max(conv_blocks) * BLOCK
     args.pool_blocks = max(args.pool_blocks or round(1.5 * max(conv_blocks)), max(conv_blocks))
-    warm_up = tok.encode(document(random.Random(-1), tok, 200))
+    # Warm-up prompts as long as a first turn, unrelated to the conversations.
+    warm_up = [tok.encode(document(random.Random(-1 - i), tok, args.context_tokens)) for i in range(2)]
 
     print(f"CPU: {cpu_description()}; load average {os.getloadavg()[0]:.2f}")
     tmp_root = args.tmpdir or tempfile.gettempdir()
