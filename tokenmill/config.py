@@ -74,6 +74,31 @@ class KVOffloadConfig:
 
 
 @dataclass
+class KVTransferConfig:
+    """Disaggregated prefill and decode (engine/pd_connector.py): a prefill worker keeps a finished
+    prompt's blocks and serves them; a decode worker reads them instead of computing the prompt."""
+
+    kv_role: str | None = setting(
+        None, help='"prefill", "decode" or "both" (serves and reads); unset: no KV transfer'
+    )
+    kv_transfer_host: str = setting("127.0.0.1", help="address the KV transfer server listens on")
+    kv_transfer_port: int = setting(0, help="its port (0: any free one)")
+    kv_transfer_shm: bool = setting(
+        True, help="share the KV cache through /dev/shm, so readers on this host copy blocks directly"
+    )
+    kv_transfer_timeout_s: float = setting(10.0, help="a read slower than this is given up (recomputed)")
+    kv_hold_timeout_s: float = setting(60.0, help="how long a prefill worker keeps blocks nobody reads")
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in (None, "prefill", "decode", "both"):
+            raise ValueError(f'kv_role must be "prefill", "decode" or "both", got {self.kv_role!r}')
+
+    @property
+    def serves(self) -> bool:
+        return self.kv_role in ("prefill", "both")
+
+
+@dataclass
 class SpeculativeConfig:
     """Speculative decoding: a cheap proposer guesses the next tokens, one target pass verifies them all
     (worker/spec_decode/). Greedy output is unchanged; sampled output keeps the target's distribution."""
@@ -172,3 +197,4 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

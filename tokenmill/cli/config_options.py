@@ -22,6 +22,7 @@ from tokenmill.config import (
     EngineConfig,
     KVEventsConfig,
     KVOffloadConfig,
+    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -43,6 +44,7 @@ ENGINE_SECTIONS = [
     Section("Parallelism", ParallelConfig, ("parallel",)),
     Section("KV events", KVEventsConfig, ("kv_events",)),
     Section("KV offload", KVOffloadConfig, ("offload",)),
+    Section("KV transfer (disaggregation)", KVTransferConfig, ("kv_transfer",)),
     Section("Speculative decoding", SpeculativeConfig, ("speculative",)),
 ]
 SERVER_SECTIONS = [

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from tokenmill.cluster.disagg import DisaggSettings, parse_disaggregate
 from tokenmill.cluster.discovery import Discovery, make_discovery
 from tokenmill.cluster.router import RouterEngineClient, RouterSettings, Worker
 from tokenmill.config import EngineConfig
@@ -24,12 +25,30 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
     if n < 0 or (n == 0 and not urls and discovery is None):
         raise ValueError("--workers must be at least 1 (or 0 with --worker-url or --discovery)")
     settings = RouterSettings(f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s)
+    roles: list[str | None] = [None] * max(n, 0)
+    if f.disaggregate:
+        num_p, num_d = parse_disaggregate(f.disaggregate)
+        settings.disagg = DisaggSettings(
+            num_p,
+            num_d,
+            f.disagg_min_prefill_tokens,
+            f.disagg_max_prefill_inflight,
+            f.disagg_prefill_timeout_s,
+        )
+        if n != num_p + num_d or urls or discovery is not None:
+            raise ValueError(
+                f"--disaggregate {f.disaggregate} needs --workers {num_p + num_d} started here "
+                "(no --worker-url or --discovery)"
+            )
+        roles = list(settings.disagg.roles())
     if f.launcher == "ray":
         if urls:
             raise ValueError("--launcher ray starts its own workers: leave out --worker-url")
         from tokenmill.cluster.ray_launcher import RayRouter
 
-        return RayRouter(config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host)
+        return RayRouter(
+            config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host, roles
+        )
     if f.launcher != "local":
         raise ValueError(f"unknown launcher {f.launcher!r}; available: local, ray")
     # --worker-url or --discovery alone: no engine of our own
@@ -38,7 +57,12 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         return MPEngineClient(config.engine)
     if local == 0 and len(urls) == 1 and discovery is None:
         return ZmqEngineClient(urls[0])
-    launchers = [LocalEngineLauncher(worker_config(config.engine, i, local)) for i in range(local)]
+    launchers = [
+        LocalEngineLauncher(
+            with_role(worker_config(config.engine, i, local), roles[i] if i < len(roles) else None)
+        )
+        for i in range(local)
+    ]
     return LaunchingRouter(launchers, urls, settings, discovery, f.discovery_interval_s)
 
 
@@ -48,6 +72,13 @@ def worker_config(engine: EngineConfig, index: int, count: int) -> EngineConfig:
     cores = os.cpu_count() or 1
     threads = engine.num_threads or max(1, cores // count)
     return dataclasses.replace(engine, num_threads=threads, seed=engine.seed + index)
+
+
+def with_role(engine: EngineConfig, role: str | None) -> EngineConfig:
+    """A worker's config with its part in a disaggregated fleet (None: it prefills and decodes alone)."""
+    if role is None:
+        return engine
+    return dataclasses.replace(engine, kv_transfer=dataclasses.replace(engine.kv_transfer, kv_role=role))
 
 
 class LaunchingRouter(RouterEngineClient):

@@ -72,8 +72,11 @@ class RayRouter(RouterEngineClient):
         address: str | None = None,
         cpus_per_worker: float = 1.0,
         host: str | None = None,
+        roles: list[str | None] | None = None,
     ) -> None:
-        """`host`: the address workers listen on (default: their node's IP, as Ray knows it)."""
+        """`host`: the address workers listen on (default: their node's IP, as Ray knows it); `roles`:
+        each worker's part in a disaggregated fleet."""
+        self.roles = roles or [None] * count
         self.engine, self.count, self.ray_address, self.cpus = engine, count, address, cpus_per_worker
         self.host = host
         self.actors: list[Any] = []
@@ -104,6 +107,11 @@ class RayRouter(RouterEngineClient):
             cfg = dataclasses.replace(
                 self.engine, num_threads=self.engine.num_threads or threads, seed=self.engine.seed + i
             )
+            if self.roles[i] is not None:
+                kt = dataclasses.replace(cfg.kv_transfer, kv_role=self.roles[i])
+                if self.host:  # peers on other nodes read blocks from the address the worker listens on
+                    kt = dataclasses.replace(kt, kv_transfer_host=self.host)
+                cfg = dataclasses.replace(cfg, kv_transfer=kt)
             # max_restarts=-1: Ray brings a dead worker back; the router finds its new address.
             self.actors.append(
                 actor_cls.options(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -28,6 +29,7 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenmill.cluster.approx_index import ApproxKVIndex
+from tokenmill.cluster.disagg import DisaggSettings
 from tokenmill.cluster.discovery import Discovery
 from tokenmill.cluster.kv_index import KVIndex
 from tokenmill.cluster.kv_subscriber import KVEventSubscriber
@@ -40,7 +42,7 @@ from tokenmill.engine.client import (
     destroy_context,
     new_context,
 )
-from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats
+from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats, FinishReason
 
 log = logging.getLogger(__name__)
 SUSPECT_AFTER_S = 1.0  # a worker silent this long gets no new requests (a long step may explain it)
@@ -55,6 +57,7 @@ class RouterSettings:
     prefill_weight: float = 1.0
     approx_ttl_s: float = 120.0
     seed: int = 0
+    disagg: DisaggSettings | None = None  # prefill/decode disaggregation (cluster/disagg.py)
 
 
 @dataclass
@@ -119,6 +122,8 @@ class RouterStats:
     request_blocks: int = 0
     retries: int = 0
     worker_losses: int = 0
+    disaggregated: int = 0  # requests whose prompt a prefill worker computed
+    disagg_fallbacks: int = 0  # ... that was tried and failed: the decode worker computed it
 
 
 class _Relay:
@@ -176,6 +181,8 @@ class RouterEngineClient(EngineClient):
         self.info = {}
         self.block_size = 0
         self._where: dict[str, _Relay] = {}
+        # Requests whose prompt a prefill worker is computing -> that prefill's relay (None: not sent yet).
+        self._pd_phase: dict[str, _Relay | None] = {}
         self._siblings: OrderedDict[str, int] = OrderedDict()  # parent request id -> slot (n > 1)
         # Where recent requests went, and the blocks credited there (for logs, tests and debugging).
         self.placements: OrderedDict[str, tuple[int, int]] = OrderedDict()
@@ -235,6 +242,13 @@ class RouterEngineClient(EngineClient):
             ("router_request_blocks", "Prompt blocks routed", st.request_blocks, 0),
             ("router_retries", "Requests sent again after their worker was lost", st.retries, 0),
             ("router_worker_losses", "Times a worker left rotation", st.worker_losses, 0),
+            ("router_disaggregated", "Requests prefilled on a prefill worker", st.disaggregated, 0),
+            (
+                "router_disagg_fallbacks",
+                "Remote prefills that failed (computed locally)",
+                st.disagg_fallbacks,
+                0,
+            ),
             ("router_workers_up", "Workers in rotation", self.num_up, 1),
             ("router_workers_answering", "Workers heard from within the last second", self.num_answering, 1),
             ("router_indexed_blocks", "Distinct KV blocks in the router's index", len(self.index), 1),
@@ -406,8 +420,8 @@ class RouterEngineClient(EngineClient):
             self._hasher = PrefixHasher(self.block_size)
         return self._hasher
 
-    def _pick(self, relay: _Relay, exclude: set[int]) -> tuple[Worker, int]:
-        ups = [w for w in self.workers if w.up and w.slot not in exclude]
+    def _pick(self, relay: _Relay, exclude: set[int], role: str | None = None) -> tuple[Worker, int]:
+        ups = [w for w in self.workers if w.up and w.slot not in exclude and _fits(w, role)]
         # A worker silent for a second gets no new requests; all of them silent: a long step, not death.
         now = time.monotonic()
         answering = [w for w in ups if w.answering(now)] or ups
@@ -415,7 +429,7 @@ class RouterEngineClient(EngineClient):
             raise EngineDeadError("no worker is up")
         req = relay.req
         parent = req.request_id.split("#", 1)[0]
-        if parent != req.request_id and parent in self._siblings:
+        if role != "prefill" and parent != req.request_id and parent in self._siblings:
             slot = self._siblings[parent]
             for w in answering:
                 if w.slot == slot:
@@ -455,7 +469,7 @@ class RouterEngineClient(EngineClient):
                 for w in answering
             ]
             slot = self.picker.pick(cands, blocks, req.routing_key).slot
-        if parent != req.request_id:
+        if role != "prefill" and parent != req.request_id:
             self._siblings[parent] = slot
             if len(self._siblings) > 4096:
                 self._siblings.popitem(last=False)
@@ -465,11 +479,99 @@ class RouterEngineClient(EngineClient):
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
-        self._dispatch(_Relay(self, req, q), set())
+        relay = _Relay(self, req, q)
+        if self.settings.disagg is not None and self._prefill_remotely(relay):
+            self._pd_phase[req.request_id] = None
+            asyncio.get_running_loop().create_task(self._disaggregated(relay))
+        else:
+            self._dispatch(relay, set())
         return q
 
-    def _dispatch(self, relay: _Relay, exclude: set[int]) -> None:
-        w, overlap = self._pick(relay, exclude)
+    def _role(self) -> str | None:
+        """Requests go to decode workers when the fleet is split into prefill and decode workers."""
+        return "decode" if self.settings.disagg is not None else None
+
+    def _prefill_remotely(self, relay: _Relay) -> bool:
+        """Conditional disaggregation: the prompt's uncached part on the best decode worker is long,
+        and some prefill worker has room."""
+        d = self.settings.disagg
+        assert d is not None
+        now = time.monotonic()
+        prefill = [w for w in self.workers if w.up and _fits(w, "prefill")]
+        # An idle worker is heard from once a second: silence alone does not rule it out (as in _pick).
+        prefill = [w for w in prefill if w.answering(now)] or prefill
+        if not any(len(w.active) < d.max_prefill_inflight for w in prefill):
+            return False
+        try:
+            _, overlap = self._pick(relay, set(), "decode")
+        except EngineDeadError:
+            return False
+        uncached = len(relay.req.prompt_token_ids) - overlap * max(self.block_size, 1)
+        return uncached >= d.min_prefill_tokens
+
+    async def _disaggregated(self, relay: _Relay) -> None:
+        """Prefill on a prefill worker (max_tokens 1, blocks kept), then decode on a decode worker that
+        reads those blocks. Any failure on the way leaves the prompt to the decode worker."""
+        d = self.settings.disagg
+        assert d is not None
+        req = relay.req
+        rid = req.request_id
+        if rid not in self._pd_phase:  # aborted before this task ran
+            relay.queue.put_nowait(
+                EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT, arrival_time=req.arrival_time)
+            )
+            return
+        sp = dataclasses.replace(
+            req.sampling_params, n=1, max_tokens=1, min_tokens=0, logprobs=None, structured=None,
+            ignore_eos=True, speculative=False,
+        )  # fmt: skip
+        pre = dataclasses.replace(
+            req, request_id=f"{rid}@prefill", sampling_params=sp, kv_transfer={"do_remote_decode": True}
+        )
+        pq: asyncio.Queue = asyncio.Queue()
+        prelay = _Relay(self, pre, pq)
+        self._pd_phase[rid] = prelay
+        params = None
+        try:
+            self._dispatch(prelay, set(), "prefill")
+            deadline = time.monotonic() + d.prefill_timeout_s
+            while True:
+                item = await asyncio.wait_for(pq.get(), max(deadline - time.monotonic(), 0.001))
+                if isinstance(item, Exception):
+                    raise item
+                if item.finish_reason is not None:
+                    params = item.kv_transfer
+                    break
+        except Exception as e:  # noqa: BLE001 - no prefill worker, it died, or it was too slow
+            log.warning("remote prefill of %s failed (%s): the decode worker computes it", rid, e)
+            self._forward([pre.request_id], finish=False)
+        finally:
+            aborted = rid not in self._pd_phase
+            self._pd_phase.pop(rid, None)
+        if aborted:
+            relay.queue.put_nowait(
+                EngineCoreOutput(
+                    rid,
+                    [],
+                    finish_reason=FinishReason.ABORT,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    arrival_time=req.arrival_time,
+                )  # fmt: skip
+            )
+            return
+        st = self.stats_router
+        if params:
+            st.disaggregated += 1
+            relay.req = dataclasses.replace(req, kv_transfer={"remote": params})
+        else:
+            st.disagg_fallbacks += 1
+        try:
+            self._dispatch(relay, set())
+        except Exception as e:  # noqa: BLE001 - no decode worker: the caller gets the error
+            relay.queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+
+    def _dispatch(self, relay: _Relay, exclude: set[int], role: str | None = None) -> None:
+        w, overlap = self._pick(relay, exclude, role or self._role())
         req = relay.req
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         relay.slot, relay.tries = w.slot, relay.tries + 1
@@ -517,6 +619,11 @@ class RouterEngineClient(EngineClient):
                 (c.finish if finish else c.abort)(ids)
 
     def abort(self, request_ids: list[str]) -> None:
+        prefilling = [rid for rid in request_ids if rid in self._pd_phase]
+        for rid in prefilling:  # its task sees it gone and ends the request
+            prelay = self._pd_phase.pop(rid)
+            if prelay is not None:
+                self._forward([prelay.req.request_id], finish=False)
         self._forward(request_ids, finish=False)
 
     def finish(self, request_ids: list[str]) -> None:
@@ -554,6 +661,17 @@ class RouterEngineClient(EngineClient):
                 await w.client.shutdown()
         if self._ctx is not None:
             destroy_context(self._ctx)
+
+
+def _fits(w: Worker, role: str | None) -> bool:
+    """Whether a worker takes requests of a role: prefill ones need a worker that serves its blocks;
+    decode ones (and all requests of an undivided fleet) go anywhere but to a prefill-only worker."""
+    kv_role = w.info.get("kv_role")
+    if role == "prefill":
+        return kv_role in ("prefill", "both")
+    if role == "decode":
+        return kv_role != "prefill"
+    return True
 
 
 def startup_timeout_rejoin(startup_timeout: float) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.offload_connector import OffloadConnector
+from tokenmill.engine.pd_connector import PDConnector
 from tokenmill.engine.protocol import EngineCoreOutput, EngineStats, TokenLogprobs
 from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.scheduler import Scheduler
@@ -31,11 +32,19 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.offload.kv_offload:
+        if config.offload.kv_offload and config.kv_transfer.kv_role:
+            raise ValueError(
+                "--kv-offload and --kv-role cannot be combined yet (one KV connector per engine)"
+            )
+        if config.offload.kv_offload or config.kv_transfer.kv_role:
             if config.parallel.world_size > 1:
-                raise ValueError("--kv-offload works with one worker per engine for now (no TP/PP)")
+                raise ValueError(
+                    "--kv-offload and --kv-role work with one worker per engine for now (no TP/PP)"
+                )
             if not config.cache.enable_prefix_caching:
-                raise ValueError("--kv-offload needs prefix caching: tiers find blocks by their hashes")
+                raise ValueError(
+                    "--kv-offload and --kv-role need prefix caching: loaded blocks are named by hash"
+                )
         t0 = time.perf_counter()
         self.executor: Executor = make_executor(config)
         try:
@@ -75,6 +84,12 @@ class EngineCore:
         )
         if config.offload.kv_offload:
             self._attach_offload(config, specs[0])
+        if config.kv_transfer.kv_role:
+            self.kv.attach_connector(
+                PDConnector(
+                    cc.block_size, self.executor.kv_transfer_info(), config.kv_transfer.kv_hold_timeout_s
+                )
+            )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
@@ -106,6 +121,8 @@ class EngineCore:
             "load_seconds": self.load_seconds,
             "model": self.config.model,
             "pid": os.getpid(),
+            "kv_role": self.config.kv_transfer.kv_role,
+            "kv_transfer": self.executor.kv_transfer_info(),
         }
 
     @property
@@ -160,8 +177,11 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        if not out.num_scheduled_tokens and out.kv_connector_metadata is None and not self.scheduler.loading:
-            return []
+        sched = self.scheduler
+        if not out.num_scheduled_tokens and out.kv_connector_metadata is None and not sched.loading:
+            if not sched.held:
+                return []
+            time.sleep(0.002)  # only kept blocks to watch for: look for their readers now and then
         try:
             result = self.executor.execute_model(out)
         except WorkerDiedError:
@@ -178,7 +198,9 @@ class EngineCore:
         if result.kv_connector_stats is not None:
             self.kv_connector_worker_stats = result.kv_connector_stats
         if result.kv_loads_done:
-            self.scheduler.finish_loads(result.kv_loads_done)
+            sched.finish_loads(result.kv_loads_done)
+        if result.kv_sends_done:
+            sched.release_held(sched.kv.connector.released(result.kv_sends_done))  # type: ignore[union-attr]
         if not out.num_scheduled_tokens:
             return []
         self.num_steps += 1
@@ -232,6 +254,7 @@ class EngineCore:
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
             new_token_times=times,
+            kv_transfer=req.kv_transfer_out if req.finish_reason is not None else None,
         )
 
     def stats(self) -> EngineStats:

@@ -40,6 +40,24 @@ class KVConnectorScheduler(ABC):
         that outlive the process; None when there are none."""
         return None
 
+    def loaded(self, request_id: str, num_ok: int) -> tuple[int, int]:
+        """A background load ended with `num_ok` good blocks (as the worker counts them): the request's
+        first block loaded, and how many leading blocks from there now hold their content."""
+        raise NotImplementedError
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called as a request finishes, before its blocks are freed: whether to keep them (until
+        `released` or `expired` names it), and what to tell the client of it (plain data)."""
+        return False, None
+
+    def released(self, request_ids: list[str]) -> list[str]:
+        """Readers are done with these kept requests: those whose blocks may now be freed."""
+        return []
+
+    def expired(self, now: float) -> list[str]:
+        """Kept requests whose blocks are freed now although nobody said so."""
+        return []
+
     def take_events(self) -> list[KVEvent]:
         return []
 

@@ -38,6 +38,10 @@ class EngineRequest:
     priority: int = 0  # lower runs sooner (vLLM's convention)
     cache_salt: str | None = None
     routing_key: str | None = None  # keeps a session on one worker (the router's session policy)
+    # Disaggregated serving (engine/pd_connector.py): {"do_remote_decode": True} asks a prefill worker
+    # to keep the prompt's blocks for a decode worker; {"remote": {...}} tells a decode worker where to
+    # read them. Plain data, as vLLM's kv_transfer_params.
+    kv_transfer: dict[str, Any] | None = None
 
 
 @dataclass
@@ -55,6 +59,8 @@ class EngineCoreOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     new_token_times: list[float] = field(default_factory=list)
+    # A prefill worker's finished request: where its blocks can be read (see EngineRequest.kv_transfer).
+    kv_transfer: dict[str, Any] | None = None
 
 
 @dataclass

@@ -27,6 +27,8 @@ class Request:
         self.arrival_time = req.arrival_time
         self.priority = req.priority
         self.cache_salt = req.cache_salt
+        self.kv_transfer = req.kv_transfer
+        self.kv_transfer_out: dict | None = None  # what a connector says of it when it finishes
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

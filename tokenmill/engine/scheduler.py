@@ -38,6 +38,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Requests waiting for a KV connector's background load, holding their blocks.
         self.loading: dict[str, Request] = {}
+        # Finished requests whose blocks a KV connector keeps for another worker to read.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         # Requests ended since the last step: the workers forget them with the next step.
         self._finished_ids: list[str] = []
@@ -55,12 +57,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests or self.loading)
 
+    def release_held(self, request_ids: list[str]) -> None:
+        """Free the blocks of finished requests a KV connector had kept for a reader."""
+        for rid in request_ids:
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.held:
+            self.release_held(self.kv.connector.expired(time.monotonic()))  # type: ignore[union-attr]
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, _Scheduled] = {}
         urgent_victims = self._make_room_for_urgent()
@@ -319,6 +330,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_time = now or time.monotonic()
+        conn = self.kv.connector
+        if free and conn is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            keep, req.kv_transfer_out = conn.request_finished(req, self.kv.block_ids(req.request_id))
+            if keep:
+                self.held[req.request_id] = req
+                free = False
         if free:
             self.kv.free(req)
         self.requests.pop(req.request_id, None)

@@ -36,6 +36,18 @@ class FleetConfig:
     router_temperature: float = setting(0.0, help="0: the cheapest worker; > 0: softmax over costs")
     router_prefill_weight: float = setting(1.0, help="weight of prefill blocks against decode blocks")
     router_approx_ttl_s: float = setting(120.0, help="kv-approx: how long a routed prompt counts as held")
+    disaggregate: str | None = setting(
+        None, help='split the --workers into prefill and decode workers, e.g. "1P1D" (N prefill, M decode)'
+    )
+    disagg_min_prefill_tokens: int = setting(
+        512, help="uncached prompt tokens from which a prompt is prefilled on a prefill worker"
+    )
+    disagg_max_prefill_inflight: int = setting(
+        4, help="prompts in flight per prefill worker beyond which prompts are prefilled where they decode"
+    )
+    disagg_prefill_timeout_s: float = setting(
+        60.0, help="a remote prefill slower than this is computed locally"
+    )
 
 
 @dataclass

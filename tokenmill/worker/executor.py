@@ -32,6 +32,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def kv_transfer_info(self) -> dict:
+        """Where the workers' KV transfer server listens (empty when none serves)."""
+        return {}
+
     def shutdown(self) -> None:
         return None
 
@@ -55,6 +59,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
+
+    def kv_transfer_info(self) -> dict:
+        return self.worker.kv_transfer_info()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

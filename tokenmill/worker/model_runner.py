@@ -35,6 +35,7 @@ class ModelRunner:
         parallel: ParallelState | None = None,
         speculator: Speculator | None = None,
         grammars: RequestGrammars | None = None,
+        kv_caches: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.block_size = kv_spec.block_size
@@ -46,7 +47,12 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Kept across preemptions, so a seeded request's draws continue where they stopped.
         self.generators: dict[str, torch.Generator] = {}
-        self.kv_caches = torch.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+        # Given when it must live somewhere particular (shared memory that KV transfer peers map).
+        self.kv_caches = (
+            kv_caches
+            if kv_caches is not None
+            else torch.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+        )
         # Both live on the sampling rank only: they act on sampled tokens.
         self.speculator = speculator if self.parallel.samples else None
         self.grammars = grammars if self.parallel.samples else None

@@ -93,3 +93,5 @@ class ModelRunnerOutput:
     # and the worker side's counters since start.
     kv_loads_done: dict[str, int] = field(default_factory=dict)
     kv_connector_stats: dict[str, int] | None = None
+    # Disaggregation: requests whose kept blocks a decode worker has finished reading.
+    kv_sends_done: list[str] = field(default_factory=list)

@@ -22,6 +22,8 @@ from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
 from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
 from tokenmill.worker.kv_spec import KVCacheSpec
+from tokenmill.worker.kv_transfer.pd_worker import PDWorker
+from tokenmill.worker.kv_transfer.transfer_engine import shared_kv_tensor
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
@@ -89,6 +91,12 @@ class Worker:
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        kt = self.config.kv_transfer
+        kv_caches, shm_path = None, None
+        if kt.serves and kt.kv_transfer_shm and self.device.type == "cpu":
+            kv_caches, shm_path = shared_kv_tensor(
+                self.kv_cache_spec(block_size).tensor_shape(num_blocks), self.dtype
+            )
         self.runner = runner = ModelRunner(
             self.model,
             self.kv_cache_spec(block_size),
@@ -102,7 +110,14 @@ class Worker:
             RequestGrammars(
                 self.tokenizer, self.model_config.vocab_size, self.config.speculative.num_speculative_tokens
             ),
+            kv_caches,
         )
+        self.transfer: PDWorker | None = None
+        if kt.kv_role is not None:
+            self.transfer = PDWorker(
+                runner.kv_caches, kt.serves, shm_path, kt.kv_transfer_host, kt.kv_transfer_port,
+                kt.kv_transfer_timeout_s, kt.kv_transfer_shm,
+            )  # fmt: skip
         self.offload: OffloadWorker | None = None
         if self.config.offload.kv_offload:
             spec = self.kv_cache_spec(block_size)
@@ -146,21 +161,28 @@ class Worker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "allocate_kv_cache first"
-        offload = self.offload
-        if offload is not None and out.kv_connector_metadata is not None:
-            offload.apply(out.kv_connector_metadata)  # before the forward pass overwrites any block
+        conn = self.offload or self.transfer
+        if conn is not None and out.kv_connector_metadata is not None:
+            conn.apply(out.kv_connector_metadata)  # before the forward pass overwrites any block
         result = self.runner.execute(out)
-        if offload is not None:
+        if conn is not None:
             # A step with nothing to compute is the engine waiting for loads: wait a little for one.
-            result.kv_loads_done = offload.take_finished_loads(0.005 if not out.num_scheduled_tokens else 0.0)
-            result.kv_connector_stats = offload.counters()
+            result.kv_loads_done = conn.take_finished_loads(0.005 if not out.num_scheduled_tokens else 0.0)
+            result.kv_connector_stats = conn.counters()
+        if self.transfer is not None:
+            result.kv_sends_done = self.transfer.take_finished_sending()
         if self.governor is not None:
             self.governor.tick()
         return result
 
+    def kv_transfer_info(self) -> dict:
+        """Where this worker's KV transfer server listens (empty when it serves none)."""
+        return self.transfer.describe() if getattr(self, "transfer", None) is not None else {}  # type: ignore[union-attr]
+
     def shutdown(self) -> None:
-        if getattr(self, "offload", None) is not None:
-            self.offload.close()  # type: ignore[union-attr]
+        for conn in (getattr(self, "offload", None), getattr(self, "transfer", None)):
+            if conn is not None:
+                conn.close()
 
     def describe(self) -> dict:
         """Plain facts the engine needs from its workers (the same on every rank)."""

@@ -1,0 +1,220 @@
+"""Disaggregated prefill and decode: the transfer engine, two engines handing a prompt's blocks over,
+and a real fleet (one prefill and one decode worker process) behind the router.
+
+The reference is the same model computing the whole request on one engine: greedy float32 tokens must
+be identical whether the decode worker read the blocks through shared memory, over TCP, or had to
+recompute them because the prefill worker was gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.cluster.disagg import DisaggSettings, parse_disaggregate
+from tokenmill.cluster.fleet import LaunchingRouter, with_role, worker_config
+from tokenmill.cluster.router import RouterSettings
+from tokenmill.config import CacheConfig, EngineConfig, KVTransferConfig
+from tokenmill.engine.client import LocalEngineLauncher
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
+from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.kv_transfer.transfer_engine import (
+    TransferClient,
+    TransferError,
+    TransferServer,
+    shared_kv_tensor,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+TEXT = (
+    "Disaggregated serving runs the prompt on one worker and the answer on another. The prefill "
+    "worker computes the keys and values of every prompt token; the decode worker reads them. "
+) * 6
+
+
+# -- the transfer engine ---------------------------------------------------------------------------
+def test_parse_disaggregate() -> None:
+    assert parse_disaggregate("1P1D") == (1, 1)
+    assert parse_disaggregate(" 2p4d ") == (2, 4)
+    assert DisaggSettings(1, 2).roles() == ["prefill", "decode", "decode"]
+    for bad in ("1P", "0P1D", "PD", "1D1P"):
+        with pytest.raises(ValueError, match="NPMD"):
+            parse_disaggregate(bad)
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig(kv_role="middle")
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool) -> None:
+    shape = (3, 2, 10, 4, 2, 8)  # layers, k/v, blocks, tokens, heads, dim
+    src, path = shared_kv_tensor(shape, torch.bfloat16)
+    src.copy_(torch.randn(shape).to(torch.bfloat16))
+    dst = torch.zeros(shape, dtype=torch.bfloat16)
+    server = TransferServer(src, path)
+    client = TransferClient(dst, timeout_s=5, use_shm=use_shm)
+    try:
+        client.read(server.endpoint, [7, 2, 5], [0, 1, 9])
+        assert torch.equal(dst[:, :, 0], src[:, :, 7]) and torch.equal(dst[:, :, 9], src[:, :, 5])
+        assert torch.equal(dst[:, :, 1], src[:, :, 2]) and not dst[:, :, 3].any()
+        by = (client.blocks_by_shm, client.blocks_by_tcp)
+        assert by == ((3, 0) if use_shm and path is not None else (0, 3))
+        client.done(server.endpoint, "req-1")
+        assert server.take_done() == ["req-1"] and server.take_done() == []
+        with pytest.raises(TransferError, match="out of range"):
+            TransferClient(dst, 5, use_shm=False).read(server.endpoint, [99], [0])
+    finally:
+        client.close()
+        server.close()
+    if path is not None:  # the region was never a file in /dev/shm; its descriptor is closed now
+        assert not path.exists() and not list(Path("/dev/shm").glob(f"tokenmill-kv-{os.getpid()}-*"))
+
+
+def test_a_peer_that_does_not_answer_is_an_error_not_a_hang() -> None:
+    kv = torch.zeros((1, 2, 2, 4, 1, 8))
+    server = TransferServer(kv, None)
+    endpoint = server.endpoint
+    server.close()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="did not answer"):
+        TransferClient(kv, timeout_s=0.3).read(endpoint, [0], [1])
+    assert time.monotonic() - t0 < 5
+
+
+# -- two engines in this process ---------------------------------------------------------------------
+def _engine(role: str | None, shm: bool = True, **cache) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64, **cache),
+            kv_transfer=KVTransferConfig(kv_role=role, kv_transfer_shm=shm, kv_transfer_timeout_s=2.0),
+        )
+    )  # fmt: skip
+
+
+def _run(engine: EngineCore, req: EngineRequest, timeout: float = 60) -> EngineCoreOutput:
+    engine.add_request(req)
+    tokens: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "the request did not finish"
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                return dataclasses.replace(out, new_token_ids=tokens)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ref, pre = _engine(None), _engine("prefill")
+    try:
+        yield ref, pre
+    finally:
+        ref.shutdown()
+        pre.shutdown()
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_decode_worker_continues_from_the_prefill_workers_blocks(engines, shm: bool) -> None:
+    ref, pre = engines
+    dec = _engine("decode", shm=shm)
+    try:
+        ids = ref.tokenizer.encode(TEXT)
+        want = _run(ref, EngineRequest(f"ref-{shm}", ids, GREEDY)).new_token_ids
+        one = dataclasses.replace(GREEDY, max_tokens=1)
+        p_out = _run(pre, EngineRequest(f"p-{shm}", ids, one, kv_transfer={"do_remote_decode": True}))
+        params = p_out.kv_transfer
+        assert params is not None and len(params["block_ids"]) == len(ids) // 16
+        assert pre.scheduler.held  # kept for the reader
+        got = _run(dec, EngineRequest(f"d-{shm}", ids, GREEDY, kv_transfer={"remote": params}))
+        assert got.new_token_ids == want
+        assert got.num_cached_tokens == (len(ids) - 1) // 16 * 16  # the prompt came over, not computed
+        kv = dec.stats().kv_offload
+        assert kv["remote_loaded_blocks"] == (len(ids) - 1) // 16
+        assert kv["blocks_read_shm" if shm else "blocks_read_tcp"] == kv["remote_loaded_blocks"]
+        deadline = time.monotonic() + 10
+        while pre.scheduler.held:  # the reader said it is done: the prefill worker lets go
+            assert time.monotonic() < deadline
+            pre.step()
+        assert pre.kv.pool.num_free == pre.kv.pool.num_blocks
+    finally:
+        dec.shutdown()
+
+
+def test_a_lost_prefill_worker_costs_recomputation_not_the_request(engines) -> None:
+    ref, _ = engines
+    dec = _engine("decode")
+    gone = _engine("prefill")
+    try:
+        ids = ref.tokenizer.encode(TEXT + " And once more.")
+        want = _run(ref, EngineRequest("ref-lost", ids, GREEDY)).new_token_ids
+        one = dataclasses.replace(GREEDY, max_tokens=1)
+        params = _run(
+            gone, EngineRequest("p-lost", ids, one, kv_transfer={"do_remote_decode": True})
+        ).kv_transfer
+        gone.shutdown()
+        got = _run(dec, EngineRequest("d-lost", ids, GREEDY, kv_transfer={"remote": params}))
+        assert got.new_token_ids == want
+        assert dec.stats().kv_offload["remote_read_failures"] == 1
+        assert dec.kv.pool.num_free == dec.kv.pool.num_blocks
+    finally:
+        dec.shutdown()
+
+
+def test_held_blocks_are_freed_when_nobody_comes() -> None:
+    pre = EngineCore(
+        EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(num_blocks=64),
+                     kv_transfer=KVTransferConfig(kv_role="prefill", kv_hold_timeout_s=0.2))
+    )  # fmt: skip
+    try:
+        ids = pre.tokenizer.encode(TEXT)
+        one = dataclasses.replace(GREEDY, max_tokens=1)
+        _run(pre, EngineRequest("p", ids, one, kv_transfer={"do_remote_decode": True}))
+        assert pre.kv.pool.num_free < pre.kv.pool.num_blocks
+        time.sleep(0.3)
+        pre.step()
+        assert not pre.scheduler.held and pre.kv.pool.num_free == pre.kv.pool.num_blocks
+        assert pre.stats().kv_offload["hold_timeouts"] == 1
+    finally:
+        pre.shutdown()
+
+
+# -- a real fleet: one prefill and one decode worker process behind the router ---------------------------
+@pytest.mark.slow
+def test_a_1p1d_fleet_serves_long_prompts_disaggregated_and_short_ones_locally() -> None:
+    config = EngineConfig(dtype="float32", max_model_len=512, cache=CacheConfig(kv_cache_memory_gb=0.05))
+    settings = RouterSettings("kv", disagg=DisaggSettings(1, 1, min_prefill_tokens=64))
+
+    async def main() -> None:
+        roles = settings.disagg.roles()  # type: ignore[union-attr]
+        launchers = [LocalEngineLauncher(with_role(worker_config(config, i, 2), roles[i])) for i in range(2)]
+        router = LaunchingRouter(launchers, [], settings)
+        llm = await AsyncLLM.start(config, client=router)
+        ref = EngineCore(config)
+        try:
+            long_ids = llm.tokenizer.encode(TEXT)
+            short_ids = llm.tokenizer.encode("Hello there, how are you?")
+            for rid, ids in (("long", long_ids), ("short", short_ids), ("long-2", long_ids[5:])):
+                last = None
+                async for ro in llm.generate(rid, ids, GREEDY):
+                    last = ro
+                assert last is not None and last.finished
+                want = _run(ref, EngineRequest(f"ref-{rid}", ids, GREEDY)).new_token_ids
+                assert last.outputs[0].token_ids == want, rid
+            st = router.stats_router
+            assert st.disaggregated == 2 and st.disagg_fallbacks == 0
+            decode = next(w for w in router.workers if w.info.get("kv_role") == "decode")
+            assert router.placements["long"][0] == router.placements["short"][0] == decode.slot
+            stats = router.worker_stats()
+            assert stats[decode.name].kv_offload["remote_loaded_blocks"] > 0
+        finally:
+            ref.shutdown()
+            await llm.shutdown()
+
+    asyncio.run(main())

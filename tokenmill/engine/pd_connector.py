@@ -1,0 +1,101 @@
+"""The scheduler's half of disaggregated prefill and decode: the same connector seam as the offload
+tiers, with another worker's pool as the place blocks come from.
+
+A prefill worker gets a request marked `kv_transfer={"do_remote_decode": True}` (and max_tokens 1):
+it computes the prompt and, when the request finishes, keeps its blocks and answers with where they
+can be read (`request_finished`). A decode worker gets the same request with `{"remote": <that
+answer>}`: at admission the prompt's blocks past its own prefix hits are read in the background from
+the prefill worker, and the request goes on with the rest (at least the last prompt token, whose
+logits give the first output token). A failed or slow read ends the run of good blocks where it
+failed: the decode worker recomputes from there, so no request is lost. The prefill worker frees the
+blocks when the reader says it is done, or after `hold_timeout_s` if nobody comes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenmill.engine.block_pool import KVBlock
+from tokenmill.engine.kv_connector import KVConnectorScheduler
+from tokenmill.engine.request import Request
+from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps
+
+
+class PDConnector(KVConnectorScheduler):
+    def __init__(self, block_size: int, transfer_info: dict[str, Any], hold_timeout_s: float = 60.0) -> None:
+        self.block_size = block_size
+        self.transfer_info = transfer_info  # this worker's transfer server (endpoint, shm), if it serves
+        self.hold_timeout_s = hold_timeout_s
+        self.ops = TransferOps()
+        self._loading: dict[str, int] = {}  # request id -> the first block being read
+        self.held: dict[str, float] = {}  # request id -> when its kept blocks are freed regardless
+        self.c = {"remote_load_blocks": 0, "remote_loaded_blocks": 0, "remote_load_failures": 0,
+                  "requests_held": 0, "hold_timeouts": 0}  # fmt: skip
+
+    @staticmethod
+    def _remote(req: Request) -> dict[str, Any] | None:
+        kt = req.kv_transfer
+        return kt.get("remote") if kt else None
+
+    def num_external_blocks(self, req: Request, num_local_blocks: int) -> tuple[int, bool]:
+        remote = self._remote(req)
+        if remote is None:
+            return 0, False
+        limit = min(len(remote.get("block_ids", ())), (req.num_tokens - 1) // self.block_size)
+        n = max(limit - num_local_blocks, 0)
+        if n == 0:  # everything it needs is here already: the prefill worker may let go at once
+            self.ops.releases.append((remote["endpoint"], remote["request_id"]))
+        return n, n > 0
+
+    def after_alloc(self, req: Request, blocks: list[KVBlock], first: int, background: bool) -> None:
+        remote = self._remote(req)
+        assert remote is not None and background
+        ids = list(remote["block_ids"][first : first + len(blocks)])
+        self.ops.loads[req.request_id] = RemoteLoad(
+            remote["endpoint"], remote["request_id"], ids, [b.block_id for b in blocks]
+        )
+        self._loading[req.request_id] = first
+        self.c["remote_load_blocks"] += len(blocks)
+
+    def loaded(self, request_id: str, num_ok: int) -> tuple[int, int]:
+        first = self._loading.pop(request_id)
+        self.c["remote_loaded_blocks"] += num_ok
+        return first, num_ok
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        kt = req.kv_transfer
+        if not kt or not kt.get("do_remote_decode") or not self.transfer_info.get("endpoint"):
+            return False, None
+        # Only full prompt blocks travel: the decode worker computes the partial last block itself.
+        full = min(len(block_ids), req.num_prompt_tokens // self.block_size)
+        self.held[req.request_id] = time.monotonic() + self.hold_timeout_s
+        self.c["requests_held"] += 1
+        return True, {
+            "endpoint": self.transfer_info["endpoint"],
+            "request_id": req.request_id,
+            "block_ids": block_ids[:full],
+            "block_size": self.block_size,
+        }
+
+    def expired(self, now: float) -> list[str]:
+        """Held requests nobody came for in time: their blocks are freed."""
+        out = [rid for rid, t in self.held.items() if t <= now]
+        for rid in out:
+            del self.held[rid]
+        self.c["hold_timeouts"] += len(out)
+        return out
+
+    def released(self, request_ids: list[str]) -> list[str]:
+        """Readers said they are done with these: those that were held."""
+        return [rid for rid in request_ids if self.held.pop(rid, None) is not None]
+
+    def on_evicted(self, block_hash: bytes, block_id: int) -> None:
+        return None  # blocks evicted here are not kept anywhere else
+
+    def build_meta(self) -> TransferOps | None:
+        ops, self.ops = self.ops, TransferOps()
+        return ops or None
+
+    def counters(self) -> dict[str, int]:
+        return {**self.c, "held_now": len(self.held)}

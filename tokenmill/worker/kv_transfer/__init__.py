@@ -1,0 +1,1 @@
+"""Moving KV blocks between workers (disaggregated prefill and decode)."""

@@ -1,0 +1,226 @@
+"""Moving KV blocks between workers, in the shape of NVIDIA's NIXL: a worker registers its KV cache as
+a memory region; a peer reads blocks of it by descriptor (block ids) and says when it is done.
+
+Two ways across, chosen per peer: on one host the region lives in a shared-memory file that the
+reader maps and copies from directly (one memcpy, no socket in the data path); otherwise blocks travel
+over a ZeroMQ socket (TCP between hosts). The control messages (describe, read, done) always go over
+the socket, so a reader on another host needs nothing but the address.
+
+Messages (multipart, plain bytes and msgpack):
+  [b"meta"]                      -> [b"ok", msgpack {shm, shape, dtype, host}]
+  [b"read", msgpack [block ids]] -> [b"ok", the blocks' bytes, in order] | [b"err", message]
+  [b"done", request id]          -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def shared_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Path | None]:
+    """A zeroed tensor in shared memory that other processes on this host can map, and the path they
+    open it by; a private tensor (and None) where there is no /dev/shm or /proc.
+
+    The file is unlinked at once and reached through this process's open descriptor
+    (/proc/PID/fd/N): it cannot outlive the process, however the process ends."""
+    proc_fd = Path(f"/proc/{os.getpid()}/fd")
+    if not SHM_DIR.is_dir() or not os.access(SHM_DIR, os.W_OK) or not proc_fd.is_dir():
+        return torch.zeros(shape, dtype=dtype), None
+    path = SHM_DIR / f"tokenmill-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)  # a sparse file: pages are zero until written
+        t = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+    finally:
+        path.unlink()
+    return t, proc_fd / str(fd)
+
+
+def _blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """[n, layers, k/v, tokens, heads, dim]: the blocks of a [layers, k/v, blocks, ...] cache."""
+    return kv.index_select(2, torch.tensor(ids, dtype=torch.long, device=kv.device)).movedim(2, 0)
+
+
+class TransferServer:
+    """Serves reads of a registered KV cache to peers, on a thread of its own; collects their `done`s."""
+
+    def __init__(
+        self, kv: torch.Tensor, shm_path: Path | None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.kv, self.shm_path = kv, shm_path
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._done: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.blocks_served = 0
+        self._thread = threading.Thread(target=self._loop, name="kv-transfer-server", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> dict:
+        """What a peer needs to read from here (plain data)."""
+        return {
+            "endpoint": self.endpoint,
+            "shm": str(self.shm_path) if self.shm_path else None,
+            "host": socket.gethostname(),
+        }
+
+    def take_done(self) -> list[str]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def _loop(self) -> None:
+        sock = self._sock
+        meta = msgspec.msgpack.encode(
+            {
+                "shm": str(self.shm_path) if self.shm_path else None,
+                "shape": list(self.kv.shape),
+                "dtype": str(self.kv.dtype),
+                "host": socket.gethostname(),
+            }
+        )
+        while not self._stop.is_set():
+            if not sock.poll(100):
+                continue
+            try:
+                ident, *frames = sock.recv_multipart()
+                # A REQ peer puts an empty frame before its message and wants one before the answer.
+                envelope = [ident, b""] if frames and frames[0] == b"" else [ident]
+                reply = self._answer(frames[len(envelope) - 1 :], meta)
+                sock.send_multipart([*envelope, *reply], copy=False)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                log.exception("KV transfer server: socket error")
+            except Exception:  # a bad request costs its sender an error, never the server
+                log.exception("KV transfer server: request failed")
+
+    def _answer(self, frames: list[bytes], meta: bytes) -> list:
+        kind = frames[0] if frames else b""
+        if kind == b"meta":
+            return [b"ok", meta]
+        if kind == b"read" and len(frames) == 2:
+            ids = msgspec.msgpack.decode(frames[1], type=list[int])
+            if any(not 0 <= i < self.kv.shape[2] for i in ids):
+                return [b"err", b"block id out of range"]
+            data = _blocks(self.kv, ids).contiguous().cpu()
+            self.blocks_served += len(ids)
+            return [b"ok", data.view(torch.uint8).numpy()]
+        if kind == b"done" and len(frames) == 2:
+            with self._lock:
+                self._done.append(frames[1].decode())
+            return [b"ok"]
+        return [b"err", b"unknown request"]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.close(0)
+        if self.shm_path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                # Peers' mappings (and ours) stay valid; new peers fall back to TCP.
+                os.close(int(self.shm_path.name))
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class TransferClient:
+    """Reads blocks from peers' TransferServers into a local KV cache. One thread uses it (sockets are
+    not thread-safe); a peer's shared-memory region is mapped once and kept."""
+
+    def __init__(self, kv: torch.Tensor, timeout_s: float = 10.0, use_shm: bool = True) -> None:
+        self.kv, self.timeout_s, self.use_shm = kv, timeout_s, use_shm
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._regions: dict[str, torch.Tensor | None] = {}
+        self.blocks_by_shm = self.blocks_by_tcp = 0
+
+    def _call(self, endpoint: str, *frames: bytes) -> list[bytes]:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._socks[endpoint] = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        sock.send_multipart(list(frames))
+        if not sock.poll(int(self.timeout_s * 1000)):
+            # A REQ socket that missed its answer cannot ask again: drop it (a late answer is lost).
+            sock.close(0)
+            del self._socks[endpoint]
+            raise TransferError(f"{endpoint} did not answer within {self.timeout_s:.0f}s")
+        reply = sock.recv_multipart()
+        if reply[0] != b"ok":
+            raise TransferError(f"{endpoint}: {reply[1].decode(errors='replace') if len(reply) > 1 else '?'}")
+        return reply[1:]
+
+    def _region(self, endpoint: str) -> torch.Tensor | None:
+        """The peer's cache mapped from shared memory, when it is on this host with the same layout."""
+        if endpoint in self._regions:
+            return self._regions[endpoint]
+        region = None
+        if self.use_shm:
+            meta = msgspec.msgpack.decode(self._call(endpoint, b"meta")[0])
+            path, shape, dtype = meta.get("shm"), tuple(meta["shape"]), _DTYPES.get(meta["dtype"])
+            same = dtype == self.kv.dtype and shape[:2] + shape[3:] == self.kv.shape[:2] + self.kv.shape[3:]
+            if path and same and meta.get("host") == socket.gethostname() and os.path.exists(path):
+                numel = 1
+                for n in shape:
+                    numel *= n
+                with contextlib.suppress(RuntimeError, OSError):
+                    region = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+        self._regions[endpoint] = region
+        return region
+
+    def read(self, endpoint: str, remote_ids: list[int], local_ids: list[int]) -> None:
+        """Copy the peer's blocks `remote_ids` into this cache's blocks `local_ids`."""
+        if not remote_ids:
+            return
+        kv = self.kv
+        dst = torch.tensor(local_ids, dtype=torch.long, device=kv.device)
+        region = self._region(endpoint)
+        if region is not None:
+            kv.index_copy_(2, dst, _blocks(region, remote_ids).movedim(0, 2).to(kv.device))
+            self.blocks_by_shm += len(remote_ids)
+            return
+        (data,) = self._call(endpoint, b"read", msgspec.msgpack.encode(remote_ids))
+        shape = (len(remote_ids), *kv.shape[:2], *kv.shape[3:])
+        blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kv.dtype).reshape(shape)
+        kv.index_copy_(2, dst, blocks.movedim(0, 2).to(kv.device))
+        self.blocks_by_tcp += len(remote_ids)
+
+    def done(self, endpoint: str, request_id: str) -> None:
+        self._call(endpoint, b"done", request_id.encode())
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close(0)
+        self._socks.clear()
+        self._regions.clear()
