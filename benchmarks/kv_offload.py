@@ -196,7 +196,7 @@ def engine(args: argparse.Namespace, spec: str | None, warm_up: list[list[int]])
 
 def collect(llm: LLM, run: Run) -> None:
     st = llm.engine.stats()
-    run.counters = {"prefix_cache_hits": st.prefix_cache_hits, **st.kv_offload}
+    run.counters = {"prefix_cache_hits": st.prefix_cache_hits, **st.kv_connector}
 
 
 def tier_spec(name: str, args: argparse.Namespace, directory: str) -> str | None:

@@ -72,3 +72,14 @@ def test_serve_unknown_draft_model_is_one_line_error() -> None:
     assert r.returncode == 2 and "draft model: unknown model" in r.stderr and "Traceback" not in r.stderr
     r = run("worker", "--listen", "tcp://127.0.0.1:1", "--speculative", "draft:")
     assert r.returncode == 2 and "draft:MODEL needs a model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_bad_kv_offload_and_disaggregation_are_one_line_errors() -> None:
+    r = run("serve", "--kv-offload", "disk=/tmp/x", "--port", "1")
+    assert r.returncode == 2 and "disk= needs a size" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--workers", "3", "--disaggregate", "1P1D", "--port", "1")
+    assert r.returncode == 2 and "needs --workers 2" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--workers", "2", "--disaggregate", "PD", "--port", "1")
+    assert r.returncode == 2 and "NPMD" in r.stderr and "Traceback" not in r.stderr
+    r = run("worker", "--listen", "tcp://127.0.0.1:1", "--kv-role", "middle")
+    assert r.returncode == 2 and "kv_role must be" in r.stderr and "Traceback" not in r.stderr

@@ -135,7 +135,7 @@ def test_decode_worker_continues_from_the_prefill_workers_blocks(engines, shm: b
         got = _run(dec, EngineRequest(f"d-{shm}", ids, GREEDY, kv_transfer={"remote": params}))
         assert got.new_token_ids == want
         assert got.num_cached_tokens == (len(ids) - 1) // 16 * 16  # the prompt came over, not computed
-        kv = dec.stats().kv_offload
+        kv = dec.stats().kv_connector
         assert kv["remote_loaded_blocks"] == (len(ids) - 1) // 16
         assert kv["blocks_read_shm" if shm else "blocks_read_tcp"] == kv["remote_loaded_blocks"]
         deadline = time.monotonic() + 10
@@ -161,7 +161,7 @@ def test_a_lost_prefill_worker_costs_recomputation_not_the_request(engines) -> N
         gone.shutdown()
         got = _run(dec, EngineRequest("d-lost", ids, GREEDY, kv_transfer={"remote": params}))
         assert got.new_token_ids == want
-        assert dec.stats().kv_offload["remote_read_failures"] == 1
+        assert dec.stats().kv_connector["remote_read_failures"] == 1
         assert dec.kv.pool.num_free == dec.kv.pool.num_blocks
     finally:
         dec.shutdown()
@@ -180,7 +180,7 @@ def test_held_blocks_are_freed_when_nobody_comes() -> None:
         time.sleep(0.3)
         pre.step()
         assert not pre.scheduler.held and pre.kv.pool.num_free == pre.kv.pool.num_blocks
-        assert pre.stats().kv_offload["hold_timeouts"] == 1
+        assert pre.stats().kv_connector["hold_timeouts"] == 1
     finally:
         pre.shutdown()
 
@@ -212,7 +212,7 @@ def test_a_1p1d_fleet_serves_long_prompts_disaggregated_and_short_ones_locally()
             decode = next(w for w in router.workers if w.info.get("kv_role") == "decode")
             assert router.placements["long"][0] == router.placements["short"][0] == decode.slot
             stats = router.worker_stats()
-            assert stats[decode.name].kv_offload["remote_loaded_blocks"] > 0
+            assert stats[decode.name].kv_connector["remote_loaded_blocks"] > 0
         finally:
             ref.shutdown()
             await llm.shutdown()

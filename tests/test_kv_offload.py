@@ -190,7 +190,7 @@ def test_greedy_output_is_identical_when_blocks_come_back_from_a_tier(
     try:
         for outputs in _rounds(llm):
             assert outputs == reference
-        kv = llm.engine.stats().kv_offload
+        kv = llm.engine.stats().kv_connector
     finally:
         llm.close()
     loaded = {"host": kv["host_loads"], "disk": kv["disk_hits"], "shared": kv["shared_hits"]}
@@ -223,7 +223,7 @@ def test_warm_restart_and_a_damaged_block_is_recomputed(reference: list[list[int
     llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
     try:
         assert _rounds(llm, 1)[0] == reference
-        kv = llm.engine.stats().kv_offload
+        kv = llm.engine.stats().kv_connector
     finally:
         llm.close()
     assert kv["disk_hits"] > 0  # a warm start: the first round already loads from disk
@@ -249,7 +249,7 @@ def test_a_block_of_another_layout_is_never_found(reference: list[list[int]], tm
     llm = LLM(dtype="bfloat16", max_model_len=512, num_blocks=40, kv_offload=f"disk={disk}:100MB")
     try:
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-        assert llm.engine.stats().kv_offload["disk_hits"] == 0
+        assert llm.engine.stats().kv_connector["disk_hits"] == 0
     finally:
         llm.close()
     assert len([d for d in disk.iterdir() if d.is_dir()]) == 2
@@ -260,11 +260,11 @@ def test_salted_requests_never_load_each_others_blocks(tmp_path: Path) -> None:
     try:
         for p in PROMPTS[:4]:
             llm.generate([p], GREEDY, cache_salt="tenant-a", use_tqdm=False)
-        hits = llm.engine.stats().kv_offload["disk_hits"]
+        hits = llm.engine.stats().kv_connector["disk_hits"]
         llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-b", use_tqdm=False)
-        assert llm.engine.stats().kv_offload["disk_hits"] == hits
+        assert llm.engine.stats().kv_connector["disk_hits"] == hits
         llm.generate([PROMPTS[0]], GREEDY, cache_salt="tenant-a", use_tqdm=False)
-        assert llm.engine.stats().kv_offload["disk_hits"] > hits
+        assert llm.engine.stats().kv_connector["disk_hits"] > hits
     finally:
         llm.close()
 
@@ -292,14 +292,15 @@ def test_abort_while_loading_frees_blocks_only_when_the_load_ends(tmp_path: Path
 
 def test_offload_metrics_by_tier() -> None:
     stats = EngineStats(
-        0, 0, 0.0, 40, 0, 0, 0, 0, 0, kv_offload={"host_loads": 5, "disk_hits": 2, "corrupt_blocks": 1}
+        0, 0, 0.0, 40, 0, 0, 0, 0, 0, kv_connector={"host_loads": 5, "disk_hits": 2, "corrupt_blocks": 1}
     )
-    fams = {f.name: f for f in _EngineCollector._offload(["model_name"], [(["m"], stats)])}
+    fams = {f.name: f for f in _EngineCollector._connector(["model_name"], [(["m"], stats)])}
     loaded = {s.labels["tier"]: s.value for s in fams["tokenmill:kv_offload_loaded_blocks"].samples}
     assert loaded == {"host": 5, "disk": 2, "shared": 0}
     assert fams["tokenmill:kv_offload_corrupt_blocks"].samples[0].value == 1
+    assert "tokenmill:kv_transfer_read_blocks" not in fams  # no transfer counters, no transfer families
     assert not list(
-        _EngineCollector._offload(["model_name"], [(["m"], EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0))])
+        _EngineCollector._connector(["model_name"], [(["m"], EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0))])
     )
 
 
@@ -309,3 +310,15 @@ def test_shutdown_leaves_no_stray_files(tmp_path: Path) -> None:
     llm.close()
     assert not list(tmp_path.rglob("*.tmp"))
     shutil.rmtree(tmp_path)
+
+
+def test_a_router_keeps_crediting_a_block_the_pool_evicted_to_host_memory() -> None:
+    from tokenmill.cluster.kv_index import KVIndex
+
+    index = KVIndex()
+    index.apply(0, [BlockStored([11, 12], None, [1] * 8, 4)])
+    # The pool evicts block 12 and the connector saves it to host memory, in one batch, in this order.
+    index.apply(0, [BlockRemoved([12]), BlockStored([12], None, [], 4, medium="CPU")])
+    assert index.overlaps([11, 12], 0b1) == {0: 2}
+    index.apply(0, [BlockRemoved([12], medium="CPU")])  # the host tier let it go too
+    assert index.overlaps([11, 12], 0b1) == {0: 1}

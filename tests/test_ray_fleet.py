@@ -79,3 +79,28 @@ def test_ray_actors_serve_route_and_come_back(local_ray) -> None:
             await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_ray_actors_as_a_prefill_and_a_decode_worker(local_ray) -> None:
+    from tokenmill.cluster.disagg import DisaggSettings
+
+    disagg = DisaggSettings(1, 1, min_prefill_tokens=64)
+    settings = RouterSettings("kv", disagg=disagg)
+
+    async def main() -> None:
+        router = RayRouter(CONFIG, 2, settings, cpus_per_worker=1.0, host="127.0.0.1", roles=disagg.roles())
+        llm = await AsyncLLM.start(CONFIG, client=router)
+        try:
+            assert sorted(w.info.get("kv_role") for w in router.workers) == ["decode", "prefill"]
+            ids = llm.tokenizer.encode(
+                "Ray places a prefill worker and a decode worker; the blocks move. " * 5
+            )
+            await run(llm, "long", ids)
+            assert router.stats_router.disaggregated == 1 and router.stats_router.disagg_fallbacks == 0
+            decode = next(w for w in router.workers if w.info.get("kv_role") == "decode")
+            assert router.placements["long"][0] == decode.slot
+            assert router.worker_stats()[decode.name].kv_connector["remote_loaded_blocks"] > 0
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())

@@ -213,7 +213,7 @@ class RouterEngineClient(EngineClient):
                 sum(col)
                 for col in itertools.zip_longest(*(s.spec_accepted_per_pos for s in got), fillvalue=0)
             ],
-            kv_offload=dict(sum((collections.Counter(s.kv_offload) for s in got), collections.Counter())),
+            kv_connector=dict(sum((collections.Counter(s.kv_connector) for s in got), collections.Counter())),
         )
 
     def set_policy(self, policy: str) -> None:

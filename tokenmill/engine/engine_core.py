@@ -272,10 +272,10 @@ class EngineCore:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
-            kv_offload=self._offload_counters(),
+            kv_connector=self._connector_counters(),
         )
 
-    def _offload_counters(self) -> dict[str, int]:
+    def _connector_counters(self) -> dict[str, int]:
         connector = self.kv.connector
         if connector is None:
             return {}

@@ -80,8 +80,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
-    # KV offload tiers, totals since start (engine/offload_connector.py and the worker's counters).
-    kv_offload: dict[str, int] = field(default_factory=dict)
+    # The KV connector's counters since start (offload tiers or KV transfer: the scheduler's side and the
+    # worker's), empty without one.
+    kv_connector: dict[str, int] = field(default_factory=dict)
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------

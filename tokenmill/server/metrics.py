@@ -102,36 +102,40 @@ class _EngineCollector(Collector):
     def __init__(self, client: EngineClient, metrics: Metrics) -> None:
         self.client, self.metrics = client, metrics
 
-    # (metric, help, {tier label: counter key}) for the KV offload tiers; absent when no tier is set.
-    _OFFLOAD = (
+    # The KV connector's families: (metric, help, kind, label name or None, {label value: counter key}).
+    # A family appears only when some worker reports one of its counters (offload tiers or KV transfer).
+    _CONNECTOR = (
         ("tokenmill:kv_offload_loaded_blocks", "KV blocks loaded into the pool, by the tier they came from",
-         {"host": "host_loads", "disk": "disk_hits", "shared": "shared_hits"}),
+         "counter", "tier", {"host": "host_loads", "disk": "disk_hits", "shared": "shared_hits"}),
         ("tokenmill:kv_offload_saved_blocks", "KV blocks written to a tier (file: disk, else shared)",
-         {"host": "host_saved_blocks", "file": "file_writes"}),
+         "counter", "tier", {"host": "host_saved_blocks", "file": "file_writes"}),
+        ("tokenmill:kv_offload_corrupt_blocks", "Offloaded KV blocks found damaged or stale (recomputed)",
+         "counter", None, {"": "corrupt_blocks"}),
+        ("tokenmill:kv_offload_load_failures", "Background loads cut short by a missing or bad block",
+         "counter", None, {"": "file_load_failures"}),
+        ("tokenmill:kv_offload_host_blocks", "KV blocks held in the host tier", "gauge", None,
+         {"": "host_blocks"}),
+        ("tokenmill:kv_transfer_read_blocks", "KV blocks read from prefill workers, by how they came",
+         "counter", "path", {"shm": "blocks_read_shm", "tcp": "blocks_read_tcp"}),
+        ("tokenmill:kv_transfer_read_failures", "Reads from prefill workers that failed (recomputed)",
+         "counter", None, {"": "remote_read_failures"}),
+        ("tokenmill:kv_transfer_served_blocks", "KV blocks this worker served to decode workers", "counter",
+         None, {"": "blocks_served"}),
+        ("tokenmill:kv_transfer_held_requests", "Finished prefills whose blocks wait for their reader",
+         "gauge", None, {"": "held_now"}),
     )  # fmt: skip
 
     @staticmethod
-    def _offload(names: list[str], series: list) -> Iterator[Metric]:  # type: ignore[type-arg]
-        stats = [(labels, st.kv_offload) for labels, st in series if st is not None and st.kv_offload]
-        if not stats:
-            return
-        for name, doc, tiers in _EngineCollector._OFFLOAD:
-            c = CounterMetricFamily(name, doc, labels=[*names, "tier"])
+    def _connector(names: list[str], series: list) -> Iterator[Metric]:  # type: ignore[type-arg]
+        stats = [(labels, st.kv_connector) for labels, st in series if st is not None and st.kv_connector]
+        for name, doc, kind, label, keys in _EngineCollector._CONNECTOR:
+            if not any(k in kv for _, kv in stats for k in keys.values()):
+                continue
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            f = cls(name, doc, labels=[*names, label] if label else names)
             for labels, kv in stats:
-                for tier, key in tiers.items():
-                    c.add_metric([*labels, tier], kv.get(key, 0))
-            yield c
-        for name, doc, key, cls in (
-            ("tokenmill:kv_offload_corrupt_blocks", "Offloaded KV blocks found damaged or stale (recomputed)",
-             "corrupt_blocks", CounterMetricFamily),
-            ("tokenmill:kv_offload_load_failures", "Background loads cut short by a missing or bad block",
-             "file_load_failures", CounterMetricFamily),
-            ("tokenmill:kv_offload_host_blocks", "KV blocks held in the host tier", "host_blocks",
-             GaugeMetricFamily),
-        ):  # fmt: skip
-            f = cls(name, doc, labels=names)
-            for labels, kv in stats:
-                f.add_metric(labels, kv.get(key, 0))
+                for value, key in keys.items():
+                    f.add_metric([*labels, value] if label else labels, kv.get(key, 0))
             yield f
 
     def collect(self):
@@ -202,7 +206,7 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(st.spec_accepted_per_pos if st else []):
                 per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
-        yield from self._offload(names, series)
+        yield from self._connector(names, series)
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
             yield from router_metrics(m)

@@ -36,7 +36,13 @@ class OffloadWorker:
         self.block_shape = (kv_caches.shape[0], kv_caches.shape[1], *kv_caches.shape[3:])
         self.block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
         self.host = (
-            torch.empty((num_host_blocks, *self.block_shape), dtype=kv_caches.dtype, device="cpu")
+            # Pinned on a GPU machine, so device <-> host copies run as DMA.
+            torch.empty(
+                (num_host_blocks, *self.block_shape),
+                dtype=kv_caches.dtype,
+                device="cpu",
+                pin_memory=kv_caches.device.type == "cuda",
+            )  # fmt: skip
             if num_host_blocks
             else None
         )
