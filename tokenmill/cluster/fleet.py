@@ -4,6 +4,7 @@ remote worker, or a router over a fleet (workers launched here, attached by addr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -14,9 +15,39 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineClient, LocalEngineLauncher, MPEngineClient, ZmqEngineClient
 from tokenmill.server.config import ServerConfig
 
+log = logging.getLogger(__name__)
+
 
 def engine_client_for(config: ServerConfig) -> EngineClient:
-    urls, n, f = list(config.worker_url), config.workers, config.fleet
+    urls, f = list(config.worker_url), config.fleet
+    n, lo, hi = config.worker_range
+    if f.planner is not None:
+        if f.planner not in ("load", "sla"):
+            raise ValueError(f'--planner must be "load" or "sla", got {f.planner!r}')
+        if f.disaggregate:
+            raise ValueError("--planner does not scale a disaggregated fleet yet: leave out --disaggregate")
+        if urls or f.discovery is not None:
+            raise ValueError("--planner scales workers it starts: leave out --worker-url and --discovery")
+        if f.planner == "sla" and not f.planner_capacity_rps:
+            raise ValueError(
+                "--planner sla needs --planner-capacity-rps (one worker's requests/s within the targets)"
+            )
+        n = max(n, 1)
+        settings = RouterSettings(
+            f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s
+        )
+        if f.launcher == "ray":
+            from tokenmill.cluster.ray_launcher import RayRouter
+
+            return RayRouter(
+                config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host
+            )
+        # A fleet the planner scales is a router even while it has one worker; each worker gets its share
+        # of the cores at the most workers the planner may run.
+        launchers = [LocalEngineLauncher(worker_config(config.engine, i, hi)) for i in range(n)]
+        return LaunchingRouter(launchers, [], settings)
+    if hi != lo:
+        raise ValueError("--workers MIN..MAX needs --planner load|sla")
     discovery = None
     if f.discovery is not None:
         if not f.discovery_target:
@@ -74,6 +105,18 @@ def worker_config(engine: EngineConfig, index: int, count: int) -> EngineConfig:
     return dataclasses.replace(engine, num_threads=threads, seed=engine.seed + index)
 
 
+def _events_beside(launcher: LocalEngineLauncher) -> None:
+    """KV events on ipc:// sockets in the launcher's own folder."""
+    folder = Path(launcher.address.removeprefix("ipc://")).parent
+    ev = dataclasses.replace(
+        launcher.config.kv_events,
+        enable_kv_events=True,
+        kv_events_endpoint=f"ipc://{folder / 'kv-events'}",
+        kv_events_replay_endpoint=f"ipc://{folder / 'kv-replay'}",
+    )
+    launcher.config = dataclasses.replace(launcher.config, kv_events=ev)
+
+
 def with_role(engine: EngineConfig, role: str | None) -> EngineConfig:
     """A worker's config with its part in a disaggregated fleet (None: it prefills and decodes alone)."""
     if role is None:
@@ -93,15 +136,11 @@ class LaunchingRouter(RouterEngineClient):
         discovery_interval_s: float = 5.0,
     ) -> None:
         for launcher in launchers:
-            folder = Path(launcher.address.removeprefix("ipc://")).parent
-            ev = dataclasses.replace(
-                launcher.config.kv_events,
-                enable_kv_events=True,
-                kv_events_endpoint=f"ipc://{folder / 'kv-events'}",
-                kv_events_replay_endpoint=f"ipc://{folder / 'kv-replay'}",
-            )
-            launcher.config = dataclasses.replace(launcher.config, kv_events=ev)
+            _events_beside(launcher)
         self.launchers = {launcher.address: launcher for launcher in launchers}
+        # New workers (the planner's) are started like the first one.
+        self.template = launchers[0].config if launchers else None
+        self._launched = len(launchers)
         self.restarts = 0
         names = [f"local-{i}" for i in range(len(launchers))] + list(urls)
         super().__init__(
@@ -125,6 +164,34 @@ class LaunchingRouter(RouterEngineClient):
             launcher.start()
             self.restarts += 1
         return ZmqEngineClient(w.url, timeout, self.heartbeat_timeout, launcher=launcher)
+
+    async def add_worker(self) -> Worker:
+        """Launch one more local worker; it serves once it has loaded and joined."""
+        if self.template is None:
+            raise RuntimeError("this fleet launched no workers here: it cannot start more")
+        launcher = LocalEngineLauncher(
+            dataclasses.replace(self.template, seed=self.template.seed + self._launched)
+        )
+        _events_beside(launcher)
+        launcher.start()
+        self.launchers[launcher.address] = launcher
+        free = next((w.slot for w in self.workers if w.retired), len(self.workers))
+        w = Worker(free, launcher.address, f"local-{self._launched}")
+        self._launched += 1
+        if free == len(self.workers):
+            self.workers.append(w)
+        else:
+            self.workers[free] = w
+        log.info("planner: launched worker %s (slot %d)", w.name, w.slot)
+        return w
+
+    async def remove_worker(self, w: Worker, drain_timeout_s: float = 600.0) -> None:
+        """Drain a worker, then stop its process (a worker attached by address is only dropped)."""
+        await self.drain(w, drain_timeout_s)
+        launcher = self.launchers.pop(w.url, None)
+        if launcher is not None:
+            await launcher.stop(30.0)  # its engine writes its KV to any offload file tiers as it stops
+        log.info("planner: removed worker %s", w.name)
 
     async def shutdown(self) -> None:
         await super().shutdown()

@@ -101,23 +101,42 @@ class RayRouter(RouterEngineClient):
                 ignore_reinit_error=True,
             )
             self._started_ray = True
-        threads = max(1, int(self.cpus))
-        actor_cls = ray.remote(EngineActor)
         for i in range(self.count):
-            cfg = dataclasses.replace(
-                self.engine, num_threads=self.engine.num_threads or threads, seed=self.engine.seed + i
-            )
-            if self.roles[i] is not None:
-                kt = dataclasses.replace(cfg.kv_transfer, kv_role=self.roles[i])
-                if self.host:  # peers on other nodes read blocks from the address the worker listens on
-                    kt = dataclasses.replace(kt, kv_transfer_host=self.host)
-                cfg = dataclasses.replace(cfg, kv_transfer=kt)
-            # max_restarts=-1: Ray brings a dead worker back; the router finds its new address.
-            self.actors.append(
-                actor_cls.options(
-                    name=f"tokenmill-worker-{i}-{os.getpid()}", num_cpus=self.cpus, max_restarts=-1
-                ).remote(cfg, self.host)
-            )
+            self.actors.append(self._actor(i))
+
+    def _actor(self, i: int) -> Any:  # noqa: ANN401 - a Ray actor handle
+        import ray
+
+        threads = max(1, int(self.cpus))
+        cfg = dataclasses.replace(
+            self.engine, num_threads=self.engine.num_threads or threads, seed=self.engine.seed + i
+        )
+        if i < len(self.roles) and self.roles[i] is not None:
+            kt = dataclasses.replace(cfg.kv_transfer, kv_role=self.roles[i])
+            if self.host:  # peers on other nodes read blocks from the address the worker listens on
+                kt = dataclasses.replace(kt, kv_transfer_host=self.host)
+            cfg = dataclasses.replace(cfg, kv_transfer=kt)
+        # max_restarts=-1: Ray brings a dead worker back; the router finds its new address.
+        return (
+            ray.remote(EngineActor)
+            .options(name=f"tokenmill-worker-{i}-{os.getpid()}", num_cpus=self.cpus, max_restarts=-1)
+            .remote(cfg, self.host)
+        )
+
+    async def add_worker(self) -> Worker:
+        """One more worker actor (the planner's); Ray places it where a CPU is free."""
+        i = len(self.actors)
+        self.actors.append(await asyncio.to_thread(self._actor, i))
+        w = Worker(i, f"ray://ray-{i}", f"ray-{i}")
+        self.workers.append(w)  # slots stay the actors' indexes: never reused
+        return w
+
+    async def remove_worker(self, w: Worker, drain_timeout_s: float = 600.0) -> None:
+        """Drain a worker, then end its actor."""
+        import ray
+
+        await self.drain(w, drain_timeout_s)
+        ray.kill(self.actors[w.slot], no_restart=True)
 
     async def _resolve(self, w: Worker) -> None:
         import ray

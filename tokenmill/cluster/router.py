@@ -82,6 +82,8 @@ class Worker:
     joins: int = 0
     discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
     retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
+    draining: bool = False  # gets no new requests: it finishes what it has, then leaves (the planner)
+    launched_at: float = field(default_factory=time.monotonic)
     # Running sums over `active` (kept, not recomputed: a decision must not cost O(requests)).
     prefill_blocks: int = 0  # uncached prompt blocks of requests without a token yet
     decode_blocks: int = 0  # blocks of requests that are generating
@@ -181,6 +183,8 @@ class RouterEngineClient(EngineClient):
         self.info = {}
         self.block_size = 0
         self._where: dict[str, _Relay] = {}
+        # (time, prompt tokens) of recent requests: the arrival rate the planner forecasts from.
+        self.arrivals: collections.deque[tuple[float, int]] = collections.deque(maxlen=200_000)
         # Requests whose prompt a prefill worker is computing -> that prefill's relay (None: not sent yet).
         self._pd_phase: dict[str, _Relay | None] = {}
         self._siblings: OrderedDict[str, int] = OrderedDict()  # parent request id -> slot (n > 1)
@@ -224,6 +228,33 @@ class RouterEngineClient(EngineClient):
             policy, self.settings.temperature, self.settings.prefill_weight, self.settings.seed
         )
         self.settings.policy = policy
+
+    # -- scaling (the planner) ------------------------------------------------------------------------
+    def fleet_counts(self) -> tuple[int, int, int]:
+        """Workers (serving, starting, draining): those that take requests, those launched that do not
+        yet, and those finishing their requests before they stop."""
+        live = [w for w in self.workers if not w.retired]
+        serving = sum(1 for w in live if w.up and not w.draining)
+        starting = sum(1 for w in live if not w.up and not w.draining)
+        return serving, starting, sum(1 for w in live if w.draining)
+
+    async def drain(self, w: Worker, timeout_s: float = 600.0) -> None:
+        """Take a worker out of rotation, let its requests finish (or time out), then drop it."""
+        w.draining = True
+        deadline = time.monotonic() + timeout_s
+        while w.active and w.up and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if w.active:
+            log.warning(
+                "worker %s still had %d requests after draining %.0fs", w.name, len(w.active), timeout_s
+            )
+        w.retired = True
+        if w.up:
+            await self._leave(w, "drained (scaled down)")
+            self.stats_router.worker_losses -= 1  # a planned departure, not a loss
+        if w.subscriber is not None:
+            await w.subscriber.stop()
+            w.subscriber = None
 
     def worker_stats(self) -> dict[str, EngineStats]:
         return {w.name: w.client.stats for w in self.workers if w.up and w.client and w.client.stats}
@@ -421,7 +452,9 @@ class RouterEngineClient(EngineClient):
         return self._hasher
 
     def _pick(self, relay: _Relay, exclude: set[int], role: str | None = None) -> tuple[Worker, int]:
-        ups = [w for w in self.workers if w.up and w.slot not in exclude and _fits(w, role)]
+        ups = [
+            w for w in self.workers if w.up and not w.draining and w.slot not in exclude and _fits(w, role)
+        ]
         # A worker silent for a second gets no new requests; all of them silent: a long step, not death.
         now = time.monotonic()
         answering = [w for w in ups if w.answering(now)] or ups
@@ -479,6 +512,7 @@ class RouterEngineClient(EngineClient):
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self.arrivals.append((time.monotonic(), len(req.prompt_token_ids)))
         relay = _Relay(self, req, q)
         if self.settings.disagg is not None and self._prefill_remotely(relay):
             self._pd_phase[req.request_id] = None

@@ -45,6 +45,23 @@ class FleetConfig:
     disagg_max_prefill_inflight: int = setting(
         4, help="prompts in flight per prefill worker beyond which prompts are prefilled where they decode"
     )
+    planner: str | None = setting(
+        None,
+        help='scale the workers within --workers MIN..MAX: "load" (queue/compute, waiting, KV use) or "sla"',
+    )
+    planner_interval_s: float = setting(10.0, help="seconds between the planner's decisions")
+    planner_window_s: float = setting(60.0, help="seconds of recent traffic the planner's signals cover")
+    planner_up_cooldown_s: float = setting(30.0, help="after a change, seconds before the next scale-up")
+    planner_down_cooldown_s: float = setting(120.0, help="after a change, seconds before the next scale-down")
+    planner_ttft_target_s: float = setting(1.0, help="sla: TTFT p95 target")
+    planner_itl_target_s: float = setting(0.1, help="sla: inter-token latency p95 target")
+    planner_capacity_rps: float | None = setting(
+        None,
+        help="sla: requests/s one worker serves within the targets (tokenmill bench --goodput-search)",
+    )
+    planner_drain_timeout_s: float = setting(
+        600.0, help="how long a removed worker may take to finish its requests"
+    )
     disagg_prefill_timeout_s: float = setting(
         60.0, help="a remote prefill slower than this is computed locally"
     )
@@ -79,7 +96,23 @@ class ServerConfig:
         default_factory=list,
         help="use the engine a `tokenmill worker` serves at this tcp:// address (repeat for a fleet)",
     )
-    workers: int = setting(1, help="engine workers to start here, behind the router (cores divided)")
+    workers: str = setting(
+        "1", help='engine workers to start here, behind the router (cores divided); "MIN..MAX" with --planner'
+    )
+
+    @property
+    def worker_range(self) -> tuple[int, int, int]:
+        """(workers to start, fewest, most) from --workers N or MIN..MAX."""
+        text = str(self.workers).strip()
+        lo, sep, hi = text.partition("..")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--workers takes N or MIN..MAX, got {text!r}") from None
+        if a < 0 or b < a or (sep and a < 1):
+            raise ValueError(f"--workers {text}: need 0 <= N, or 1 <= MIN <= MAX")
+        return a, a, b
+
     fleet: FleetConfig = field(default_factory=FleetConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 

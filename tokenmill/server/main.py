@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -20,6 +21,33 @@ from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig
 
 log = logging.getLogger("tokenmill.server")
+
+
+def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # noqa: ANN401
+    """The planner loop over this server's fleet (--planner load|sla), its metrics on /metrics."""
+    from tokenmill.cluster.planner.connectors import FleetConnector
+    from tokenmill.cluster.planner.loop import PlannerLoop
+    from tokenmill.cluster.planner.policy import Planner, PlannerConfig
+
+    f = config.fleet
+    _, lo, hi = config.worker_range
+    pc = PlannerConfig(
+        mode=f.planner,  # type: ignore[arg-type]
+        min_workers=max(lo, 1),
+        max_workers=max(hi, 1),
+        interval_s=f.planner_interval_s,
+        up_cooldown_s=f.planner_up_cooldown_s,
+        down_cooldown_s=f.planner_down_cooldown_s,
+        ttft_target_s=f.planner_ttft_target_s,
+        itl_target_s=f.planner_itl_target_s,
+    )
+    rps = f.planner_capacity_rps
+    planner = Planner(pc, (lambda isl, osl: rps) if rps else None)
+    connector = FleetConnector(llm.client, f.planner_drain_timeout_s)
+    loop = PlannerLoop(planner, connector, llm.client, metrics, f.planner_window_s, config.model_name)
+    metrics.registry.register(loop)
+    loop.start()
+    return loop
 
 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
@@ -38,6 +66,7 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
             config.model_memory_budget_mb,
         )
     app = build_app(llm, config, repo)
+    planner = start_planner(config, llm, app.state.tm.metrics) if config.fleet.planner else None
     server = _Server(
         uvicorn.Config(
             app,
@@ -73,6 +102,8 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
                 grpc_server = await start_grpc(repo, config.host, config.grpc_port, config.api_key)
         await server.serve()
     finally:
+        if planner is not None:
+            await planner.stop()
         if grpc_server is not None:
             await grpc_server.stop(grace=config.drain_timeout_s)
         if repo is not None:

@@ -28,6 +28,8 @@ class Metrics:
         self.model = model_name
         self.window_s = window_s
         self._recent: deque[tuple[float, float, float]] = deque()  # (finished at, queue s, compute s)
+        # (finished at, output tokens, TTFT s or None, mean inter-token s or None): what the planner reads.
+        self._latencies: deque[tuple[float, int, float | None, float | None]] = deque(maxlen=100_000)
         labels = ["model_name"]
         r = self.registry
         self.success = Counter(
@@ -78,6 +80,10 @@ class Metrics:
             for a, b in zip(m.token_times, m.token_times[1:], strict=False):
                 self.itl.labels(self.model).observe(b - a)
             self._recent.append((now, queue, end - m.first_scheduled_time))
+            ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
+            n = len(o.token_ids)
+            itl = (end - m.first_token_time) / (n - 1) if m.first_token_time is not None and n > 1 else None
+            self._latencies.append((now, n, ttft, itl))
 
     def observe_aborted(self, sequences: int) -> None:
         self.success.labels(self.model, "abort").inc(sequences)
@@ -85,12 +91,32 @@ class Metrics:
     def observe_failure(self, kind: str) -> None:
         self.failure.labels(self.model, kind).inc()
 
-    def queue_to_compute_ratio(self) -> float:
-        cutoff = time.monotonic() - self.window_s
+    def latency_window(self, window_s: float) -> dict[str, float | None]:
+        """Over requests finished in the last `window_s`: mean output tokens and p95 TTFT and ITL (per
+        request: (end - first token) / (tokens - 1)); None where there were none."""
+        cutoff = time.monotonic() - window_s
+        recent = [r for r in self._latencies if r[0] >= cutoff]
+
+        def p95(xs: list[float]) -> float | None:
+            return sorted(xs)[min(int(0.95 * len(xs)), len(xs) - 1)] if xs else None
+
+        return {
+            "finished": len(recent),
+            "mean_osl": sum(r[1] for r in recent) / len(recent) if recent else None,
+            "ttft_p95_s": p95([r[2] for r in recent if r[2] is not None]),
+            "itl_p95_s": p95([r[3] for r in recent if r[3] is not None]),
+        }
+
+    def queue_to_compute_ratio(self, window_s: float | None = None) -> float:
+        """Over requests finished in the last `window_s` (default: the metrics window)."""
+        now = time.monotonic()
+        cutoff = now - self.window_s
         while self._recent and self._recent[0][0] < cutoff:
             self._recent.popleft()
-        compute = sum(c for _, _, c in self._recent)
-        return sum(q for _, q, _ in self._recent) / compute if compute > 0 else 0.0
+        since = now - (window_s if window_s is not None else self.window_s)
+        recent = [(q, c) for t, q, c in self._recent if t >= since]
+        compute = sum(c for _, c in recent)
+        return sum(q for q, _ in recent) / compute if compute > 0 else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from tokenmill.worker.kv_offload.block_store import BlockStore
 from tokenmill.worker.kv_offload.file_store import FileStore
 from tokenmill.worker.kv_offload.ops import OffloadOps
 from tokenmill.worker.kv_offload.tiers import OffloadTiers
@@ -46,12 +47,12 @@ class OffloadWorker:
             if num_host_blocks
             else None
         )
-        self.shared = (
+        self.shared: BlockStore | None = (
             FileStore(tiers.shared_path, namespace, tiers.shared_bytes, name="shared")
             if tiers.shared_path
             else None
         )
-        self.disk = (
+        self.disk: BlockStore | None = (
             FileStore(tiers.disk_path, namespace, tiers.disk_bytes, name="disk", on_evict=self._to_shared)
             if tiers.disk_path
             else None

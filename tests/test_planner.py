@@ -1,0 +1,222 @@
+"""The planner's decisions, by hand: bounds, hysteresis, cool-downs, draining, stale or missing signals,
+the SLA mode's forecast and capacity; the connectors' requests (Kubernetes through a stand-in for the
+official client: no cluster runs here)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tokenmill.cluster.planner.capacity import sizing_capacity
+from tokenmill.cluster.planner.connectors import FleetConnector, KubernetesConnector
+from tokenmill.cluster.planner.forecast import HoltForecaster
+from tokenmill.cluster.planner.policy import Planner, PlannerConfig
+from tokenmill.cluster.planner.signals import FleetSnapshot, WorkerLoad
+from tokenmill.server.config import ServerConfig
+from tokenmill.sizing import arch, hardware
+from tokenmill.sizing.roofline import Deployment
+
+
+def snap(
+    t: float, serving: int, *, qc: float | None = 0.0, waiting: int = 0, kv: float = 0.1, **kw
+) -> FleetSnapshot:
+    loads = [WorkerLoad(1, waiting // max(serving, 1), kv) for _ in range(serving)]
+    return FleetSnapshot(time=t, serving=serving, loads=loads, queue_to_compute=qc, **kw)
+
+
+def load_planner(**kw) -> Planner:
+    base = {"min_workers": 1, "max_workers": 4, "interval_s": 10, "up_cooldown_s": 30, "down_cooldown_s": 60,
+            "up_intervals": 2, "down_intervals": 3}  # fmt: skip
+    return Planner(PlannerConfig(**{**base, **kw}))
+
+
+def test_scales_up_only_after_pressure_persists_and_then_cools_down() -> None:
+    p = load_planner()
+    assert p.decide(snap(0, 1, qc=2.0), 0).target == 1  # one pressured reading is not enough
+    d = p.decide(snap(10, 1, qc=2.0), 10)
+    assert d.target == 2 and "queue/compute" in d.reason
+    # Still pressured, but the new worker is starting: no second worker on top of it.
+    assert p.decide(FleetSnapshot(20, 1, starting=1, queue_to_compute=2.0), 20).target == 2
+    # Up and serving, still pressured: the cool-down holds it until 30 s after the change.
+    assert p.decide(snap(20, 2, qc=2.0), 20).target == 2
+    assert p.decide(snap(30, 2, qc=2.0), 30).target == 2  # pressure count restarted at the change
+    assert p.decide(snap(40, 2, qc=2.0), 40).target == 3
+
+
+def test_a_single_calm_reading_between_pressured_ones_resets_the_count() -> None:
+    p = load_planner()
+    p.decide(snap(0, 1, qc=2.0), 0)
+    p.decide(snap(10, 1, qc=0.1), 10)
+    assert p.decide(snap(20, 1, qc=2.0), 20).target == 1
+    assert p.decide(snap(30, 1, qc=2.0), 30).target == 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [({"waiting": 20}, "waiting per worker"), ({"kv": 0.95}, "KV usage")],
+)
+def test_waiting_requests_and_kv_usage_are_pressure_too(kw: dict, why: str) -> None:
+    p = load_planner(up_intervals=1)
+    d = p.decide(snap(0, 2, **kw), 0)
+    assert d.target == 3 and why in d.reason
+
+
+def test_scales_down_one_at_a_time_when_one_fewer_would_still_be_quiet() -> None:
+    p = load_planner()
+    # KV use 0.3 on 3 workers is 0.45 on 2: under down_kv_usage (0.5), so quiet.
+    for t in (0, 10):
+        assert p.decide(snap(t, 3, kv=0.3), t).target == 3
+    d = p.decide(snap(20, 3, kv=0.3), 20)
+    assert d.target == 2 and "quiet" in d.reason
+    # A worker is draining: nothing more goes until it is gone, and the cool-down runs.
+    assert p.decide(FleetSnapshot(30, 2, draining=1, queue_to_compute=0.0), 30).target == 2
+    for t in (40, 50, 60, 70):
+        assert p.decide(snap(t, 2, kv=0.1), t).target == 2  # 70 < 20 + 60: still cooling
+    assert p.decide(snap(80, 2, kv=0.1), 80).target == 1
+    # At the floor, quiet changes nothing.
+    for t in range(200, 300, 10):
+        assert p.decide(snap(t, 1, kv=0.0), t).target == 1
+
+
+def test_no_scale_down_when_the_rest_would_be_too_full() -> None:
+    p = load_planner(down_intervals=1)
+    assert p.decide(snap(0, 2, kv=0.4), 0).target == 2  # 0.4 on 2 is 0.8 on 1: not quiet
+
+
+def test_bounds_are_kept_whatever_the_signals() -> None:
+    p = load_planner(max_workers=2, up_intervals=1)
+    assert p.decide(snap(0, 2, qc=9.0), 0).target == 2
+    assert load_planner(min_workers=2).decide(snap(0, 1), 0).target == 2  # below the floor: back up at once
+    assert load_planner(max_workers=2).decide(snap(0, 3), 0).target == 2
+    with pytest.raises(ValueError, match="min workers"):
+        PlannerConfig(min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="mode"):
+        PlannerConfig(mode="magic")
+
+
+def test_no_decision_from_stale_or_missing_signals() -> None:
+    p = load_planner(up_intervals=1)
+    d = p.decide(None, 100)
+    assert d.delta == 0 and d.reason == "no signals"
+    d = p.decide(snap(0, 1, qc=9.0), 100)  # 100 s old, the limit is 3 intervals (30 s)
+    assert d.delta == 0 and "old" in d.reason
+    assert p.decide(snap(95, 1, qc=9.0), 100).target == 2
+
+
+def test_sla_mode_provisions_the_forecast_over_capacity_with_headroom() -> None:
+    cfg = PlannerConfig(mode="sla", min_workers=1, max_workers=10, interval_s=10, up_cooldown_s=0,
+                        down_cooldown_s=0, headroom=0.1, startup_s=0, down_intervals=2)  # fmt: skip
+    p = Planner(cfg, capacity=lambda isl, osl: 2.0)  # each worker: 2 requests/s
+    # 6 req/s steady: ceil(6 * 1.1 / 2) = 4.
+    d = p.decide(snap(0, 1, window_s=10, requests=60, mean_isl=100, mean_osl=50), 0)
+    assert d.target == 4
+    # A rising rate: Holt's trend looks ahead of the last reading.
+    p2 = Planner(cfg, capacity=lambda isl, osl: 2.0)
+    serving = 1
+    for t in range(10):  # 1, 2, ..., 10 req/s
+        d = p2.decide(
+            snap(t * 10, serving, window_s=10, requests=10 * (t + 1), mean_isl=100, mean_osl=50), t * 10
+        )
+        serving = d.target
+    assert d.target >= 7  # ceil(10 * 1.1 / 2) = 6 for the last reading; the forecast is ahead of it
+    # Down only after down_intervals readings agree.
+    p3 = Planner(cfg, capacity=lambda isl, osl: 2.0)
+    assert p3.decide(snap(0, 4, window_s=10, requests=10, mean_isl=100, mean_osl=50), 0).target == 4
+    assert p3.decide(snap(10, 4, window_s=10, requests=10, mean_isl=100, mean_osl=50), 10).target == 3
+
+
+def test_sla_mode_believes_measured_latency_over_its_model() -> None:
+    cfg = PlannerConfig(mode="sla", min_workers=1, max_workers=4, interval_s=10, up_cooldown_s=0, startup_s=0)
+    p = Planner(cfg, capacity=lambda isl, osl: 100.0)  # the model says one worker is plenty
+    d = p.decide(snap(0, 1, window_s=10, requests=10, mean_isl=100, mean_osl=50, ttft_p95_s=3.0), 0)
+    assert d.target == 2 and "TTFT" in d.reason
+    with pytest.raises(ValueError, match="capacity"):
+        Planner(PlannerConfig(mode="sla"))
+
+
+def test_holt_forecast_follows_a_ramp() -> None:
+    f = HoltForecaster()
+    for v in (1, 2, 3, 4, 5):
+        f.observe(v)
+    assert 5.5 < f.forecast(1) < 7 and f.forecast(3) > f.forecast(1)
+
+
+def test_sizing_capacity_falls_with_longer_prompts_and_tighter_targets() -> None:
+    d = Deployment(
+        arch.resolve("llama3-8b"),
+        hardware.resolve("h100-sxm"),
+        "fp8",
+        hardware.default_factors("h100-sxm", "fp8"),
+    )
+    loose, tight = sizing_capacity(d, 2.0, 0.1), sizing_capacity(d, 0.2, 0.02)
+    assert loose(500, 200) > loose(4000, 200) > 0
+    assert loose(2000, 200) > tight(2000, 200)
+
+
+def test_worker_ranges() -> None:
+    assert ServerConfig(workers="1..4").worker_range == (1, 1, 4)
+    assert ServerConfig(workers="2").worker_range == (2, 2, 2)
+    for bad in ("4..1", "x", "0..2"):
+        with pytest.raises(ValueError, match="--workers"):
+            _ = ServerConfig(workers=bad).worker_range
+
+
+# -- connectors ----------------------------------------------------------------------------------------
+class FakeApps:
+    """Stands in for kubernetes.client.AppsV1Api: records the calls."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.calls: list[tuple] = []
+
+    def read_namespaced_stateful_set_scale(self, name: str, namespace: str) -> SimpleNamespace:
+        self.calls.append(("read", name, namespace))
+        return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
+
+    def patch_namespaced_stateful_set_scale(self, name: str, namespace: str, body: dict) -> None:
+        self.calls.append(("patch", name, namespace, body))
+        self.replicas = body["spec"]["replicas"]
+
+
+def test_kubernetes_connector_patches_the_scale_subresource() -> None:
+    api = FakeApps(2)
+    k = KubernetesConnector("tokenmill-worker", "llm", api=api)
+    assert k.counts() == (2, 0, 0)
+    asyncio.run(k.scale_to(3))
+    assert api.calls[-1] == ("patch", "tokenmill-worker", "llm", {"spec": {"replicas": 3}})
+    with pytest.raises(ValueError, match="kind"):
+        KubernetesConnector("x", api=api, kind="ReplicaSet")
+
+
+def test_fleet_connector_launches_and_drains_the_least_busy() -> None:
+    class FakeRouter:
+        def __init__(self) -> None:
+            self.workers = [
+                SimpleNamespace(slot=i, retired=False, draining=False, up=True, active={}) for i in range(3)
+            ]
+            self.workers[0].active = {"a": 1, "b": 1}
+            self.workers[2].active = {"c": 1}
+            self.added = 0
+            self.removed: list[int] = []
+
+        def fleet_counts(self) -> tuple[int, int, int]:
+            return sum(1 for w in self.workers if not w.retired), 0, 0
+
+        async def add_worker(self) -> None:
+            self.added += 1
+
+        async def remove_worker(self, w, timeout: float) -> None:  # noqa: ANN001
+            self.removed.append(w.slot)
+
+    async def main() -> None:
+        r = FakeRouter()
+        c = FleetConnector(r)
+        await c.scale_to(5)
+        assert r.added == 2
+        await c.scale_to(2)
+        await asyncio.sleep(0)
+        assert r.removed == [1]  # the idle one
+
+    asyncio.run(main())

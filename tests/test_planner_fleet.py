@@ -1,0 +1,81 @@
+"""The load planner on a real fleet: `tokenmill serve --workers 1..2 --planner load` with real worker
+processes; a burst of requests queues on one worker, the planner starts a second, and once traffic
+stops it drains one away again. No request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+from server_fixture import running_server
+
+pytestmark = pytest.mark.slow
+
+
+def workers(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {
+        m[0]: float(m[1])
+        for m in re.findall(r'tokenmill:planner_workers\{[^}]*state="(\w+)"\} ([\d.]+)', text)
+    }
+
+
+def wait_for(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
+    args = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "1", "--planner-window-s", "5",
+            "--planner-up-cooldown-s", "2", "--planner-down-cooldown-s", "4", "--max-num-seqs", "2",
+            "--planner-drain-timeout-s", "60"]  # fmt: skip
+    with running_server(*args) as proc:
+        base = proc.base_url
+        assert workers(base) == {"serving": 1, "starting": 0, "draining": 0}
+
+        async def burst(seconds: float) -> list[int]:
+            codes: list[int] = []
+            deadline = time.monotonic() + seconds
+
+            async def one(client: httpx.AsyncClient, i: int) -> None:
+                while time.monotonic() < deadline:
+                    prompt = f"Count to twenty, number {i}:"
+                    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+                    r = await client.post(f"{base}/v1/completions", json=body, timeout=120)
+                    codes.append(r.status_code)
+
+            async with httpx.AsyncClient() as client:
+                await asyncio.gather(*(one(client, i) for i in range(12)))
+            return codes
+
+        seen: set[int] = set()
+
+        async def main() -> list[int]:
+            task = asyncio.create_task(burst(40))
+            while not task.done():
+                w = await asyncio.to_thread(workers, base)
+                seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
+                await asyncio.sleep(1)
+            return await task
+
+        codes = asyncio.run(main())
+        assert codes and set(codes) == {200}, f"{len(codes)} requests, codes {set(codes)}"
+        assert 2 in seen, "the planner never added a worker"
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert re.search(r'tokenmill:planner_decisions_total\{[^}]*direction="up"[^}]*\} [1-9]', text)
+        # Quiet now: down to one worker (after the quiet intervals, the cool-down and the drain).
+        wait_for(
+            lambda: workers(base).get("serving") == 1 and workers(base).get("draining") == 0,
+            120,
+            "scale-down",
+        )
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert re.search(r'tokenmill:planner_decisions_total\{[^}]*direction="down"[^}]*\} [1-9]', text)
+        # The fleet still answers after the change.
+        body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
