@@ -104,3 +104,26 @@ def test_ray_actors_as_a_prefill_and_a_decode_worker(local_ray) -> None:
             await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_planners_connector_adds_and_drains_ray_actors(local_ray) -> None:
+    from tokenmill.cluster.planner.connectors import FleetConnector
+
+    async def main() -> None:
+        router = RayRouter(CONFIG, 1, RouterSettings("kv"), cpus_per_worker=1.0, host="127.0.0.1")
+        llm = await AsyncLLM.start(CONFIG, client=router)
+        connector = FleetConnector(router, drain_timeout_s=30)
+        try:
+            assert connector.counts() == (1, 0, 0)
+            await connector.scale_to(2)
+            assert connector.counts()[0] + connector.counts()[1] == 2
+            await until(lambda: connector.counts() == (2, 0, 0), 180)
+            ids = llm.tokenizer.encode("Scaled out on Ray. " * 4)
+            await run(llm, "after-up", ids)
+            await connector.scale_to(1)
+            await until(lambda: connector.counts() == (1, 0, 0), 60)
+            await run(llm, "after-down", ids)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
