@@ -183,6 +183,7 @@ class LaunchingRouter(RouterEngineClient):
         else:
             self.workers[free] = w
         log.info("planner: launched worker %s (slot %d)", w.name, w.slot)
+        self.join_new(w)
         return w
 
     async def remove_worker(self, w: Worker, drain_timeout_s: float = 600.0) -> None:

@@ -129,6 +129,7 @@ class RayRouter(RouterEngineClient):
         self.actors.append(await asyncio.to_thread(self._actor, i))
         w = Worker(i, f"ray://ray-{i}", f"ray-{i}")
         self.workers.append(w)  # slots stay the actors' indexes: never reused
+        self.join_new(w)
         return w
 
     async def remove_worker(self, w: Worker, drain_timeout_s: float = 600.0) -> None:

@@ -183,6 +183,7 @@ class RouterEngineClient(EngineClient):
         self.info = {}
         self.block_size = 0
         self._where: dict[str, _Relay] = {}
+        self._joins: set[asyncio.Task] = set()
         # (time, prompt tokens) of recent requests: the arrival rate the planner forecasts from.
         self.arrivals: collections.deque[tuple[float, int]] = collections.deque(maxlen=200_000)
         # Requests whose prompt a prefill worker is computing -> that prefill's relay (None: not sent yet).
@@ -237,6 +238,13 @@ class RouterEngineClient(EngineClient):
         serving = sum(1 for w in live if w.up and not w.draining)
         starting = sum(1 for w in live if not w.up and not w.draining)
         return serving, starting, sum(1 for w in live if w.draining)
+
+    def join_new(self, w: Worker) -> None:
+        """Join a worker just launched, allowing it the whole start-up time (a rejoin allows 5 s)."""
+        w.joining, w.last_attempt = True, time.monotonic()
+        task = asyncio.get_running_loop().create_task(self._join(w, self.startup_timeout))
+        self._joins.add(task)
+        task.add_done_callback(self._joins.discard)
 
     async def drain(self, w: Worker, timeout_s: float = 600.0) -> None:
         """Take a worker out of rotation, let its requests finish (or time out), then drop it."""
