@@ -220,3 +220,54 @@ def test_fleet_connector_launches_and_drains_the_least_busy() -> None:
         assert r.removed == [1]  # the idle one
 
     asyncio.run(main())
+
+
+def test_signals_from_prometheus_query_api() -> None:
+    """Against a stand-in for Prometheus' /api/v1/query (its documented JSON shape; no Prometheus here)."""
+    import time
+
+    import httpx
+
+    from tokenmill.cluster.planner.prometheus import PrometheusSignals
+
+    now = time.time()
+    series = {
+        "num_requests_running": [("w0", 3), ("w1", 1)],
+        "num_requests_waiting": [("w0", 5), ("w1", 0)],
+        "kv_cache_usage_perc": [("w0", 0.5), ("w1", 0.25)],
+    }
+    scalars = {
+        "request_success_total": 120, "prompt_tokens_total": 120 * 300, "generation_tokens_total": 120 * 50,
+        "queue_to_compute_ratio": 0.8, "time_to_first_token": 0.9, "inter_token_latency": 0.04,
+    }  # fmt: skip
+    queries: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        q = request.url.params["query"]
+        queries.append(q)
+        assert 'model_name="m"' in q
+        result = []
+        for name, rows in series.items():
+            if f"tokenmill:{name}{{" in q and "increase" not in q:
+                result = [{"metric": {"worker": w}, "value": [now - 2, str(v)]} for w, v in rows]
+        for name, v in scalars.items():
+            if name in q:
+                result = [{"metric": {}, "value": [now - 2, str(v)]}]
+        return httpx.Response(
+            200, json={"status": "success", "data": {"resultType": "vector", "result": result}}
+        )
+
+    sig = PrometheusSignals(
+        "http://prom:9090", "m", 60, client=httpx.Client(transport=httpx.MockTransport(answer))
+    )
+    snap = sig.snapshot((2, 1, 0), now=1000.0)
+    assert snap is not None and snap.serving == 2 and snap.starting == 1
+    assert sorted((w.num_running, w.num_waiting) for w in snap.loads) == [(1, 0), (3, 5)]
+    assert snap.requests == 120 and snap.mean_isl == 300 and snap.mean_osl == 50
+    assert snap.queue_to_compute == 0.8 and snap.ttft_p95_s == 0.9 and snap.itl_p95_s == 0.04
+    assert 998 - 0.5 < snap.time < 998 + 0.5  # the samples' age carries over: stale data stays stale
+    assert any("histogram_quantile(0.95" in q and "[60s]" in q for q in queries)
+    # Prometheus with no series for the model: nothing to decide on.
+    empty = PrometheusSignals("http://prom:9090", "m", client=httpx.Client(transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"status": "success", "data": {"result": []}}))))  # fmt: skip
+    assert empty.snapshot((1, 0, 0)) is None

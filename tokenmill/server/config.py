@@ -51,6 +51,9 @@ class FleetConfig:
     )
     planner_interval_s: float = setting(10.0, help="seconds between the planner's decisions")
     planner_window_s: float = setting(60.0, help="seconds of recent traffic the planner's signals cover")
+    planner_prometheus_url: str | None = setting(
+        None, help="read the planner's signals from this Prometheus (which scrapes /metrics) instead"
+    )
     planner_up_cooldown_s: float = setting(30.0, help="after a change, seconds before the next scale-up")
     planner_down_cooldown_s: float = setting(120.0, help="after a change, seconds before the next scale-down")
     planner_ttft_target_s: float = setting(1.0, help="sla: TTFT p95 target")

@@ -44,7 +44,14 @@ def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # 
     rps = f.planner_capacity_rps
     planner = Planner(pc, (lambda isl, osl: rps) if rps else None)
     connector = FleetConnector(llm.client, f.planner_drain_timeout_s)
-    loop = PlannerLoop(planner, connector, llm.client, metrics, f.planner_window_s, config.model_name)
+    prometheus = None
+    if f.planner_prometheus_url:
+        from tokenmill.cluster.planner.prometheus import PrometheusSignals
+
+        prometheus = PrometheusSignals(f.planner_prometheus_url, config.model_name, f.planner_window_s)
+    loop = PlannerLoop(
+        planner, connector, llm.client, metrics, f.planner_window_s, config.model_name, prometheus
+    )
     metrics.registry.register(loop)
     loop.start()
     return loop

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from tokenmill.cluster.planner.connectors import ScaleConnector
 from tokenmill.cluster.planner.policy import Planner
+from tokenmill.cluster.planner.prometheus import PrometheusSignals
 from tokenmill.cluster.planner.signals import FleetSnapshot, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,10 @@ class PlannerLoop(Collector):
         metrics: Any = None,  # noqa: ANN401 - the server's Metrics (finished requests' latencies)
         window_s: float = 60.0,
         model: str = "",
+        prometheus: PrometheusSignals | None = None,  # read the signals from Prometheus instead
     ) -> None:
         self.planner, self.connector, self.router, self.metrics = planner, connector, router, metrics
+        self.prometheus = prometheus
         self.window_s, self.model = window_s, model
         self.target: int | None = None
         self.ups = self.downs = 0
@@ -71,7 +74,15 @@ class PlannerLoop(Collector):
 
     async def tick(self) -> None:
         now = time.monotonic()
-        d = self.planner.decide(self.snapshot(now), now)
+        if self.prometheus is not None:
+            try:
+                snap = await asyncio.to_thread(self.prometheus.snapshot, self.connector.counts(), now)
+            except Exception as e:  # noqa: BLE001 - Prometheus away: no decision this interval
+                log.warning("planner: Prometheus query failed: %s", e)
+                snap = None
+        else:
+            snap = self.snapshot(now)
+        d = self.planner.decide(snap, now)
         self.target = d.target if d.current >= 0 else self.target
         if d.delta and d.current >= 0:
             log.info("planner: %d -> %d workers (%s)", d.current, d.target, d.reason)
