@@ -83,3 +83,12 @@ def test_serve_bad_kv_offload_and_disaggregation_are_one_line_errors() -> None:
     assert r.returncode == 2 and "NPMD" in r.stderr and "Traceback" not in r.stderr
     r = run("worker", "--listen", "tcp://127.0.0.1:1", "--kv-role", "middle")
     assert r.returncode == 2 and "kv_role must be" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_bad_planner_settings_are_one_line_errors() -> None:
+    r = run("serve", "--workers", "1..3", "--port", "1")
+    assert r.returncode == 2 and "needs --planner" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--workers", "1..3", "--planner", "sla", "--port", "1")
+    assert r.returncode == 2 and "--planner-capacity-rps" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--workers", "3..1", "--planner", "load", "--port", "1")
+    assert r.returncode == 2 and "MIN <= MAX" in r.stderr and "Traceback" not in r.stderr
