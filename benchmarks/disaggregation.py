@@ -61,6 +61,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from machine import cpu_description
 
 from tokenmill.bench.client import ClientConfig, OpenAIClient, discover_model
 from tokenmill.bench.records import RequestRecord
@@ -82,19 +83,6 @@ _WORD_LINES = (
 )
 WORDS = [w for line in _WORD_LINES for w in line.split()]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_description() -> str:
-    """The CPU model and whether it has AMX (tokenmill's bf16 matmuls use it), for attributing figures."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    fields = [ln.split(":", 1) for ln in text.splitlines() if ":" in ln]
-    model = next((v.strip() for k, v in fields if k.strip() == "model name"), "?")
-    flags = next((v.split() for k, v in fields if k.strip() == "flags"), [])
-    amx = sorted(f for f in flags if f.startswith("amx"))
-    return f"{model}, {os.cpu_count()} cores, AMX: {' '.join(amx) if amx else 'no'}"
 
 
 def percentile(xs: list[float], q: float) -> float:

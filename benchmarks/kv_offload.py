@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import cpu_description
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import catalog, loader
@@ -54,19 +56,6 @@ ASKS = [
     "List the facts the document gives on",
 ]
 BLOCK = 16
-
-
-def cpu_description() -> str:
-    """The CPU model and whether it has AMX (tokenmill's bf16 matmuls use it), for attributing figures."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    fields = [ln.split(":", 1) for ln in text.splitlines() if ":" in ln]
-    model = next((v.strip() for k, v in fields if k.strip() == "model name"), "?")
-    flags = next((v.split() for k, v in fields if k.strip() == "flags"), [])
-    amx = sorted(f for f in flags if f.startswith("amx"))
-    return f"{model}, {os.cpu_count()} cores, AMX: {' '.join(amx) if amx else 'no'}"
 
 
 def filesystem_of(path: str) -> str:

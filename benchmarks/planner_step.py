@@ -22,14 +22,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from machine import cpu_description  # noqa: E402
 from server_fixture import running_server  # noqa: E402
-
-
-def cpu() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = re.search(r"model name\s*:\s*(.*)", info)
-    amx = "AMX" if " amx_tile" in info else "no AMX"
-    return f"{name.group(1) if name else '?'} ({amx})"
 
 
 def planner_workers(base: str) -> dict[str, float]:
@@ -57,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     phases = [float(x) for x in args.phase_s.split(",")]
     rates = [args.low, args.high, args.low]
-    print(f"CPU: {cpu()}")
+    print(f"CPU: {cpu_description()}")
     serve = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "5",
              "--planner-window-s", "30", "--planner-up-cooldown-s", "20", "--planner-down-cooldown-s", "60",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "1024"]  # fmt: skip
@@ -149,7 +143,9 @@ def main() -> None:
         ax[1].set_ylabel("workers")
         ax[1].set_xlabel("seconds")
         ax[1].legend()
-        fig.suptitle(f"load planner, {args.low} -> {args.high} -> {args.low} req/s ({cpu()})", fontsize=9)
+        fig.suptitle(
+            f"load planner, {args.low} -> {args.high} -> {args.low} req/s ({cpu_description()})", fontsize=9
+        )
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=110)
         print(f"plot: {args.plot}")
