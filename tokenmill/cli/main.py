@@ -13,6 +13,7 @@ from rich.table import Table
 from tokenmill.cli.bench import bench_app
 from tokenmill.cli.common import console, err, fail
 from tokenmill.cli.config_options import ENGINE_SECTIONS, SERVER_SECTIONS, config_command
+from tokenmill.cli.plan import plan_app
 from tokenmill.cli.size import size_app
 from tokenmill.config import EngineConfig
 from tokenmill.server.config import ServerConfig
@@ -23,6 +24,7 @@ models_app = typer.Typer(help="The model catalog.", invoke_without_command=True)
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
 app.add_typer(size_app, name="size")
+app.add_typer(plan_app, name="plan")
 
 
 @models_app.callback()
