@@ -40,10 +40,10 @@ class KVConnectorScheduler(ABC):
         that outlive the process; None when there are none."""
         return None
 
+    @abstractmethod
     def loaded(self, request_id: str, num_ok: int) -> tuple[int, int]:
         """A background load ended with `num_ok` good blocks (as the worker counts them): the request's
         first block loaded, and how many leading blocks from there now hold their content."""
-        raise NotImplementedError
 
     def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called as a request finishes, before its blocks are freed: whether to keep them (until
