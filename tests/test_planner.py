@@ -85,6 +85,16 @@ def test_no_scale_down_when_the_rest_would_be_too_full() -> None:
     assert p.decide(snap(0, 2, kv=0.4), 0).target == 2  # 0.4 on 2 is 0.8 on 1: not quiet
 
 
+def test_a_few_waiting_requests_in_a_large_fleet_are_still_quiet() -> None:
+    # 3 waiting over 7 workers left (one fewer) is under 1 per worker: a busy fleet of 8 still shrinks.
+    p = load_planner(max_workers=8, down_intervals=1)
+    loads = [WorkerLoad(1, 1 if i < 3 else 0, 0.2) for i in range(8)]
+    assert p.decide(FleetSnapshot(0, 8, loads=loads, queue_to_compute=0.0), 0).target == 7
+    # 2 waiting on the one worker that would be left is not quiet.
+    p = load_planner(down_intervals=1)
+    assert p.decide(snap(0, 2, waiting=2, kv=0.1), 0).target == 2
+
+
 def test_bounds_are_kept_whatever_the_signals() -> None:
     p = load_planner(max_workers=2, up_intervals=1)
     assert p.decide(snap(0, 2, qc=9.0), 0).target == 2
@@ -127,6 +137,26 @@ def test_sla_mode_provisions_the_forecast_over_capacity_with_headroom() -> None:
     assert p3.decide(snap(10, 4, window_s=10, requests=10, mean_isl=100, mean_osl=50), 10).target == 3
 
 
+def test_sla_mode_scales_down_only_past_a_band_below_its_scale_up_point() -> None:
+    cfg = PlannerConfig(mode="sla", min_workers=1, max_workers=10, interval_s=10, up_cooldown_s=0,
+                        down_cooldown_s=0, headroom=0.1, down_band=0.1, startup_s=0,
+                        down_intervals=2)  # fmt: skip
+
+    def run(requests: int) -> list[int]:
+        p = Planner(cfg, capacity=lambda isl, osl: 2.0)
+        return [
+            p.decide(snap(t, 4, window_s=10, requests=requests, mean_isl=100, mean_osl=50), t).target
+            for t in (0, 10)
+        ]
+
+    # 5.2 req/s: 3 workers would do with 10% headroom (5.72 <= 6), but not with 20% (6.24): keep 4.
+    assert run(52) == [4, 4]
+    # 4.8 req/s: 3 workers keep 20% headroom (5.76): down once two readings agree.
+    assert run(48) == [4, 3]
+    with pytest.raises(ValueError, match="band"):
+        PlannerConfig(mode="sla", down_band=-0.1)
+
+
 def test_sla_mode_believes_measured_latency_over_its_model() -> None:
     cfg = PlannerConfig(mode="sla", min_workers=1, max_workers=4, interval_s=10, up_cooldown_s=0, startup_s=0)
     p = Planner(cfg, capacity=lambda isl, osl: 100.0)  # the model says one worker is plenty
@@ -153,6 +183,11 @@ def test_sizing_capacity_falls_with_longer_prompts_and_tighter_targets() -> None
     loose, tight = sizing_capacity(d, 2.0, 0.1), sizing_capacity(d, 0.2, 0.02)
     assert loose(500, 200) > loose(4000, 200) > 0
     assert loose(2000, 200) > tight(2000, 200)
+    # Between the 16-token grid points the capacity is interpolated, not rounded: no jump at 200
+    # (halfway between 192 and 208), the grid values at the grid points.
+    assert abs(loose(2000, 199.9) / loose(2000, 200.1) - 1) < 0.002
+    a, b = loose(2000, 192), loose(2000, 208)
+    assert min(a, b) <= loose(2000, 200) <= max(a, b)
 
 
 def test_worker_ranges() -> None:

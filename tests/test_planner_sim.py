@@ -11,14 +11,9 @@ from typer.testing import CliRunner
 
 from tokenmill.cli.main import app
 from tokenmill.cluster.planner import traffic as T
+from tokenmill.cluster.planner.baselines import busiest_window, measure_capacity, static_peak_workers
 from tokenmill.cluster.planner.policy import Planner, PlannerConfig
-from tokenmill.cluster.planner.simulator import (
-    SimConfig,
-    busiest_window,
-    measure_capacity,
-    simulate,
-    static_peak_workers,
-)
+from tokenmill.cluster.planner.simulator import SimConfig, simulate
 from tokenmill.sizing import arch, hardware
 from tokenmill.sizing.roofline import Deployment
 

@@ -68,6 +68,9 @@ def simulate_cmd(
     max_batch_tokens: int = typer.Option(8192, help="tokens per engine step (chunked prefill budget)"),
     max_seqs: int = typer.Option(256, help="running requests per worker"),
     headroom: float = typer.Option(0.1, help="sla: provision this much above the forecast"),
+    down_band: float = typer.Option(
+        0.1, help="sla: scale down only when the rest keep headroom + this above the forecast"
+    ),
     up_queue_ratio: float = typer.Option(0.5, help="load: queue/compute above this is pressure"),
     down_queue_ratio: float = typer.Option(0.05, help="load: queue/compute below this is quiet"),
     up_waiting: float = typer.Option(4.0, help="load: waiting requests per worker above this is pressure"),
@@ -81,9 +84,11 @@ def simulate_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Simulate a day: static provisioning for the peak against the planner (GPU-hours, SLO, decisions)."""
+    from tokenmill.cluster.planner import baselines
     from tokenmill.cluster.planner import simulator as sim
     from tokenmill.cluster.planner import traffic as tr_mod
     from tokenmill.cluster.planner.capacity import sizing_capacity
+    from tokenmill.cluster.planner.day_plot import plot_day
     from tokenmill.cluster.planner.policy import Planner, PlannerConfig
     from tokenmill.sizing.roofline import Deployment
 
@@ -156,7 +161,7 @@ def simulate_cmd(
         # the static search its first guess.
         task = progress.add_task("measuring a worker's capacity", total=None)
         sample = slice(0, min(len(traffic), 50_000))  # lengths are drawn independently of time
-        measured = sim.measure_capacity(
+        measured = baselines.measure_capacity(
             d, cfg, traffic.isl[sample], traffic.osl[sample], slo=static_slo / 100, workers=4
         )
         progress.update(task, total=1, completed=1)
@@ -171,7 +176,7 @@ def simulate_cmd(
             _, rates = traffic.rate(300)
             guess = max(1, math.ceil(rates.max() / measured))
             try:
-                n_static, window_att = sim.static_peak_workers(
+                n_static, window_att = baselines.static_peak_workers(
                     traffic,
                     d,
                     cfg,
@@ -228,6 +233,7 @@ def simulate_cmd(
                     ttft_target_s=ttft_ms / 1e3,
                     itl_target_s=itl_ms / 1e3,
                     headroom=headroom,
+                    down_band=down_band,
                     startup_s=startup_s,
                 )
                 planner = Planner(pc, cap_fn if m == "sla" else None)
@@ -266,7 +272,7 @@ def simulate_cmd(
     }
     if plot is not None:
         try:
-            _plot(traffic, results, plot, f"{a.name} {precision} on {g.name} (TP{tp}): {source}")
+            plot_day(traffic, results, plot, f"{a.name} {precision} on {g.name} (TP{tp}): {source}")
         except OSError as e:
             fail(f"cannot write the plot {plot}: {e.strerror or e}")
         out["plot"] = str(plot)
@@ -351,68 +357,3 @@ def _print(out: dict, rows: list[dict]) -> None:
     if "plot" in out:
         console.print(f"plot: {out['plot']}", highlight=False)
     console.print(f"[dim]simulated in {out['elapsed_s']:.0f} s[/dim]")
-
-
-def _plot(traffic, results: list, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    hours = 3600.0
-    fig, (ax_r, ax_w, ax_a) = plt.subplots(
-        3, 1, figsize=(10, 8.5), sharex=True, gridspec_kw={"height_ratios": [1, 1.4, 0.9]}
-    )
-    centres, rates = traffic.rate(300.0)
-    ax_r.plot(centres / hours, rates, color="0.3", lw=1, label="arrivals (5-min mean)")
-    if traffic.rate_fn is not None:
-        x = np.linspace(0, traffic.duration_s, 2000)
-        ax_r.plot(x / hours, traffic.rate_fn(x), color="tab:red", lw=0.8, alpha=0.6, label="rate")
-    ax_r.set_ylabel("requests/s")
-    ax_r.legend(fontsize=8, loc="upper left")
-    ax_r.grid(alpha=0.3)
-    ax_r.set_title(title, fontsize=9)
-
-    colors = ["0.2", "tab:blue", "tab:orange", "tab:green", "tab:purple"]
-    bin_s = 900.0
-    edges = np.arange(0.0, traffic.duration_s + bin_s, bin_s)
-    which = np.clip(np.searchsorted(edges, traffic.t, side="right") - 1, 0, len(edges) - 2)
-    for i, r in enumerate(results):
-        color = colors[i % len(colors)]
-        tl = r.timeline
-        ts = [p[0] / hours for p in tl]
-        total = [p[1] + p[2] + p[3] for p in tl]  # every launched worker costs GPU time
-        serving = [p[1] for p in tl]
-        label = f"{r.name}: {r.gpu_hours:.0f} GPU-h, {100 * r.attainment:.2f}% SLO"
-        static = not r.decisions and r.decide_calls == 0
-        ax_w.step(ts, total, where="post", color=color, lw=1.3, ls="--" if static else "-", label=label)
-        if r.decisions:
-            ax_w.step(ts, serving, where="post", color=color, lw=0.6, ls=":", alpha=0.8)
-            ups = [(d.time / hours, d.target) for d in r.decisions if d.delta > 0]
-            downs = [(d.time / hours, d.target) for d in r.decisions if d.delta < 0]
-            if ups:
-                ax_w.scatter(*zip(*ups, strict=True), marker="^", s=14, color=color, zorder=3)
-            if downs:
-                ax_w.scatter(*zip(*downs, strict=True), marker="v", s=14, color=color, zorder=3)
-        ok = r.met()
-        hits = np.bincount(which, weights=ok.astype(float), minlength=len(edges) - 1)
-        counts = np.bincount(which, minlength=len(edges) - 1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = 100 * hits / counts
-        ax_a.plot((edges[:-1] + bin_s / 2) / hours, share, color=color, lw=1, label=r.name)
-    ax_w.set_ylabel("workers (launched)")
-    ax_w.legend(
-        fontsize=8, loc="upper left", title="^ v planner decisions; dotted: serving", title_fontsize=7
-    )
-    ax_w.grid(alpha=0.3)
-    ax_a.set_ylabel("SLO met, % (15 min)")
-    ax_a.set_xlabel("hour of the day" if traffic.duration_s >= 6 * hours else "hours")
-    ax_a.grid(alpha=0.3)
-    lo = np.nanmin([np.nanmin(line.get_ydata()) for line in ax_a.get_lines()] + [99.0])
-    ax_a.set_ylim(max(0.0, lo - 1), 100.5)
-    ax_a.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -25,5 +25,21 @@ def sizing_capacity(d: Deployment, ttft_s: float, itl_s: float, max_concurrency:
             c = c * 2 if c < 16 else int(c * 1.25)
         return best
 
-    # Lengths are rounded to 16 tokens: a cache keyed on them stays small.
-    return lambda isl, osl: rps(int(round(isl / 16)) * 16, int(round(osl / 16)) * 16 or 1)
+    def capacity(isl: float, osl: float) -> float:
+        # Evaluated on a 16-token grid (the cache stays small) and interpolated between its points:
+        # rounding instead would make the answer jump by a few percent when a window's mean length
+        # crosses a grid line, and the planner flap between N and N+1 workers with it.
+        gi, go = max(isl, 0.0) / GRID, max(osl, 0.0) / GRID
+        i0, o0 = int(gi), int(go)
+        fi, fo = gi - i0, go - o0
+        at = lambda i, o: rps(i * GRID, max(o * GRID, 1))  # noqa: E731
+        lo = at(i0, o0) * (1 - fi) + at(i0 + 1, o0) * fi if fi else at(i0, o0)
+        if not fo:
+            return lo
+        hi = at(i0, o0 + 1) * (1 - fi) + at(i0 + 1, o0 + 1) * fi if fi else at(i0, o0 + 1)
+        return lo * (1 - fo) + hi * fo
+
+    return capacity
+
+
+GRID = 16  # tokens

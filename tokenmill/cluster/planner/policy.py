@@ -40,6 +40,7 @@ class PlannerConfig:
     up_queue_ratio: float = 0.5  # queue time / compute time above this is pressure
     down_queue_ratio: float = 0.05
     up_waiting_per_worker: float = 4.0
+    down_waiting_per_worker: float = 1.0  # ... what one worker fewer would see
     up_kv_usage: float = 0.9
     down_kv_usage: float = 0.5  # ... what one worker fewer would see
     up_intervals: int = 2
@@ -48,6 +49,7 @@ class PlannerConfig:
     ttft_target_s: float = 1.0
     itl_target_s: float = 0.1
     headroom: float = 0.1  # provision this much above the forecast
+    down_band: float = 0.1  # scale down only when the rest keep headroom + this above the forecast
     startup_s: float = 30.0  # how long a new worker takes to serve: the forecast looks this far ahead
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class PlannerConfig:
             raise ValueError(
                 f"need 1 <= min workers <= max workers, got {self.min_workers}..{self.max_workers}"
             )
+        if self.headroom < 0 or self.down_band < 0:
+            raise ValueError("the headroom and the scale-down band cannot be negative")
         if self.interval_s <= 0:
             raise ValueError("the planner interval must be positive")
         if self.max_signal_age_s is None:
@@ -129,9 +133,16 @@ class Planner:
             pressure.append(f"{waiting:.1f} waiting per worker")
         if kv > c.up_kv_usage:
             pressure.append(f"KV usage {kv:.0%}")
-        one_fewer_kv = kv * snap.serving / (snap.serving - 1) if snap.serving > 1 else math.inf
+        # Quiet means one worker fewer would still be quiet. A busy fleet of many workers nearly always
+        # has some request between arrival and its first step, so "nothing waiting anywhere" would
+        # never hold at scale: the test is per worker, as the up test is.
+        fewer = snap.serving - 1
+        one_fewer_kv = kv * snap.serving / fewer if fewer else math.inf
+        one_fewer_waiting = snap.waiting / fewer if fewer else math.inf
         quiet = (
-            (qc is None or qc < c.down_queue_ratio) and snap.waiting == 0 and one_fewer_kv < c.down_kv_usage
+            (qc is None or qc < c.down_queue_ratio)
+            and one_fewer_waiting < c.down_waiting_per_worker
+            and one_fewer_kv < c.down_kv_usage
         )
         self.up_streak = self.up_streak + 1 if pressure else 0
         self.down_streak = self.down_streak + 1 if quiet and not pressure else 0
@@ -168,6 +179,14 @@ class Planner:
             # The model under-estimates what this traffic costs: the measurement wins.
             return current + 1, f"p95 {' and '.join(late)} over target ({reason})"
         if needed < current:
+            # Hysteresis: a forecast hovering near a multiple of one worker's capacity would otherwise
+            # add and remove a worker every few minutes.
+            needed = (
+                math.ceil(rate * (1 + c.headroom + c.down_band) / per_worker) if per_worker > 0 else needed
+            )
+            if needed >= current:
+                self.down_streak = 0
+                return current, f"{reason}: within the scale-down band"
             self.down_streak += 1
             if self.down_streak < c.down_intervals:
                 return current, f"{reason}: {needed} needed ({self.down_streak}/{c.down_intervals})"
