@@ -92,3 +92,9 @@ def test_serve_bad_planner_settings_are_one_line_errors() -> None:
     assert r.returncode == 2 and "--planner-capacity-rps" in r.stderr and "Traceback" not in r.stderr
     r = run("serve", "--workers", "3..1", "--planner", "load", "--port", "1")
     assert r.returncode == 2 and "MIN <= MAX" in r.stderr and "Traceback" not in r.stderr
+    # A disaggregated fleet: the bounds must allow the pools it starts with; sla needs both capacities.
+    r = run("serve", "--workers", "3..4", "--disaggregate", "1P1D", "--planner", "load", "--port", "1")
+    assert r.returncode == 2 and "must allow them" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--workers", "2..4", "--disaggregate", "1P1D", "--planner", "sla",
+            "--planner-capacity-rps", "1", "--port", "1")  # fmt: skip
+    assert r.returncode == 2 and "--planner-prefill-capacity-rps" in r.stderr and "Traceback" not in r.stderr

@@ -236,7 +236,7 @@ def test_fleet_connector_launches_and_drains_the_least_busy() -> None:
             self.added = 0
             self.removed: list[int] = []
 
-        def fleet_counts(self) -> tuple[int, int, int]:
+        def fleet_counts(self, pool: str | None = None) -> tuple[int, int, int]:
             return sum(1 for w in self.workers if not w.retired), 0, 0
 
         async def add_worker(self) -> None:
@@ -255,6 +255,71 @@ def test_fleet_connector_launches_and_drains_the_least_busy() -> None:
         assert r.removed == [1]  # the idle one
 
     asyncio.run(main())
+
+
+class PoolRouter:
+    """A stand-in for a disaggregated fleet's router: workers with roles and engine stats."""
+
+    def __init__(self, roles: list[str], waiting: list[int]) -> None:
+        self.workers = [self._worker(i, r, n) for i, (r, n) in enumerate(zip(roles, waiting, strict=True))]
+        self.arrivals: list[tuple[float, int]] = []
+        self.added: list[str | None] = []
+        self.removed: list[int] = []
+
+    @staticmethod
+    def _worker(i: int, role: str, waiting: int) -> SimpleNamespace:
+        stats = SimpleNamespace(num_running=1, num_waiting=waiting, kv_cache_usage=0.1)
+        client = SimpleNamespace(last_heard=1e12, stats=stats)
+        return SimpleNamespace(slot=i, role=role, info={}, retired=False, draining=False, up=True, active={},
+                               client=client)  # fmt: skip
+
+    def fleet_counts(self, pool: str | None = None) -> tuple[int, int, int]:
+        from tokenmill.cluster.router import in_pool
+
+        return sum(1 for w in self.workers if not w.retired and in_pool(w, pool)), 0, 0
+
+    async def add_worker(self, role: str | None = None) -> None:
+        self.added.append(role)
+        self.workers.append(self._worker(len(self.workers), role or "both", 0))
+
+    async def remove_worker(self, w, timeout: float) -> None:  # noqa: ANN001
+        self.removed.append(w.slot)
+        w.retired = True
+
+
+def test_a_disaggregated_fleet_is_two_pools_each_scaled_on_its_own_workers() -> None:
+    from tokenmill.cluster.planner.loop import PlannerLoop, Pool
+
+    # Prompts pile up on the one prefill worker; the two decode workers are idle.
+    router = PoolRouter(["prefill", "decode", "decode"], [9, 0, 0])
+
+    def pool(name: str) -> Pool:
+        cfg = PlannerConfig(min_workers=1, max_workers=3, interval_s=1, up_intervals=1, down_intervals=1,
+                            up_cooldown_s=0, down_cooldown_s=0)  # fmt: skip
+        return Pool(name, Planner(cfg), FleetConnector(router, pool=name))
+
+    loop = PlannerLoop([pool("prefill"), pool("decode")], router, window_s=10, max_workers=3)
+    snap = loop.snapshot(0.0, loop.pools[0])
+    assert snap is not None and snap.serving == 1 and snap.waiting == 9
+    assert loop.snapshot(0.0, loop.pools[1]).waiting == 0
+
+    async def tick() -> None:
+        await loop.tick()
+        await asyncio.sleep(0)  # the drain task runs
+
+    # First interval: the fleet is at its bound (3), so the prefill pool's ceiling is 3 - 2 = 1 and it
+    # cannot grow; the idle decode pool gives a worker back (drained: the least busy decode worker).
+    asyncio.run(tick())
+    assert loop.pools[0].planner.config.max_workers == 1
+    assert router.added == [] and router.removed in ([1], [2])
+    # Next interval: the prefill pool grows into what decode left, by a prefill worker.
+    asyncio.run(tick())
+    assert router.added == ["prefill"] and len(router.removed) == 1
+    assert router.fleet_counts("prefill")[0] == 2 and router.fleet_counts("decode")[0] == 1
+    text = "".join(str(m) for m in loop.collect())
+    assert "prefill" in text and "decode" in text
+    with pytest.raises(ValueError, match="one pool"):
+        PlannerLoop([], router)
 
 
 def test_signals_from_prometheus_query_api() -> None:

@@ -1,6 +1,7 @@
 """The load planner on a real fleet: `tokenmill serve --workers 1..2 --planner load` with real worker
 processes; a burst of requests queues on one worker, the planner starts a second, and once traffic
-stops it drains one away again. No request fails."""
+stops it drains one away again. No request fails. The same with a disaggregated fleet (1P1D), whose
+decode pool grows and shrinks on its own."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from server_fixture import running_server
 pytestmark = pytest.mark.slow
 
 
-def workers(base: str) -> dict[str, float]:
+def workers(base: str, pool: str = "all") -> dict[str, float]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     return {
         m[0]: float(m[1])
-        for m in re.findall(r'tokenmill:planner_workers\{[^}]*state="(\w+)"\} ([\d.]+)', text)
+        for m in re.findall(
+            rf'tokenmill:planner_workers\{{[^}}]*pool="{pool}"[^}}]*state="(\w+)"\}} ([\d.]+)', text
+        )
     }
 
 
@@ -30,6 +33,23 @@ def wait_for(cond, timeout: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.5)
 
 
+async def burst(base: str, seconds: float) -> list[int]:
+    """12 clients sending short completions back to back for `seconds`; the status codes."""
+    codes: list[int] = []
+    deadline = time.monotonic() + seconds
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        while time.monotonic() < deadline:
+            prompt = f"Count to twenty, number {i}:"
+            body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+            r = await client.post(f"{base}/v1/completions", json=body, timeout=120)
+            codes.append(r.status_code)
+
+    async with httpx.AsyncClient() as client:
+        await asyncio.gather(*(one(client, i) for i in range(12)))
+    return codes
+
+
 def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
     args = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "1", "--planner-window-s", "5",
             "--planner-up-cooldown-s", "2", "--planner-down-cooldown-s", "4", "--max-num-seqs", "2",
@@ -38,25 +58,10 @@ def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
         base = proc.base_url
         assert workers(base) == {"serving": 1, "starting": 0, "draining": 0}
 
-        async def burst(seconds: float) -> list[int]:
-            codes: list[int] = []
-            deadline = time.monotonic() + seconds
-
-            async def one(client: httpx.AsyncClient, i: int) -> None:
-                while time.monotonic() < deadline:
-                    prompt = f"Count to twenty, number {i}:"
-                    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
-                    r = await client.post(f"{base}/v1/completions", json=body, timeout=120)
-                    codes.append(r.status_code)
-
-            async with httpx.AsyncClient() as client:
-                await asyncio.gather(*(one(client, i) for i in range(12)))
-            return codes
-
         seen: set[int] = set()
 
         async def main() -> list[int]:
-            task = asyncio.create_task(burst(40))
+            task = asyncio.create_task(burst(base, 40))
             while not task.done():
                 w = await asyncio.to_thread(workers, base)
                 seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
@@ -77,5 +82,44 @@ def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
         text = httpx.get(f"{base}/metrics", timeout=10).text
         assert re.search(r'tokenmill:planner_decisions_total\{[^}]*direction="down"[^}]*\} [1-9]', text)
         # The fleet still answers after the change.
+        body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_disaggregated_fleet_grows_the_pool_under_pressure() -> None:
+    """1P1D within 2..3 workers: short prompts are prefilled where they decode, so a burst queues on the
+    decode worker; the decode pool gets a second worker (a decode one), the prefill pool stays, and
+    after the burst the decode pool drains back to one."""
+    args = ["--workers", "2..3", "--disaggregate", "1P1D", "--planner", "load", "--planner-interval-s", "1",
+            "--planner-window-s", "5", "--planner-up-cooldown-s", "2", "--planner-down-cooldown-s", "4",
+            "--max-num-seqs", "2", "--planner-drain-timeout-s", "60"]  # fmt: skip
+    with running_server(*args) as proc:
+        base = proc.base_url
+        assert workers(base, "prefill") == {"serving": 1, "starting": 0, "draining": 0}
+        assert workers(base, "decode") == {"serving": 1, "starting": 0, "draining": 0}
+        seen: set[int] = set()
+
+        async def main() -> list[int]:
+            task = asyncio.create_task(burst(base, 40))
+            while not task.done():
+                w = await asyncio.to_thread(workers, base, "decode")
+                seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
+                await asyncio.sleep(1)
+            return await task
+
+        codes = asyncio.run(main())
+        assert codes and set(codes) == {200}, f"{len(codes)} requests, codes {set(codes)}"
+        assert 2 in seen, "the planner never added a decode worker"
+        assert workers(base, "prefill").get("serving") == 1
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        ups = re.search(r'planner_decisions_total\{direction="up",[^}]*pool="decode"\} ([\d.]+)', text)
+        assert ups and float(ups[1]) >= 1, text
+        wait_for(
+            lambda: (
+                workers(base, "decode").get("serving") == 1 and workers(base, "decode").get("draining") == 0
+            ),
+            120,
+            "the decode pool's scale-down",
+        )
         body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200

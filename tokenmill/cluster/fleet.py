@@ -24,8 +24,6 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
     if f.planner is not None:
         if f.planner not in ("load", "sla"):
             raise ValueError(f'--planner must be "load" or "sla", got {f.planner!r}')
-        if f.disaggregate:
-            raise ValueError("--planner does not scale a disaggregated fleet yet: leave out --disaggregate")
         if urls or f.discovery is not None:
             raise ValueError("--planner scales workers it starts: leave out --worker-url and --discovery")
         if f.planner == "sla" and not f.planner_capacity_rps:
@@ -36,15 +34,35 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         settings = RouterSettings(
             f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s
         )
+        roles: list[str | None] = [None] * n
+        if f.disaggregate:
+            # The planner sizes each pool within the bounds of the whole fleet: it starts as given.
+            settings.disagg = disagg_settings(config)
+            n = settings.disagg.num_workers
+            if not lo <= n <= hi or hi < 2:
+                raise ValueError(
+                    f"--disaggregate {f.disaggregate} starts {n} workers: --workers {lo}..{hi} must "
+                    "allow them (and at least 2: one per pool)"
+                )
+            if f.planner_prometheus_url:
+                raise ValueError("--planner-prometheus-url reads one pool: leave it out with --disaggregate")
+            if f.planner == "sla" and not f.planner_prefill_capacity_rps:
+                raise ValueError(
+                    "--planner sla with --disaggregate needs --planner-prefill-capacity-rps (one prefill "
+                    "worker's requests/s within the TTFT target)"
+                )
+            roles = list(settings.disagg.roles())
         if f.launcher == "ray":
             from tokenmill.cluster.ray_launcher import RayRouter
 
             return RayRouter(
-                config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host
+                config.engine, n, settings, f.ray_address, f.ray_cpus_per_worker, f.ray_worker_host, roles
             )
         # A fleet the planner scales is a router even while it has one worker; each worker gets its share
         # of the cores at the most workers the planner may run.
-        launchers = [LocalEngineLauncher(worker_config(config.engine, i, hi)) for i in range(n)]
+        launchers = [
+            LocalEngineLauncher(with_role(worker_config(config.engine, i, hi), roles[i])) for i in range(n)
+        ]
         return LaunchingRouter(launchers, [], settings)
     if hi != lo:
         raise ValueError("--workers MIN..MAX needs --planner load|sla")
@@ -58,14 +76,8 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
     settings = RouterSettings(f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s)
     roles: list[str | None] = [None] * max(n, 0)
     if f.disaggregate:
-        num_p, num_d = parse_disaggregate(f.disaggregate)
-        settings.disagg = DisaggSettings(
-            num_p,
-            num_d,
-            f.disagg_min_prefill_tokens,
-            f.disagg_max_prefill_inflight,
-            f.disagg_prefill_timeout_s,
-        )
+        settings.disagg = disagg_settings(config)
+        num_p, num_d = settings.disagg.num_prefill, settings.disagg.num_decode
         if n != num_p + num_d or urls or discovery is not None:
             raise ValueError(
                 f"--disaggregate {f.disaggregate} needs --workers {num_p + num_d} started here "
@@ -95,6 +107,14 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         for i in range(local)
     ]
     return LaunchingRouter(launchers, urls, settings, discovery, f.discovery_interval_s)
+
+
+def disagg_settings(config: ServerConfig) -> DisaggSettings:
+    f = config.fleet
+    num_p, num_d = parse_disaggregate(f.disaggregate or "")
+    return DisaggSettings(
+        num_p, num_d, f.disagg_min_prefill_tokens, f.disagg_max_prefill_inflight, f.disagg_prefill_timeout_s
+    )
 
 
 def worker_config(engine: EngineConfig, index: int, count: int) -> EngineConfig:
@@ -150,6 +170,9 @@ class LaunchingRouter(RouterEngineClient):
             discovery=discovery,
             discovery_interval_s=discovery_interval_s,
         )
+        for w in self.workers:
+            if w.url in self.launchers:
+                w.role = self.launchers[w.url].config.kv_transfer.kv_role
 
     async def start(self) -> None:
         for launcher in self.launchers.values():
@@ -165,18 +188,18 @@ class LaunchingRouter(RouterEngineClient):
             self.restarts += 1
         return ZmqEngineClient(w.url, timeout, self.heartbeat_timeout, launcher=launcher)
 
-    async def add_worker(self) -> Worker:
-        """Launch one more local worker; it serves once it has loaded and joined."""
+    async def add_worker(self, role: str | None = None) -> Worker:
+        """Launch one more local worker (of a role, in a disaggregated fleet); it serves once it has
+        loaded and joined."""
         if self.template is None:
             raise RuntimeError("this fleet launched no workers here: it cannot start more")
-        launcher = LocalEngineLauncher(
-            dataclasses.replace(self.template, seed=self.template.seed + self._launched)
-        )
+        config = dataclasses.replace(self.template, seed=self.template.seed + self._launched)
+        launcher = LocalEngineLauncher(with_role(config, role) if role is not None else config)
         _events_beside(launcher)
         launcher.start()
         self.launchers[launcher.address] = launcher
         free = next((w.slot for w in self.workers if w.retired), len(self.workers))
-        w = Worker(free, launcher.address, f"local-{self._launched}")
+        w = Worker(free, launcher.address, f"local-{self._launched}", role=role)
         self._launched += 1
         if free == len(self.workers):
             self.workers.append(w)

@@ -83,6 +83,8 @@ class RayRouter(RouterEngineClient):
         self._started_ray = False
         names = [f"ray-{i}" for i in range(count)]
         super().__init__([f"ray://{n}" for n in names], settings, names=names)
+        for w, role in zip(self.workers, self.roles, strict=False):
+            w.role = role
 
     async def start(self) -> None:
         await asyncio.to_thread(self._launch)
@@ -123,11 +125,14 @@ class RayRouter(RouterEngineClient):
             .remote(cfg, self.host)
         )
 
-    async def add_worker(self) -> Worker:
-        """One more worker actor (the planner's); Ray places it where a CPU is free."""
+    async def add_worker(self, role: str | None = None) -> Worker:
+        """One more worker actor (the planner's, of a role in a disaggregated fleet); Ray places it
+        where a CPU is free."""
         i = len(self.actors)
+        self.roles.extend([None] * (i + 1 - len(self.roles)))
+        self.roles[i] = role
         self.actors.append(await asyncio.to_thread(self._actor, i))
-        w = Worker(i, f"ray://ray-{i}", f"ray-{i}")
+        w = Worker(i, f"ray://ray-{i}", f"ray-{i}", role=role)
         self.workers.append(w)  # slots stay the actors' indexes: never reused
         self.join_new(w)
         return w

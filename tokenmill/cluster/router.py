@@ -83,6 +83,7 @@ class Worker:
     discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
     retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
     draining: bool = False  # gets no new requests: it finishes what it has, then leaves (the planner)
+    role: str | None = None  # its part in a disaggregated fleet, as launched (known before it joins)
     launched_at: float = field(default_factory=time.monotonic)
     # Running sums over `active` (kept, not recomputed: a decision must not cost O(requests)).
     prefill_blocks: int = 0  # uncached prompt blocks of requests without a token yet
@@ -231,10 +232,11 @@ class RouterEngineClient(EngineClient):
         self.settings.policy = policy
 
     # -- scaling (the planner) ------------------------------------------------------------------------
-    def fleet_counts(self) -> tuple[int, int, int]:
+    def fleet_counts(self, pool: str | None = None) -> tuple[int, int, int]:
         """Workers (serving, starting, draining): those that take requests, those launched that do not
-        yet, and those finishing their requests before they stop."""
-        live = [w for w in self.workers if not w.retired]
+        yet, and those finishing their requests before they stop; of one pool of a disaggregated fleet
+        ("prefill" or "decode") when `pool` is given."""
+        live = [w for w in self.workers if not w.retired and in_pool(w, pool)]
         serving = sum(1 for w in live if w.up and not w.draining)
         starting = sum(1 for w in live if not w.up and not w.draining)
         return serving, starting, sum(1 for w in live if w.draining)
@@ -728,3 +730,12 @@ def _reachable(endpoint: str, worker_url: str) -> str:
     if host in ("0.0.0.0", "*", "[::]", "::"):
         host = urlparse(worker_url.replace("tcp://", "http://", 1)).hostname or "127.0.0.1"
     return f"tcp://{host}:{port}"
+
+
+def in_pool(w: Worker, pool: str | None) -> bool:
+    """Whether a worker belongs to a pool of a disaggregated fleet (None: the whole fleet). A worker's
+    launched role counts before it has joined and said its own."""
+    if pool is None:
+        return True
+    role = w.role or w.info.get("kv_role")
+    return (role == "prefill") == (pool == "prefill")

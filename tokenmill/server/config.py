@@ -62,6 +62,10 @@ class FleetConfig:
         None,
         help="sla: requests/s one worker serves within the targets (tokenmill bench --goodput-search)",
     )
+    planner_prefill_capacity_rps: float | None = setting(
+        None,
+        help="sla with --disaggregate: requests/s one prefill worker serves within the TTFT target",
+    )
     planner_drain_timeout_s: float = setting(
         600.0, help="how long a removed worker may take to finish its requests"
     )

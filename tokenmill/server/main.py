@@ -26,32 +26,42 @@ log = logging.getLogger("tokenmill.server")
 def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # noqa: ANN401
     """The planner loop over this server's fleet (--planner load|sla), its metrics on /metrics."""
     from tokenmill.cluster.planner.connectors import FleetConnector
-    from tokenmill.cluster.planner.loop import PlannerLoop
+    from tokenmill.cluster.planner.loop import PlannerLoop, Pool
     from tokenmill.cluster.planner.policy import Planner, PlannerConfig
 
     f = config.fleet
     _, lo, hi = config.worker_range
-    pc = PlannerConfig(
-        mode=f.planner,  # type: ignore[arg-type]
-        min_workers=max(lo, 1),
-        max_workers=max(hi, 1),
-        interval_s=f.planner_interval_s,
-        up_cooldown_s=f.planner_up_cooldown_s,
-        down_cooldown_s=f.planner_down_cooldown_s,
-        ttft_target_s=f.planner_ttft_target_s,
-        itl_target_s=f.planner_itl_target_s,
-    )
-    rps = f.planner_capacity_rps
-    planner = Planner(pc, (lambda isl, osl: rps) if rps else None)
-    connector = FleetConnector(llm.client, f.planner_drain_timeout_s)
+
+    def pool(name: str, lo: int, hi: int, rps: float | None) -> Pool:
+        pc = PlannerConfig(
+            mode=f.planner,  # type: ignore[arg-type]
+            min_workers=max(lo, 1),
+            max_workers=max(hi, lo, 1),
+            interval_s=f.planner_interval_s,
+            up_cooldown_s=f.planner_up_cooldown_s,
+            down_cooldown_s=f.planner_down_cooldown_s,
+            ttft_target_s=f.planner_ttft_target_s,
+            itl_target_s=f.planner_itl_target_s,
+        )
+        planner = Planner(pc, (lambda isl, osl: rps) if rps else None)
+        connector = FleetConnector(llm.client, f.planner_drain_timeout_s, None if name == "all" else name)
+        return Pool(name, planner, connector)
+
+    if f.disaggregate:
+        # Each pool keeps one worker at least (decode takes the rest of the fleet's floor); the most
+        # either may have is what the other leaves of the fleet's bound, reset at every decision.
+        pools = [
+            pool("prefill", 1, hi - 1, f.planner_prefill_capacity_rps),
+            pool("decode", max(lo - 1, 1), hi - 1, f.planner_capacity_rps),
+        ]
+    else:
+        pools = [pool("all", lo, hi, f.planner_capacity_rps)]
     prometheus = None
     if f.planner_prometheus_url:
         from tokenmill.cluster.planner.prometheus import PrometheusSignals
 
         prometheus = PrometheusSignals(f.planner_prometheus_url, config.model_name, f.planner_window_s)
-    loop = PlannerLoop(
-        planner, connector, llm.client, metrics, f.planner_window_s, config.model_name, prometheus
-    )
+    loop = PlannerLoop(pools, llm.client, metrics, f.planner_window_s, config.model_name, prometheus, hi)
     metrics.registry.register(loop)
     loop.start()
     return loop

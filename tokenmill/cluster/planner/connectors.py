@@ -8,6 +8,8 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
+from tokenmill.cluster.router import in_pool
+
 log = logging.getLogger(__name__)
 
 
@@ -20,24 +22,35 @@ class ScaleConnector(Protocol):
 
 
 class FleetConnector:
-    """Workers this process launches: LaunchingRouter (local processes) or RayRouter (Ray actors).
-    Scaling down drains: the worker gets no new requests, finishes its own, then stops."""
+    """Workers this process launches: LaunchingRouter (local processes) or RayRouter (Ray actors), all
+    of them or one pool of a disaggregated fleet ("prefill" or "decode"). Scaling down drains: the
+    worker gets no new requests, finishes its own, then stops."""
 
-    def __init__(self, router: Any, drain_timeout_s: float = 600.0) -> None:  # noqa: ANN401
+    def __init__(
+        self,
+        router: Any,  # noqa: ANN401
+        drain_timeout_s: float = 600.0,
+        pool: str | None = None,
+    ) -> None:
         self.router = router
         self.drain_timeout_s = drain_timeout_s
+        self.pool = pool
         self._drains: set[asyncio.Task] = set()
 
     def counts(self) -> tuple[int, int, int]:
-        return self.router.fleet_counts()
+        return self.router.fleet_counts(self.pool)
 
     async def scale_to(self, target: int) -> None:
         serving, starting, _ = self.counts()
         current = serving + starting
         for _ in range(target - current):
-            await self.router.add_worker()
+            await (self.router.add_worker(self.pool) if self.pool else self.router.add_worker())
         if target < current:
-            live = [w for w in self.router.workers if not w.retired and not w.draining and w.up]
+            live = [
+                w
+                for w in self.router.workers
+                if not w.retired and not w.draining and w.up and in_pool(w, self.pool)
+            ]
             # The least busy workers go first: the least to wait for, the least KV lost.
             for w in sorted(live, key=lambda w: (len(w.active), -w.slot))[: current - target]:
                 task = asyncio.get_running_loop().create_task(

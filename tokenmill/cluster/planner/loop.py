@@ -1,6 +1,9 @@
 """The planner in a live fleet: every interval, read the fleet (the router's workers and arrivals, the
-server's finished requests), decide, and have the connector carry the decision out. Its decisions are
-in /metrics (`tokenmill:planner_*`) and the log."""
+server's finished requests), decide, and have the connector carry the decision out. A disaggregated
+fleet is two pools, prefill and decode workers, each with its own planner: the prefill pool scales on its
+workers' queues and KV use and on TTFT, the decode pool on its workers' and on inter-token latency, both
+within the bounds of the whole fleet. Decisions are in /metrics (`tokenmill:planner_*`, label `pool`)
+and the log."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,43 +22,71 @@ from tokenmill.cluster.planner.connectors import ScaleConnector
 from tokenmill.cluster.planner.policy import Planner
 from tokenmill.cluster.planner.prometheus import PrometheusSignals
 from tokenmill.cluster.planner.signals import FleetSnapshot, WorkerLoad
+from tokenmill.cluster.router import in_pool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pool:
+    """Workers one planner sizes: the whole fleet ("all"), or the "prefill" or "decode" workers of a
+    disaggregated one."""
+
+    name: str
+    planner: Planner
+    connector: ScaleConnector
+    target: int | None = None
+    ups: int = 0
+    downs: int = 0
+
+    @property
+    def role(self) -> str | None:
+        return None if self.name == "all" else self.name
 
 
 class PlannerLoop(Collector):
     def __init__(
         self,
-        planner: Planner,
-        connector: ScaleConnector,
+        pools: list[Pool],
         router: Any,  # noqa: ANN401 - a RouterEngineClient
         metrics: Any = None,  # noqa: ANN401 - the server's Metrics (finished requests' latencies)
         window_s: float = 60.0,
         model: str = "",
         prometheus: PrometheusSignals | None = None,  # read the signals from Prometheus instead
+        max_workers: int | None = None,  # the whole fleet's bound, shared by the pools
     ) -> None:
-        self.planner, self.connector, self.router, self.metrics = planner, connector, router, metrics
+        if not pools or (prometheus is not None and len(pools) > 1):
+            raise ValueError("the planner needs one pool, or several without Prometheus signals")
+        self.pools, self.router, self.metrics = pools, router, metrics
         self.prometheus = prometheus
         self.window_s, self.model = window_s, model
-        self.target: int | None = None
-        self.ups = self.downs = 0
+        self.max_workers = max_workers
         self._task: asyncio.Task | None = None
 
-    def snapshot(self, now: float) -> FleetSnapshot | None:
-        """The fleet as the planner sees it; None while no worker has reported (nothing to go on). Its
-        time is that of the stalest serving worker's last report, so the planner can refuse old data."""
-        serving, starting, draining = self.connector.counts()
-        workers = [w for w in self.router.workers if w.up and not w.draining and not w.retired]
+    def snapshot(self, now: float, pool: Pool | None = None) -> FleetSnapshot | None:
+        """The fleet (or one pool of it) as the planner sees it; None while no worker has reported
+        (nothing to go on). Its time is that of the stalest serving worker's last report, so the planner
+        can refuse old data."""
+        pool = pool or self.pools[0]
+        serving, starting, draining = pool.connector.counts()
+        workers = [
+            w
+            for w in self.router.workers
+            if w.up and not w.draining and not w.retired and in_pool(w, pool.role)
+        ]
         stats = [(w.client.last_heard, w.client.stats) for w in workers if w.client is not None]
         if not stats or any(st is None for _, st in stats):
             return None
         # The window is what the fleet has seen since the planner started, at most window_s.
-        window = min(self.window_s, max(now - self._started, self.planner.config.interval_s))
+        window = min(self.window_s, max(now - self._started, pool.planner.config.interval_s))
         arrivals = [n for t, n in self.router.arrivals if t >= now - window]
         lat = self.metrics.latency_window(window) if self.metrics is not None else {}
+        # A pool answers for its own part of the latency: TTFT is the prefill pool's, ITL the decode
+        # pool's. The queue-to-compute ratio mixes both (a request waits for a decode slot as well as
+        # for its prefill), so a disaggregated pool scales on its own workers' queues instead.
         qc = (
             self.metrics.queue_to_compute_ratio(window)
-            if self.metrics is not None and lat.get("finished")
+            if self.metrics is not None and lat.get("finished") and pool.role is None
             else None
         )
         return FleetSnapshot(
@@ -68,33 +100,43 @@ class PlannerLoop(Collector):
             queue_to_compute=qc,
             mean_isl=sum(arrivals) / len(arrivals) if arrivals else None,
             mean_osl=lat.get("mean_osl"),
-            ttft_p95_s=lat.get("ttft_p95_s"),
-            itl_p95_s=lat.get("itl_p95_s"),
+            ttft_p95_s=lat.get("ttft_p95_s") if pool.role != "decode" else None,
+            itl_p95_s=lat.get("itl_p95_s") if pool.role != "prefill" else None,
         )
 
     async def tick(self) -> None:
+        for pool in self.pools:
+            await self._tick(pool)
+
+    async def _tick(self, pool: Pool) -> None:
         now = time.monotonic()
         if self.prometheus is not None:
             try:
-                snap = await asyncio.to_thread(self.prometheus.snapshot, self.connector.counts(), now)
+                snap = await asyncio.to_thread(self.prometheus.snapshot, pool.connector.counts(), now)
             except Exception as e:  # noqa: BLE001 - Prometheus away: no decision this interval
                 log.warning("planner: Prometheus query failed: %s", e)
                 snap = None
         else:
-            snap = self.snapshot(now)
-        d = self.planner.decide(snap, now)
-        self.target = d.target if d.current >= 0 else self.target
+            snap = self.snapshot(now, pool)
+        if self.max_workers is not None and len(self.pools) > 1:
+            # The pools share the fleet's bound: this one may grow into what the others leave.
+            others = sum(sum(p.connector.counts()[:2]) for p in self.pools if p is not pool)
+            c = pool.planner.config
+            c.max_workers = max(c.min_workers, self.max_workers - others)
+        d = pool.planner.decide(snap, now)
+        pool.target = d.target if d.current >= 0 else pool.target
         if d.delta and d.current >= 0:
-            log.info("planner: %d -> %d workers (%s)", d.current, d.target, d.reason)
+            what = "workers" if pool.role is None else f"{pool.role} workers"
+            log.info("planner: %d -> %d %s (%s)", d.current, d.target, what, d.reason)
             if d.delta > 0:
-                self.ups += 1
+                pool.ups += 1
             else:
-                self.downs += 1
-            await self.connector.scale_to(d.target)
+                pool.downs += 1
+            await pool.connector.scale_to(d.target)
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.planner.config.interval_s)
+            await asyncio.sleep(self.pools[0].planner.config.interval_s)
             try:
                 await self.tick()
             except Exception:  # a failed decision or launch waits for the next interval
@@ -113,19 +155,21 @@ class PlannerLoop(Collector):
     _started = 0.0
 
     def collect(self) -> Iterator[Metric]:
-        serving, starting, draining = self.connector.counts()
-        g = GaugeMetricFamily("tokenmill:planner_workers", "Workers by state", labels=["model_name", "state"])
-        for state, n in (("serving", serving), ("starting", starting), ("draining", draining)):
-            g.add_metric([self.model, state], n)
-        yield g
-        t = GaugeMetricFamily(
-            "tokenmill:planner_target_workers", "The planner's last target", labels=["model_name"]
-        )
-        t.add_metric([self.model], self.target if self.target is not None else serving + starting)
-        yield t
+        labels = ["model_name", "pool"]
+        g = GaugeMetricFamily("tokenmill:planner_workers", "Workers by state", labels=[*labels, "state"])
+        t = GaugeMetricFamily("tokenmill:planner_target_workers", "The planner's last target", labels=labels)
         c = CounterMetricFamily(
-            "tokenmill:planner_decisions", "Scaling decisions carried out", labels=["model_name", "direction"]
+            "tokenmill:planner_decisions", "Scaling decisions carried out", labels=[*labels, "direction"]
         )
-        c.add_metric([self.model, "up"], self.ups)
-        c.add_metric([self.model, "down"], self.downs)
+        for pool in self.pools:
+            serving, starting, draining = pool.connector.counts()
+            for state, n in (("serving", serving), ("starting", starting), ("draining", draining)):
+                g.add_metric([self.model, pool.name, state], n)
+            t.add_metric(
+                [self.model, pool.name], pool.target if pool.target is not None else serving + starting
+            )
+            c.add_metric([self.model, pool.name, "up"], pool.ups)
+            c.add_metric([self.model, pool.name, "down"], pool.downs)
+        yield g
+        yield t
         yield c
