@@ -50,6 +50,17 @@ async def burst(base: str, seconds: float) -> list[int]:
     return codes
 
 
+async def burst_watching(base: str, pool: str) -> tuple[list[int], set[int]]:
+    """A 40 s burst; its status codes, and the pool's sizes (serving + starting) seen meanwhile."""
+    seen: set[int] = set()
+    task = asyncio.create_task(burst(base, 40))
+    while not task.done():
+        w = await asyncio.to_thread(workers, base, pool)
+        seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
+        await asyncio.sleep(1)
+    return await task, seen
+
+
 def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
     args = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "1", "--planner-window-s", "5",
             "--planner-up-cooldown-s", "2", "--planner-down-cooldown-s", "4", "--max-num-seqs", "2",
@@ -58,17 +69,7 @@ def test_the_load_planner_scales_up_under_a_burst_and_back_down_after() -> None:
         base = proc.base_url
         assert workers(base) == {"serving": 1, "starting": 0, "draining": 0}
 
-        seen: set[int] = set()
-
-        async def main() -> list[int]:
-            task = asyncio.create_task(burst(base, 40))
-            while not task.done():
-                w = await asyncio.to_thread(workers, base)
-                seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
-                await asyncio.sleep(1)
-            return await task
-
-        codes = asyncio.run(main())
+        codes, seen = asyncio.run(burst_watching(base, "all"))
         assert codes and set(codes) == {200}, f"{len(codes)} requests, codes {set(codes)}"
         assert 2 in seen, "the planner never added a worker"
         text = httpx.get(f"{base}/metrics", timeout=10).text
@@ -97,17 +98,7 @@ def test_a_disaggregated_fleet_grows_the_pool_under_pressure() -> None:
         base = proc.base_url
         assert workers(base, "prefill") == {"serving": 1, "starting": 0, "draining": 0}
         assert workers(base, "decode") == {"serving": 1, "starting": 0, "draining": 0}
-        seen: set[int] = set()
-
-        async def main() -> list[int]:
-            task = asyncio.create_task(burst(base, 40))
-            while not task.done():
-                w = await asyncio.to_thread(workers, base, "decode")
-                seen.add(int(w.get("serving", 0) + w.get("starting", 0)))
-                await asyncio.sleep(1)
-            return await task
-
-        codes = asyncio.run(main())
+        codes, seen = asyncio.run(burst_watching(base, "decode"))
         assert codes and set(codes) == {200}, f"{len(codes)} requests, codes {set(codes)}"
         assert 2 in seen, "the planner never added a decode worker"
         assert workers(base, "prefill").get("serving") == 1
