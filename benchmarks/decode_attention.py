@@ -18,7 +18,7 @@ from tokenmill.models.attention.backend import AttentionMetadata
 from tokenmill.models.attention.registry import get_backend
 
 H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
-CASES = [(1, 2000), (8, 500), (32, 175), (64, 300)]  # (sequences, mean context length)
+CASES = [(1, 2000), (8, 500), (32, 50), (32, 175), (64, 300)]  # (sequences, mean context length)
 
 
 def make_step(b: int, ctx_mean: int, pool_blocks: int, g: torch.Generator) -> AttentionMetadata:

@@ -103,6 +103,33 @@ def test_silu_mul(kernels, dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_quantize_rows_is_the_reference_bit_for_bit(kernels, dtype: torch.dtype, rows: int) -> None:
+    from tokenmill.models.ops import TorchOps
+
+    g = torch.Generator().manual_seed(rows)
+    # Rows of very different sizes (per-row scales), an all-zero row, and strided rows.
+    x = (torch.randn(rows, 1600, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(dtype)
+    x[0] = 0
+    for v in (x, x[:, :1536]):
+        q, s = kernels.quantize_rows_u8(v)
+        q_ref, s_ref = TorchOps().quantize_rows_u8(v)
+        assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+    signed = q.int() - 128
+    assert int(signed[0].abs().max()) == 0 and (rows == 1 or int(signed.abs().max()) == 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_rows_in_place(kernels, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    y = (torch.randn(33, 3072, generator=g) * 5).to(dtype)
+    s = torch.rand(33, 1, generator=g) * 0.1
+    exact = y.double() * s.double()
+    kernels.scale_rows_(y, s)
+    check(y, exact, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place(kernels, dtype: torch.dtype) -> None:
     rope = RotaryEmbedding(64, 4096, 10000.0)
     g = torch.Generator().manual_seed(0)

@@ -187,7 +187,9 @@ class EngineConfig:
     # None: weights in `dtype`. "int4": weight-only 4-bit (groups of 32) for decode-sized batches, the
     # precision of a Q4_0/Q4_1 GGUF file; larger batches use the dtype copy.
     quantization: str | None = setting(
-        None, help='"int4": 4-bit weights for small batches (Q4 GGUF precision)'
+        None,
+        help='"int4": 4-bit weights for small batches (Q4 GGUF precision); "int8": int8 weights and '
+        "activations (dynamic per-row scales) at every batch size",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
@@ -198,3 +200,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "int4", "int8"):
+            raise ValueError(f'quantization must be "int4" or "int8", got {self.quantization!r}')

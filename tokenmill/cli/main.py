@@ -108,7 +108,10 @@ def _engine_kwargs(
     }
 
 
-QUANT_HELP = "int4: 4-bit weights for small batches (the precision of a Q4 GGUF), fastest single stream"
+QUANT_HELP = (
+    "int4: 4-bit weights for small batches (the precision of a Q4 GGUF), fastest single stream; "
+    "int8: int8 weights and activations at every batch size (needs VNNI or AMX)"
+)
 
 
 def _load_llm(kwargs: dict):

@@ -7,9 +7,13 @@ skips the per-call weight reorder, which measured 1.5x faster here at batch 1 an
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
 _packing_works: bool | None = None
 
 
@@ -149,6 +153,136 @@ class QuantizedLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
 
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ScaleRows = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class Int8Linear(LinearBase):
+    """int8 weights (one scale per output channel) times int8 activations (one scale per row,
+    quantized as each step runs): W8A8 with dynamic activation scales, at every batch size.
+
+    The int32 sums are exact; the output is sum * row scale * column scale. On a CPU the matmul is
+    oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI on Zen 4, AVX2 elsewhere): half the weight
+    bytes of bf16, which is the time of a decode step's matmuls, and twice the bf16 rate where they
+    compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers."""
+
+    def __init__(self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        self.in_features, self.out_features = k, n
+        # oneDNN only where it sums u8 x s8 products in 32 bits (VNNI, AMX): its AVX2 kernels were
+        # measured off the exact sums by up to 0.4% of a row's largest output.
+        self.onednn = w.device.type == "cpu" and _onednn_int8_available() and _onednn_vnni()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.w_scales = scale  # float32 [N]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.quantize, self.scale_rows = quantize, scale_rows
+        if self.onednn:
+            self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [PackedLinear.PACK_HINT, k])
+            self.w_zero_points = torch.zeros(n, dtype=torch.long)
+            del self.qweight  # the packed copy is the one used; keep one copy of the weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        xq, xs = self.quantize(x)  # uint8 q + 128, float32 row scales
+        if self.onednn:
+            # Rows bucketed as PackedLinear's are (oneDNN keeps state per shape); padding rows are 0.
+            padded = row_bucket(m)
+            if padded != m:
+                xq = torch.nn.functional.pad(xq, (0, 0, 0, padded - m), value=128)
+            w, ws, wz = self.packed, self.w_scales, self.w_zero_points
+            # The activation scale passed is 1: the rows' own scales multiply the output after.
+            out = x.dtype if _onednn_bf16_output() or x.dtype != torch.bfloat16 else torch.float32
+            y = _qlinear(xq, 1.0, 128, w, ws, wz, None, 1.0, 0, out, "none", [], "")
+            y = y[:m] if padded != m else y
+            if out == x.dtype:
+                self.scale_rows(y, xs)
+            else:
+                y = (y * xs).to(x.dtype)
+        elif x.device.type == "cuda" and m > 16:
+            signed = (xq.to(torch.int16) - 128).to(torch.int8)
+            y = (torch._int_mm(signed, self.qweight.t()) * xs * self.w_scales).to(x.dtype)
+        else:
+            y = (((xq.float() - 128) @ self.qweight.float().t()) * xs * self.w_scales).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+_int8_works: bool | None = None
+# The overload itself: calling the packet resolves it among four on every call.
+_qlinear = (
+    torch.ops.onednn.qlinear_pointwise.default if hasattr(torch.ops.onednn, "qlinear_pointwise") else None
+)
+
+
+def _onednn_int8_available() -> bool:
+    # Probed once on a tiny weight, as bf16 packing is: the op exists in CPU builds with oneDNN.
+    global _int8_works
+    if _int8_works is None:
+        try:
+            w = torch.ones(16, 16, dtype=torch.int8)
+            p = torch.ops.onednn.qlinear_prepack(w, [1, 16])
+            x = torch.full((1, 16), 129, dtype=torch.uint8)  # 1, at zero point 128
+            scales, zps = torch.ones(16), torch.zeros(16, dtype=torch.long)
+            y = torch.ops.onednn.qlinear_pointwise(
+                x, 1.0, 128, p, scales, zps, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            _int8_works = bool(torch.equal(y, torch.full((1, 16), 16.0)))
+        except (RuntimeError, AttributeError):
+            _int8_works = False
+    return _int8_works
+
+
+_bf16_out: bool | None = None
+
+
+def _onednn_limit() -> str:
+    import os
+
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+
+
+def _onednn_vnni() -> bool:
+    """Whether oneDNN's int8 kernels here sum u8 x s8 products in 32 bits (VNNI or AMX), not 16."""
+    limit = _onednn_limit()
+    from tokenmill.kernels.isa import _cpu_has
+
+    if limit in ("AVX2", "AVX", "SSE41", "AVX512_CORE"):
+        return False
+    return _cpu_has("vnni") or _cpu_has("amx_tile")
+
+
+def _onednn_bf16_output() -> bool:
+    """Whether oneDNN's int8 matmul writes bfloat16 in its fast kernels here. Without AVX-512 it falls
+    back to its reference code for a bf16 output (measured: ~100x slower), so an AVX2 CPU takes
+    float32 out and rounds after the row scales."""
+    global _bf16_out
+    if _bf16_out is None:
+        from tokenmill.kernels.isa import _cpu_has
+
+        limit = _onednn_limit()
+        below_avx512 = limit.startswith(("AVX2", "SSE")) or limit == "AVX"
+        _bf16_out = _cpu_has("avx512") and not below_avx512
+    return _bf16_out
+
+
+def quantize_linears_int8(model: nn.Module, quantize: Quantize, scale_rows: ScaleRows) -> int:
+    """Replace every plain linear by an Int8Linear; return the count. A CPU whose int8 kernels lack
+    VNNI or AMX keeps its bf16 weights (int8 would be slower there, or inexact), saying so."""
+    first = next((m for m in model.modules() if _plain_linear(m)), None)
+    if first is not None and first.weight.device.type == "cpu" and not _onednn_vnni():
+        log.warning("quantization int8 needs VNNI or AMX for its int8 matmuls; keeping bf16 weights")
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if _plain_linear(child):
+                setattr(parent, name, Int8Linear(child, quantize, scale_rows))
+                count += 1
+    return count
+
+
 def quantized_kernels_available(weight: torch.Tensor) -> bool:
     ops = torch.ops.aten
     return (
@@ -173,5 +307,5 @@ def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], 
 def _plain_linear(m: nn.Module) -> bool:
     """A linear still computed by a plain matmul of its weight (not yet packed or quantized)."""
     return isinstance(m, nn.Linear) or (
-        isinstance(m, LinearBase) and not isinstance(m, (PackedLinear, QuantizedLinear))
+        isinstance(m, LinearBase) and not isinstance(m, (PackedLinear, QuantizedLinear, Int8Linear))
     )

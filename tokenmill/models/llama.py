@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.linear import pack_linears, quantize_linears
+from tokenmill.models.linear import pack_linears, quantize_linears, quantize_linears_int8
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
@@ -306,8 +306,12 @@ def build_model(
         # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
         # logit depends on it.
         quantize_linears(model, max_rows=QUANT_MAX_ROWS, bits_for={"lm_head": 8}, default_bits=4)
+    elif quantization == "int8":
+        # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
+        # own scale (measured in benchmarks/perplexity.py).
+        quantize_linears_int8(model, model.ops.quantize_rows_u8, model.ops.scale_rows_)
     elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; available: int4")
+        raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8")
     pack_linears(model)
     model.finalize()
     return model.eval()

@@ -48,6 +48,17 @@ class TorchOps:
         s = sin_signed[positions].unsqueeze(1).to(x.dtype)
         x.copy_(x * c + x.roll(head_dim // 2, dims=-1) * s)
 
+    def quantize_rows_u8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row as integers q in [-127, 127] with one float32 scale (max|x| / 127), stored as
+        uint8 q + 128 (zero point 128, the form oneDNN's int8 kernels are fast for): (q + 128 [M, K]
+        uint8, scales [M, 1] float32)."""
+        s = (x.abs().amax(dim=1, keepdim=True).float() / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        return (torch.round(x.float() / s).clamp(-127, 127) + 128).to(torch.uint8), s
+
+    def scale_rows_(self, y: torch.Tensor, scales: torch.Tensor) -> None:
+        """y[r, :] *= scales[r] in place, computed in float32 and rounded to y's dtype once."""
+        y.copy_(y.float() * scales)
+
 
 class CpuFusedOps(TorchOps):
     name = "cpu"
@@ -79,6 +90,13 @@ class CpuFusedOps(TorchOps):
         sin_signed: torch.Tensor,
     ) -> None:
         self.k.rope_(qkv, heads, head_dim, positions, cos, sin_signed)
+
+    def quantize_rows_u8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = self.k.quantize_rows_u8(x)
+        return q, s
+
+    def scale_rows_(self, y: torch.Tensor, scales: torch.Tensor) -> None:
+        self.k.scale_rows_(y, scales)
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale);
@@ -11,6 +12,8 @@ torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions, torch::Tensor cos,
            torch::Tensor sin_signed);
 torch::Tensor to_bf16(torch::Tensor x);
+std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
+void scale_rows_(torch::Tensor y, torch::Tensor scales);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -33,4 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");
   m.def("to_bf16", &to_bf16, "float32 -> bfloat16 with the kernels' own rounding");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
+  m.def("quantize_rows_u8", &quantize_rows_u8, "rows as q + 128 (q in [-127, 127]) and a float32 scale each");
+  m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
 }

@@ -1,0 +1,52 @@
+"""Perplexity of each precision option on a fixed text (tokenmill/quality/perplexity.py: Python's own
+documentation topics, shipped with CPython), against float32 and bf16 in the same run: what a
+quantization costs in accuracy, beside what it buys in speed (docs/benchmarks.md).
+
+    python benchmarks/perplexity.py [--chunks 32 --steps 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tokenmill import LLM
+from tokenmill.quality.perplexity import perplexity, text_version
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
+
+COMMON = {"max_model_len": 512, "kv_cache_memory_gb": 0.2, "enable_prefix_caching": False}
+CONFIGS = [
+    ("float32, plain PyTorch (the reference)", {"dtype": "float32", "kernels": "torch"}),
+    ("bf16, plain PyTorch", {"kernels": "torch"}),
+    ("bf16 (default)", {}),
+    ("int8 weights and activations (quantization=int8)", {"quantization": "int8"}),
+    ("int4 weights (quantization=int4)", {"quantization": "int4"}),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=128)
+    args = ap.parse_args()
+    print(f"CPU: {cpu_description()}; text: {text_version()}; {args.chunks} chunks x {args.steps} tokens")
+    print("| configuration | perplexity | vs float32 | vs bf16 default |")
+    print("|---|---|---|---|")
+    base: dict[str, float] = {}
+    for label, kw in CONFIGS:
+        llm = LLM(**{"dtype": "bfloat16", **kw, **COMMON})
+        p = perplexity(llm, args.chunks, steps=args.steps)
+        del llm
+        base.setdefault("f32", p.value)
+        if label == "bf16 (default)":
+            base["bf16"] = p.value
+        vs_bf16 = f"{100 * (p.value / base['bf16'] - 1):+.2f}%" if "bf16" in base else "-"
+        vs_f32 = f"{100 * (p.value / base['f32'] - 1):+.2f}%"
+        print(f"| {label} | {p.value:.4f} | {vs_f32} | {vs_bf16} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Decode speed of each weight precision against bf16, in one run, and how far each is from what
+this machine's memory bandwidth allows.
+
+The issue #17 workload: short prompts, 64 output tokens each, decoded together at 1 and 32 streams
+(offline, `LLM.generate`). For every configuration: output tok/s, the ratio to bf16 in the same run,
+and the share of the bandwidth limit: a decode step must read every weight the step's matmuls use
+(bf16: 2 bytes each; int8: 1; int4: half a byte plus its scales, only up to 4 rows, above which the
+layer uses its bf16 copy) and the KV cache of every stream, so bytes per step / read bandwidth is the
+fastest a step can be. The read bandwidth is measured here, in the same run, with as many threads as
+the engine uses (a sum over 1 GiB).
+
+    python benchmarks/quantized_decode.py [--streams 1,32] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.linear import Int8Linear, LinearBase, PackedLinear, QuantizedLinear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
+
+CONFIGS = [("bf16", {}), ("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"})]
+OUT = 64
+
+
+def read_bandwidth_gbs(reps: int = 5) -> float:
+    x = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes(model: torch.nn.Module, rows: int) -> int:
+    """Bytes of the weights a decode step of `rows` rows reads through its linears."""
+    total = 0
+    twins = {id(m.wide) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    for m in model.modules():
+        if id(m) in twins:  # a quantized layer's bf16 copy: counted with its layer
+            continue
+        if isinstance(m, QuantizedLinear):
+            if rows <= m.max_rows:
+                total += (
+                    m.qweight.numel() * m.qweight.element_size() + m.scales.numel() * m.scales.element_size()
+                )
+            else:
+                total += 2 * m.in_features * m.out_features
+        elif isinstance(m, Int8Linear):
+            total += m.in_features * m.out_features + 4 * m.out_features
+        elif isinstance(m, (PackedLinear, LinearBase, torch.nn.Linear)):
+            total += 2 * m.in_features * m.out_features
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,32")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    bw = read_bandwidth_gbs()
+    print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}; read bandwidth {bw:.1f} GB/s")
+    print(
+        "| precision | streams | tok/s | vs bf16 | ms/step | weight MB/step | KV MB/step | limit ms/step "
+        "| of limit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    base: dict[int, float] = {}
+    params = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True)
+    for name, kw in CONFIGS:
+        llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False, **kw)
+        model = llm.engine.executor.worker.model
+        cfg = llm.engine.executor.worker.model_config
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V
+        for n in streams:
+            prompts = [f"Write a short story about a robot named R{i} who learns to paint." for i in range(n)]
+            plen = statistics.mean(len(llm.tokenizer.encode(p)) for p in prompts)
+            llm.generate(prompts, params)  # warm-up: shapes, caches
+            runs = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                llm.generate(prompts, params)
+                runs.append(time.perf_counter() - t)
+            secs = statistics.median(runs)
+            tps = n * OUT / secs
+            base.setdefault(n, tps) if name == "bf16" else None
+            step_ms = secs / OUT * 1e3
+            wb = weight_bytes(model, n)
+            kvb = n * (plen + OUT / 2) * kv_per_token  # the mean context over the 64 steps
+            limit_ms = (wb + kvb) / (bw * 1e9) * 1e3
+            print(
+                f"| {name} | {n} | {tps:.1f} | {tps / base[n]:.2f}x | {step_ms:.1f} | {wb / 1e6:.0f} | "
+                f"{kvb / 1e6:.1f} | {limit_ms:.1f} | {limit_ms / step_ms:.0%} |",
+                flush=True,
+            )
+        del llm
+
+
+if __name__ == "__main__":
+    main()
