@@ -341,3 +341,13 @@ def test_bitmask_masks_sampling_but_not_logprobs_or_the_callers_logits(dtype):
     assert torch.equal(logits, before)
     expected = torch.log_softmax(before[0].float(), dim=-1)[2]
     assert out.logprobs[0].logprob == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_the_draw_never_picks_a_token_without_mass():
+    from tokenmill.worker.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]]).repeat(5000, 1)
+    drawn = _inverse_cdf(probs, torch.Generator().manual_seed(0))
+    assert set(drawn[0::2].tolist()) == {1, 3} and set(drawn[1::2].tolist()) == {4}
+    share = (drawn[0::2] == 1).float().mean().item()
+    assert abs(share - 0.5) < 0.03  # sd 0.007 at 5000 draws

@@ -204,12 +204,12 @@ class Sampler:
         for i, a, dist in draws:
             g = reqs[i].generator
             if g is not None:
-                out[i][a] = int(torch.multinomial(dist, 1, generator=g)[0])
+                out[i][a] = int(_inverse_cdf(dist.unsqueeze(0), g)[0])
             else:
                 unseeded.append((i, a, dist))
         if unseeded:
-            drawn = torch.multinomial(torch.stack([d for _, _, d in unseeded]), 1, generator=self.generator)
-            for (i, a, _), t in zip(unseeded, drawn[:, 0].tolist(), strict=True):
+            drawn = _inverse_cdf(torch.stack([d for _, _, d in unseeded]), self.generator)
+            for (i, a, _), t in zip(unseeded, drawn.tolist(), strict=True):
                 out[i][a] = t
 
     @staticmethod
@@ -299,3 +299,16 @@ class Sampler:
             best = logits[rows].nan_to_num(nan=-torch.inf).argmax(-1)
             probs[rows] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
         return probs
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` [R, V] (rows need not sum to 1), drawn by inverting the row's
+    cumulative sum at one uniform number: one random number per row. torch.multinomial draws one
+    exponential per vocabulary entry instead, which took 46 ms for 32 rows of 49k (1.2 ms this way)
+    and was half of a served step at temperature 1. u lies in (0, total], so the first index whose
+    cumulative mass reaches it always has mass of its own (a zero-probability token is never drawn)."""
+    cdf = probs.cumsum(dim=-1)
+    u = (1 - torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)) * cdf[
+        :, -1:
+    ]
+    return torch.searchsorted(cdf, u)[:, 0].clamp_(max=probs.shape[-1] - 1)
