@@ -142,7 +142,9 @@ class Sampler:
                 targets[greedy_rows] = logits[greedy_rows].max(dim=-1).indices
         target_list = targets.tolist()
         rand_rows = [j for j, r in enumerate(rows) if not r.params.greedy]
-        probs = self._probs(logits[rand_rows], [rows[j] for j in rand_rows]) if rand_rows else None
+        # All rows random (the usual case): the logits themselves, not a 6 MB copy of them.
+        picked = logits if len(rand_rows) == len(rows) else logits[rand_rows]
+        probs = self._probs(picked, [rows[j] for j in rand_rows]) if rand_rows else None
         prob_row = {j: n for n, j in enumerate(rand_rows)}
 
         out: list[list[int]] = []
@@ -220,9 +222,12 @@ class Sampler:
         risky = False  # a bias or penalty was applied: values may overflow (min_tokens only writes -inf)
         for i, r in enumerate(reqs):
             p = r.params
+            banned: set[int] = set()
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             needs = (
                 p.logit_bias
-                or r.num_output_tokens < p.min_tokens
+                or banned  # min_tokens with nothing to ban (ignore_eos, no stop ids) changes nothing
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty
                 or p.frequency_penalty
@@ -240,11 +245,9 @@ class Sampler:
                 ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
                 vals = torch.tensor([p.logit_bias[t] for t in ids.tolist()], dtype=row.dtype)
                 row.index_add_(0, ids, vals)
-            if r.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-                banned = {t for t in banned if 0 <= t < vocab}  # ids past the vocabulary never come up
-                if banned:
-                    row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+            banned = {t for t in banned if 0 <= t < vocab}  # ids past the vocabulary never come up
+            if banned:
+                row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
                 vals = row[seen]
@@ -271,8 +274,9 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, reqs: list[Row]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
-        logits = logits / temps.unsqueeze(1)
+        temps = [r.params.temperature for r in reqs]
+        if any(t != 1.0 for t in temps):  # temperature 1 (the default) divides by nothing
+            logits = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
         top_k = [r.params.top_k for r in reqs]
         top_p = [r.params.top_p for r in reqs]
         min_p = [r.params.min_p for r in reqs]
