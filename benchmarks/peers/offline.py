@@ -1,0 +1,106 @@
+"""Offline throughput, tokenmill's `LLM.generate` against vLLM's (CPU build), on the same requests.
+
+The workload of benchmarks/offline_throughput.py: 256 requests of random token ids, prompts of 32-512
+tokens and 16-256 output tokens each (uniform, fixed seed), greedy, `ignore_eos` so every request
+makes exactly its length. Each engine runs in its own process, one after the other (vLLM from its
+venv, set up by setup_vllm.sh, on the HF directory from export_hf.py); tokens per second counts prompt
+and output tokens, and output tokens alone.
+
+    python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from machine import cpu_description  # noqa: E402
+
+PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
+
+# Run inside each engine's own interpreter: reads the workload, prints one JSON line.
+RUNNER = r"""
+import json, sys, time
+engine, path, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+reqs = json.load(open(path))
+if engine == "vllm":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=hf_dir, dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    secs = time.perf_counter() - t
+    made = sum(len(o.outputs[0].token_ids) for o in outs)
+else:
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(max_model_len=1024, enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    llm.generate([p for p, _ in reqs[:4]], params[:4])
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    secs = time.perf_counter() - t
+    made = sum(len(o.outputs[0].token_ids) for o in outs)
+print("RESULT " + json.dumps({"seconds": secs, "output_tokens": made}))
+"""
+
+
+def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        for _ in range(n)
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--engines", default="tokenmill,vllm")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    hf_dir = PEERS / "smollm2-135m-hf"
+    pythons = {"tokenmill": sys.executable, "vllm": str(PEERS / "vllm-venv" / "bin" / "python")}
+    engines = args.engines.split(",")
+    if "vllm" in engines and not (Path(pythons["vllm"]).exists() and hf_dir.exists()):
+        sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh and export_hf.py first")
+    reqs = workload(args.num_requests, 49152, args.seed)
+    prompt_tokens = sum(len(p) for p, _ in reqs)
+    print(f"CPU: {cpu_description()}; {len(reqs)} requests, {prompt_tokens} prompt tokens")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reqs.json"
+        path.write_text(json.dumps(reqs))
+        for e in engines:
+            env = {**os.environ}
+            if e == "vllm":
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+            r = subprocess.run(
+                [pythons[e], "-c", RUNNER, e, str(path), str(hf_dir)], capture_output=True, text=True, env=env
+            )
+            line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{e} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+            res = json.loads(line[7:])
+            results[e] = res
+            out_tps = res["output_tokens"] / res["seconds"]
+            all_tps = (res["output_tokens"] + prompt_tokens) / res["seconds"]
+            secs = res["seconds"]
+            print(f"{e}: {secs:.1f} s, {out_tps:.1f} output tok/s, {all_tps:.1f} tok/s with prompts")
+    if "tokenmill" in results and "vllm" in results:
+        ratio = results["vllm"]["seconds"] / results["tokenmill"]["seconds"]
+        print(f"tokenmill / vLLM: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
