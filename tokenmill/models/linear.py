@@ -179,6 +179,10 @@ class Int8Linear(LinearBase):
         self.w_scales = scale  # float32 [N]
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.quantize, self.scale_rows = quantize, scale_rows
+        # The matmul's output dtype: the model's, or float32 where oneDNN would write bf16 through its
+        # reference code (rounded after the row scales instead).
+        dtype = linear.weight.dtype
+        self.out_dtype = torch.float32 if dtype == torch.bfloat16 and not _onednn_bf16_output() else dtype
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [PackedLinear.PACK_HINT, k])
             self.w_zero_points = torch.zeros(n, dtype=torch.long)
@@ -194,10 +198,9 @@ class Int8Linear(LinearBase):
                 xq = torch.nn.functional.pad(xq, (0, 0, 0, padded - m), value=128)
             w, ws, wz = self.packed, self.w_scales, self.w_zero_points
             # The activation scale passed is 1: the rows' own scales multiply the output after.
-            out = x.dtype if _onednn_bf16_output() or x.dtype != torch.bfloat16 else torch.float32
-            y = _qlinear(xq, 1.0, 128, w, ws, wz, None, 1.0, 0, out, "none", [], "")
+            y = _qlinear(xq, 1.0, 128, w, ws, wz, None, 1.0, 0, self.out_dtype, "none", [], "")
             y = y[:m] if padded != m else y
-            if out == x.dtype:
+            if self.out_dtype == x.dtype:
                 self.scale_rows(y, xs)
             else:
                 y = (y * xs).to(x.dtype)
@@ -210,7 +213,8 @@ class Int8Linear(LinearBase):
 
 
 _int8_works: bool | None = None
-# The overload itself: calling the packet resolves it among four on every call.
+# The overload itself: calling the packet resolves it among four on every call. None in builds
+# without oneDNN's quantized ops.
 _qlinear = (
     torch.ops.onednn.qlinear_pointwise.default if hasattr(torch.ops.onednn, "qlinear_pointwise") else None
 )
@@ -220,14 +224,15 @@ def _onednn_int8_available() -> bool:
     # Probed once on a tiny weight, as bf16 packing is: the op exists in CPU builds with oneDNN.
     global _int8_works
     if _int8_works is None:
+        if _qlinear is None:
+            _int8_works = False
+            return False
         try:
             w = torch.ones(16, 16, dtype=torch.int8)
             p = torch.ops.onednn.qlinear_prepack(w, [1, 16])
             x = torch.full((1, 16), 129, dtype=torch.uint8)  # 1, at zero point 128
             scales, zps = torch.ones(16), torch.zeros(16, dtype=torch.long)
-            y = torch.ops.onednn.qlinear_pointwise(
-                x, 1.0, 128, p, scales, zps, None, 1.0, 0, torch.float32, "none", [], ""
-            )
+            y = _qlinear(x, 1.0, 128, p, scales, zps, None, 1.0, 0, torch.float32, "none", [], "")
             _int8_works = bool(torch.equal(y, torch.full((1, 16), 16.0)))
         except (RuntimeError, AttributeError):
             _int8_works = False

@@ -11,7 +11,6 @@
 
 #include "vec_math.h"
 
-static inline int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
 // out = x * rsqrt(mean(x^2) + eps) * w, per row. If residual is given: residual += x first (stored in
 // T, as an unfused add would round it), and the normalized value is taken of the new residual.

@@ -17,7 +17,7 @@
 
 template <typename T>
 static void quantize_rows(const T* x, uint8_t* q, float* scales, int64_t rows, int64_t n, int64_t stride) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t b, int64_t e) {
     std::vector<float> buf(n);
     for (int64_t r = b; r < e; ++r) {
       load_f32(x + r * stride, buf.data(), n);
@@ -57,7 +57,7 @@ std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x) {
 // As `y.mul_(scales)` PyTorch promoted to float32 and cast back through a second pass.
 template <typename T>
 static void scale_rows(T* y, const float* s, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t b, int64_t e) {
     std::vector<float> buf(n);
     for (int64_t r = b; r < e; ++r) {
       load_f32(y + r * n, buf.data(), n);

@@ -10,6 +10,12 @@
 #include <immintrin.h>
 #endif
 
+// Rows per thread-pool task for row-wise loops: about 32k elements, so a small batch (a decode step
+// of a few rows) runs on the calling thread instead of waking the pool.
+static inline int64_t grain_for(int64_t row_elems) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1));
+}
+
 // exp(x) from 2^n * 2^r with |r| <= 1/2 and a degree-7 Taylor polynomial of 2^r (relative error
 // < 1e-7 on the range silu needs). Plain arithmetic, so the compiler vectorizes loops over it;
 // std::exp stays a scalar libm call and made silu*mul 4x slower than PyTorch's. Loops over it
