@@ -59,6 +59,21 @@ class TorchOps:
         """y[r, :] *= scales[r] in place, computed in float32 and rounded to y's dtype once."""
         y.copy_(y.float() * scales)
 
+    def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """A token per row of `logits` [R, V] at temperature temps[r] (> 0): the first token whose
+        cumulative probability reaches u[r] in (0, 1]. p_i = exp((x_i - max) / T), terms below exp(-87)
+        taken as 0 (a masked token is never drawn). -1 for a row that is no distribution (a NaN, a
+        +inf, every token masked)."""
+        x = logits.float()
+        m = x.amax(dim=-1, keepdim=True)
+        t = (x - m) / temps.unsqueeze(1)
+        p = torch.where(t < -87, torch.zeros_like(t), t.exp())
+        cdf = p.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u.unsqueeze(1) * total)[:, 0].clamp_(max=x.shape[-1] - 1)
+        bad = ~torch.isfinite(m[:, 0]) | ~torch.isfinite(total[:, 0]) | (total[:, 0] < 1)
+        return tokens.masked_fill_(bad, -1)
+
 
 class CpuFusedOps(TorchOps):
     name = "cpu"
@@ -97,6 +112,9 @@ class CpuFusedOps(TorchOps):
 
     def scale_rows_(self, y: torch.Tensor, scales: torch.Tensor) -> None:
         self.k.scale_rows_(y, scales)
+
+    def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.k.sample_rows(logits, temps, u)
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:

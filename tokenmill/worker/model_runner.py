@@ -43,7 +43,7 @@ class ModelRunner:
         self.dtype = dtype
         self.parallel = parallel or ParallelState.single()
         self.backend: AttentionBackend = get_backend(backend, device.type)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, ops=model.ops)
         self.requests: dict[str, CachedRequestState] = {}
         # Kept across preemptions, so a seeded request's draws continue where they stopped.
         self.generators: dict[str, torch.Generator] = {}

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.models.ops import TorchOps
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.bitmask import apply_bitmask
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.step import TokenLogprobs
@@ -71,8 +73,10 @@ Row = CachedRequestState | _DraftRow
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, ops: TorchOps | None = None) -> None:
+        """`ops`: whose `sample_rows` draws plain temperature samples (the model's: fused C++ on a CPU)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.ops = ops or TorchOps()
 
     def __call__(
         self,
@@ -115,7 +119,9 @@ class Sampler:
         drafts: list[list[int]],
         bitmask: torch.Tensor | None,
     ) -> SampleResult:
-        raw = logits.float()
+        # Without masks, penalties or drafts the logits are only read: no float32 copy of them.
+        plain = bitmask is None and not any(drafts) and not any(_edits_logits(r) for r in reqs)
+        raw = logits if plain else logits.float()
         rows: list[Row] = []
         first: list[int] = []  # each request's first row
         for r, d in zip(reqs, drafts, strict=True):
@@ -142,6 +148,12 @@ class Sampler:
                 targets[greedy_rows] = logits[greedy_rows].max(dim=-1).indices
         target_list = targets.tolist()
         rand_rows = [j for j, r in enumerate(rows) if not r.params.greedy]
+        if not any(drafts) and not any(_truncates(rows[j].params) for j in rand_rows):
+            # Plain temperature sampling (the usual case): one fused pass per row, no probs tensor.
+            out = [[t] for t in target_list]
+            if rand_rows:
+                self._draw_plain(logits, rand_rows, reqs, out)
+            return SampleResult(out, self._logprobs(raw, reqs, first, out))
         # All rows random (the usual case): the logits themselves, not a 6 MB copy of them.
         picked = logits if len(rand_rows) == len(rows) else logits[rand_rows]
         probs = self._probs(picked, [rows[j] for j in rand_rows]) if rand_rows else None
@@ -174,12 +186,18 @@ class Sampler:
             out.append([*d[:a], -1])
             draws.append((i, a, dist))
         self._draw(draws, reqs, out)
+        return SampleResult(out, self._logprobs(raw, reqs, first, out))
 
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, reqs: list[CachedRequestState], first: list[int], out: list[list[int]]
+    ) -> list[list[TokenLogprobs] | None]:
+        """Each asking request's logprobs of its emitted tokens, from the model's raw logits."""
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if want:
             lp_rows = [first[i] + j for i in want for j in range(len(out[i]))]
-            lp = torch.log_softmax(raw[lp_rows], dim=-1)
+            lp = torch.log_softmax(raw[lp_rows].float(), dim=-1)
             n_row = 0
             for i in want:
                 n = reqs[i].params.logprobs or 0
@@ -195,7 +213,33 @@ class Sampler:
                     )
                     n_row += 1
                 logprobs[i] = entries
-        return SampleResult(out, logprobs)
+        return logprobs
+
+    def _draw_plain(
+        self, logits: torch.Tensor, rand_rows: list[int], reqs: list[CachedRequestState], out: list[list[int]]
+    ) -> None:
+        """The random rows' tokens at their temperatures, one row per request (no drafts): u from
+        each seeded request's generator, the others' in one batch from the sampler's, consumed as
+        _inverse_cdf consumes them (one number per draw)."""
+        u = torch.empty(len(rand_rows))
+        unseeded = []
+        for n, j in enumerate(rand_rows):
+            g = reqs[j].generator
+            if g is not None:
+                u[n] = 1 - torch.rand(1, generator=g)
+            else:
+                unseeded.append(n)
+        if unseeded:
+            u[unseeded] = 1 - torch.rand(len(unseeded), generator=self.generator)
+        temps = torch.tensor([reqs[j].params.temperature for j in rand_rows], dtype=torch.float32)
+        picked = logits if len(rand_rows) == logits.shape[0] else logits[rand_rows]
+        drawn = self.ops.sample_rows(picked, temps, u).tolist()
+        for n, (j, t) in enumerate(zip(rand_rows, drawn, strict=True)):
+            if t < 0:
+                # No distribution (logits overflowed, or every token ruled out): the argmax, as _probs
+                # does for such rows.
+                t = int(picked[n].float().nan_to_num(nan=-torch.inf).argmax())
+            out[j][0] = t
 
     def _draw(
         self, draws: list[tuple[int, int, torch.Tensor]], reqs: list[CachedRequestState], out: list[list[int]]
@@ -222,18 +266,9 @@ class Sampler:
         risky = False  # a bias or penalty was applied: values may overflow (min_tokens only writes -inf)
         for i, r in enumerate(reqs):
             p = r.params
-            banned: set[int] = set()
-            if r.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-            needs = (
-                p.logit_bias
-                or banned  # min_tokens with nothing to ban (ignore_eos, no stop ids) changes nothing
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-            )
-            if not needs:
+            if not _edits_logits(r):
                 continue
+            banned = _banned(r)
             if not touched and not owned:
                 logits = logits.clone()
             touched.append(i)
@@ -316,3 +351,28 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
         :, -1:
     ]
     return torch.searchsorted(cdf, u)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def _banned(r: Row) -> set[int]:
+    """Tokens min_tokens rules out for this row now (stop ids, EOS unless ignored)."""
+    p = r.params
+    if r.num_output_tokens >= p.min_tokens:
+        return set()
+    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+
+
+def _edits_logits(r: Row) -> bool:
+    """Whether a logit bias, min_tokens or a penalty changes this row's logits."""
+    p = r.params
+    return bool(
+        p.logit_bias
+        or _banned(r)  # min_tokens with nothing to ban (ignore_eos, no stop ids) changes nothing
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
+
+
+def _truncates(p: SamplingParams) -> bool:
+    """Whether top-k, top-p or min-p cut this row's distribution."""
+    return bool(p.top_k or p.top_p < 1.0 or p.min_p)

@@ -14,6 +14,7 @@ void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions,
 torch::Tensor to_bf16(torch::Tensor x);
 std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
 void scale_rows_(torch::Tensor y, torch::Tensor scales);
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor u);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -38,4 +39,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("quantize_rows_u8", &quantize_rows_u8, "rows as q + 128 (q in [-127, 127]) and a float32 scale each");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
+  m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
 }
