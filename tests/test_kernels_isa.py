@@ -146,9 +146,20 @@ def test_rope_in_place(kernels, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("batch", "heads", "kv_heads"), [(1, 9, 3), (6, 9, 3), (40, 8, 8), (3, 32, 8)])
-def test_paged_decode(kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int) -> None:
-    d, bs, pool = 64, 16, 512
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "d", "bs"),
+    [
+        (1, 9, 3, 64, 16),
+        (6, 9, 3, 64, 16),
+        (40, 8, 8, 64, 16),
+        (3, 32, 8, 64, 16),
+        (5, 12, 2, 64, 32),  # 6 query heads a kv head: two register chunks; 32-token blocks
+        (4, 8, 2, 128, 16),  # head size 128 (Llama 3 8B's)
+        (3, 4, 2, 32, 16),  # a head size without a register path: the plain loops
+    ],
+)
+def test_paged_decode(kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int) -> None:
+    pool = 512
     g = torch.Generator().manual_seed(batch * heads)
     k_cache = (torch.randn(pool, bs, kv_heads, d, generator=g) * 2).to(dtype)
     v_cache = torch.randn(pool, bs, kv_heads, d, generator=g).to(dtype)
