@@ -158,7 +158,9 @@ def test_rope_in_place(kernels, dtype: torch.dtype) -> None:
         (3, 4, 2, 32, 16),  # a head size without a register path: the plain loops
     ],
 )
-def test_paged_decode(kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int) -> None:
+def test_paged_decode(
+    kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int
+) -> None:
     pool = 512
     g = torch.Generator().manual_seed(batch * heads)
     k_cache = (torch.randn(pool, bs, kv_heads, d, generator=g) * 2).to(dtype)
