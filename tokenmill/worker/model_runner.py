@@ -13,6 +13,7 @@ import torch
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.worker import huge_pages
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.parallel_state import ParallelState
@@ -51,7 +52,7 @@ class ModelRunner:
         self.kv_caches = (
             kv_caches
             if kv_caches is not None
-            else torch.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+            else huge_pages.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
         )
         # Both live on the sampling rank only: they act on sampled tokens.
         self.speculator = speculator if self.parallel.samples else None
