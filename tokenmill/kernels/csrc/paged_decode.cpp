@@ -174,8 +174,9 @@ static void decode_kernel_avx512(
       }
       s.resize(nh * L);
       // A block lies anywhere in the pool, where no hardware prefetcher looks: the next block is asked
-      // for a token row at a time while this one is read (all of it at once overflowed the line
-      // fill buffers and measured slower once the cache was cold).
+      // for while this one is read, each kv head's slice of a token row during that head's pass, so
+      // the requests are spread over the whole block's work (all of a block at once overflowed the
+      // line fill buffers; a whole row per token in the first head's pass only was 10-20% slower).
       const int64_t slice = heads_per_part * D * sizeof(T);
       for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + g0 * D, slice);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -196,7 +197,7 @@ static void decode_kernel_avx512(
                   for (int hh = 0; hh < MAXH; ++hh) part[hh][i] = _mm512_setzero_ps();
                   continue;
                 }
-                if (g == 0 && hc == 0) prefetch(next + (i0 + i) * W, slice);
+                if (hc == 0) prefetch(next + (i0 + i) * W + g * D, D * sizeof(T));
                 __m512 k[NC];
                 for (int c = 0; c < NC; ++c) k[c] = ld16(base + (i0 + i) * W + c * 16);
                 for (int hh = 0; hh < MAXH; ++hh) {
@@ -239,7 +240,7 @@ static void decode_kernel_avx512(
             for (int hh = 0; hh < MAXH; ++hh)
               for (int c = 0; c < NC; ++c) av[hh][c] = hh < m ? _mm512_loadu_ps(ag + hh * D + c * 16) : _mm512_setzero_ps();
             for (int64_t i = 0; i < n; ++i) {
-              if (next && g == 0 && hc == 0) prefetch(next + i * W, slice);
+              if (next && hc == 0) prefetch(next + i * W + g * D, D * sizeof(T));
               __m512 v[NC];
               for (int c = 0; c < NC; ++c) v[c] = ld16(base + i * W + c * 16);
               for (int hh = 0; hh < MAXH; ++hh) {
