@@ -18,6 +18,23 @@ static inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// Each of the nh rows of L scores becomes exp(score - row max) in place; inv[h] = 1 / the row's sum
+// (the normalization is applied to the value sums, once per head rather than once per token).
+static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = s + h * L;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sh[t]);
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = 0; t < L; ++t) {
+      sh[t] = exp_approx(sh[t] - mx);
+      l += sh[t];
+    }
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+}
+
 // Per sequence, three passes, each a plain loop the compiler vectorizes: scores of every query head
 // against every cached key, a softmax over each score row, then the value sum. A sequence's blocks are
 // read whole (all kv heads at once, contiguous), and while one block is read the next one is
@@ -68,18 +85,7 @@ static void decode_kernel(
         }
       }
       float inv[256];
-      for (int64_t h = 0; h < nh; ++h) {
-        float* sh = &s[h * L];
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sh[t]);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < L; ++t) {
-          sh[t] = exp_approx(sh[t] - m);
-          l += sh[t];
-        }
-        inv[h] = l > 0.f ? 1.f / l : 0.f;
-      }
+      softmax_rows(s.data(), nh, L, inv);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const T* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr;
@@ -214,18 +220,7 @@ static void decode_kernel_avx512(
         }
       }
       float inv[256];
-      for (int64_t h = 0; h < nh; ++h) {
-        float* sh = &s[h * L];
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sh[t]);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < L; ++t) {
-          sh[t] = exp_approx(sh[t] - mx);
-          l += sh[t];
-        }
-        inv[h] = l > 0.f ? 1.f / l : 0.f;
-      }
+      softmax_rows(s.data(), nh, L, inv);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
