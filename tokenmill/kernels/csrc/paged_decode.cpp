@@ -18,6 +18,15 @@ static inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// nh query heads (rows q_stride_h apart) as float32, times the softmax scale, into qf [nh, D].
+template <typename T>
+static void load_scaled_q(const T* q, int64_t q_stride_h, int64_t nh, int64_t D, float scale, float* qf) {
+  for (int64_t h = 0; h < nh; ++h) {
+    load_f32(q + h * q_stride_h, qf + h * D, D);
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= scale;
+  }
+}
+
 // Each of the nh rows of L scores becomes exp(score - row max) in place; inv[h] = 1 / the row's sum
 // (the normalization is applied to the value sums, once per head rather than once per token).
 static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
@@ -60,10 +69,7 @@ static void decode_kernel(
       const int64_t L = ctx[b];
       const int64_t* table = bt + b * max_blocks;
       const int64_t nblocks = (L + bs - 1) / bs;
-      for (int64_t h = 0; h < nh; ++h) {
-        load_f32(q + b * q_stride_b + (h0 + h) * q_stride_h, &qf[h * D], D);
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= scale;
-      }
+      load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
       s.resize(nh * L);
       for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + off, w * sizeof(T));
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -174,10 +180,7 @@ static void decode_kernel_avx512(
       const int64_t L = ctx[b];
       const int64_t* table = bt + b * max_blocks;
       const int64_t nblocks = (L + bs - 1) / bs;
-      for (int64_t h = 0; h < nh; ++h) {
-        load_f32(q + b * q_stride_b + (h0 + h) * q_stride_h, &qf[h * D], D);
-        for (int64_t d = 0; d < D; ++d) qf[h * D + d] *= scale;
-      }
+      load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
       s.resize(nh * L);
       // A block lies anywhere in the pool, where no hardware prefetcher looks: the next block is asked
       // for while this one is read, each kv head's slice of a token row during that head's pass, so
