@@ -136,7 +136,8 @@ class Sampler:
         if bitmask is not None:
             masked = raw.clone() if keep_raw else raw
             apply_bitmask(masked, bitmask)
-        logits = self._apply_penalties(masked, rows, owned=masked is not raw or not keep_raw)
+        if not plain:  # `plain` already found that no row edits its logits
+            logits = self._apply_penalties(masked, rows, owned=masked is not raw or not keep_raw)
 
         targets = torch.empty(len(rows), dtype=torch.long)
         greedy_rows = [j for j, r in enumerate(rows) if r.params.greedy]
@@ -266,9 +267,9 @@ class Sampler:
         risky = False  # a bias or penalty was applied: values may overflow (min_tokens only writes -inf)
         for i, r in enumerate(reqs):
             p = r.params
-            if not _edits_logits(r):
-                continue
             banned = _banned(r)
+            if not _edits_logits(r, banned):
+                continue
             if not touched and not owned:
                 logits = logits.clone()
             touched.append(i)
@@ -361,12 +362,13 @@ def _banned(r: Row) -> set[int]:
     return set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
 
 
-def _edits_logits(r: Row) -> bool:
-    """Whether a logit bias, min_tokens or a penalty changes this row's logits."""
+def _edits_logits(r: Row, banned: set[int] | None = None) -> bool:
+    """Whether a logit bias, min_tokens or a penalty changes this row's logits (`banned`: _banned(r),
+    when the caller has it already)."""
     p = r.params
     return bool(
         p.logit_bias
-        or _banned(r)  # min_tokens with nothing to ban (ignore_eos, no stop ids) changes nothing
+        or (_banned(r) if banned is None else banned)  # min_tokens with nothing to ban changes nothing
         or p.repetition_penalty != 1.0
         or p.presence_penalty
         or p.frequency_penalty
