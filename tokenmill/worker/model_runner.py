@@ -43,7 +43,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.parallel = parallel or ParallelState.single()
-        self.backend: AttentionBackend = get_backend(backend, device.type)
+        self.backend: AttentionBackend = get_backend(backend, device.type, kv_spec.kv_format)
         self.sampler = Sampler(seed, ops=model.ops)
         self.requests: dict[str, CachedRequestState] = {}
         # Kept across preemptions, so a seeded request's draws continue where they stopped.
@@ -52,7 +52,9 @@ class ModelRunner:
         self.kv_caches = (
             kv_caches
             if kv_caches is not None
-            else huge_pages.zeros(kv_spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+            else huge_pages.zeros(
+                kv_spec.tensor_shape(num_blocks), dtype=kv_spec.storage_dtype(dtype), device=device
+            )
         )
         # Both live on the sampling rank only: they act on sampled tokens.
         self.speculator = speculator if self.parallel.samples else None

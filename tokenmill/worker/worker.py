@@ -88,18 +88,18 @@ class Worker:
             num_kv_heads=len(self.shard.kv_heads),
             head_dim=self.model_config.head_dim,
             dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(),
+            kv_format=self.config.cache.kv_format,
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         kt = self.config.kv_transfer
         kv_caches, shm_path = None, None
+        spec = self.kv_cache_spec(block_size)
         if kt.serves and kt.kv_transfer_shm and self.device.type == "cpu":
-            kv_caches, shm_path = shared_kv_tensor(
-                self.kv_cache_spec(block_size).tensor_shape(num_blocks), self.dtype
-            )
+            kv_caches, shm_path = shared_kv_tensor(spec.tensor_shape(num_blocks), spec.storage_dtype(self.dtype))
         self.runner = runner = ModelRunner(
             self.model,
-            self.kv_cache_spec(block_size),
+            spec,
             num_blocks,
             self.dtype,
             self.device,
@@ -120,7 +120,6 @@ class Worker:
             )  # fmt: skip
         self.offload: OffloadWorker | None = None
         if self.config.offload.kv_offload:
-            spec = self.kv_cache_spec(block_size)
             tiers = parse_tiers(self.config.offload.kv_offload)
             self.offload = OffloadWorker(
                 runner.kv_caches,

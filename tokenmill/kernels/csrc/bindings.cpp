@@ -5,7 +5,9 @@
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format);
+void kv_write_q8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor slots, bool fp8);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
@@ -31,7 +33,10 @@ static std::string isa_level() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_level", &isa_level, "the instruction-set level this build was compiled for");
-  m.def("paged_decode", &paged_decode, "decode attention through block tables");
+  m.def("paged_decode", &paged_decode, "decode attention through block tables", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("kv_format") = 0);
+  m.def("kv_write_q8", &kv_write_q8, "keys and values into an 8-bit paged cache, a scale per row");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [T, 2I] gate|up tensor");

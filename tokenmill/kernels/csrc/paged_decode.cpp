@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec_math.h"
 
 // Ask for the cache lines of [p, p + bytes) ahead of use.
@@ -49,13 +50,15 @@ static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
 // read whole (all kv heads at once, contiguous), and while one block is read the next one is
 // prefetched a token row at a time: the blocks of a sequence lie anywhere in the pool and hardware
 // prefetchers do not follow a block table. At 32 sequences of ~175 tokens this reads KV at ~8 GB/s,
-// against ~5 GB/s for one pass per (sequence, kv head) with an online softmax.
-template <typename T>
+// against ~5 GB/s for one pass per (sequence, kv head) with an online softmax. R: how the cache stores
+// a row (kv_rows.h); rows are converted to float32 (and scaled, for 8-bit rows) as they are read.
+template <typename T, typename R>
 static void decode_kernel(
-    const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* ctx, T* out,
-    int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, float scale,
+    const T* q, const typename R::elem* kc, const typename R::elem* vc, const int64_t* bt, const int64_t* ctx,
+    T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, float scale,
     int64_t q_stride_b, int64_t q_stride_h) {
-  const int64_t G = H / Hkv, W = Hkv * D;  // W: one token's keys (or values), all kv heads
+  using E = typename R::elem;
+  const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;  // W: one token's keys (or values), all kv heads
   // A work item is one sequence and a range of its kv heads: all of them when there are sequences
   // enough to keep every thread busy, else one each (a single long sequence still uses every core).
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
@@ -64,21 +67,21 @@ static void decode_kernel(
     std::vector<float> qf(H * D), acc(H * D), row(W), s;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
-      const int64_t off = g0 * D, w = heads_per_part * D;  // this item's slice of a token row
+      const int64_t off = g0 * RW, w = heads_per_part * RW;  // this item's slice of a token row
       const int64_t h0 = g0 * G, nh = heads_per_part * G;  // and its query heads
       const int64_t L = ctx[b];
       const int64_t* table = bt + b * max_blocks;
       const int64_t nblocks = (L + bs - 1) / bs;
       load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
       s.resize(nh * L);
-      for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + off, w * sizeof(T));
+      for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + off, w * sizeof(E));
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const T* next = (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + off;
-        const T* base = kc + table[blk] * bs * W + off;
+        const E* next = (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + off;
+        const E* base = kc + table[blk] * bs * W + off;
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
         for (int64_t i = 0; i < n; ++i) {
-          prefetch(next + i * W, w * sizeof(T));
-          load_f32(base + i * W, row.data(), w);
+          prefetch(next + i * W, w * sizeof(E));
+          for (int64_t g = 0; g < heads_per_part; ++g) R::load(base + i * W + g * RW, D, row.data() + g * D);
           for (int64_t h = 0; h < nh; ++h) {
             const float* qh = &qf[h * D];
             const float* kh = &row[(h / G) * D];
@@ -94,12 +97,12 @@ static void decode_kernel(
       softmax_rows(s.data(), nh, L, inv);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const T* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr;
-        const T* base = vc + table[blk] * bs * W + off;
+        const E* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr;
+        const E* base = vc + table[blk] * bs * W + off;
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
         for (int64_t i = 0; i < n; ++i) {
-          if (next) prefetch(next + i * W, w * sizeof(T));
-          load_f32(base + i * W, row.data(), w);
+          if (next) prefetch(next + i * W, w * sizeof(E));
+          for (int64_t g = 0; g < heads_per_part; ++g) R::load(base + i * W + g * RW, D, row.data() + g * D);
           for (int64_t h = 0; h < nh; ++h) {
             float* a = &acc[h * D];
             const float* vh = &row[(h / G) * D];
@@ -137,6 +140,37 @@ inline __m512 ld16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Sixteen codes of an 8-bit row as floats, before its scale. int8: sign-extended and converted. fp8
+// e4m3: its bits moved into a float16's (sign to bit 15, exponent and mantissa below it), which reads
+// the code's value divided by 2^8 (the two exponent biases differ by 8), subnormals included; Q8 below
+// puts the 2^8 back into the row's scale.
+template <bool FP8>
+static inline __m512 ld16_q8(const uint8_t* p) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FP8) {
+    const __m256i w = _mm256_cvtepu8_epi16(c);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  }
+}
+
+// A row format's sixteen-value loads and the factor its scale carries on this path.
+template <typename R>
+struct Avx512Rows;
+template <typename T>
+struct Avx512Rows<PlainRows<T>> {
+  static __m512 ld(const T* p) { return ld16(p); }
+  static float scale(const T*, int64_t) { return 1.f; }
+};
+template <bool FP8>
+struct Avx512Rows<Q8Rows<FP8>> {
+  static __m512 ld(const uint8_t* p) { return ld16_q8<FP8>(p); }
+  static float scale(const uint8_t* p, int64_t D) { return Q8Rows<FP8>::scale(p, D) * (FP8 ? 256.f : 1.f); }
+};
+
 // r[i] = sum of v[i]'s sixteen lanes, for sixteen vectors at once: ~3 instructions a sum where one
 // horizontal sum alone takes ~8. Pairs are folded within 128-bit lanes (unpack ps, then pd), then the
 // four lanes across vectors (shuffle_f32x4), so that vector 4m + j ends in lane 4m + j.
@@ -161,19 +195,24 @@ static inline __m512 hsum16(const __m512* v) {
 // row is converted once for all of them, sixteen tokens' dot products are summed in one hsum16, and
 // the value sums accumulate in registers over a block. The plain loops above measured ~12 GB/s with the
 // cache hot (compute-bound: one horizontal sum per head and token, value accumulators in memory).
-template <typename T, int NC>
+// An 8-bit row's scale multiplies its sixteen tokens' dot products after the sum, and each token's
+// softmax weight before the value sum, rather than every value.
+template <typename T, typename R, int NC>
 static void decode_kernel_avx512(
-    const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* ctx, T* out,
-    int64_t B, int64_t H, int64_t Hkv, int64_t bs, int64_t max_blocks, float scale,
+    const T* q, const typename R::elem* kc, const typename R::elem* vc, const int64_t* bt, const int64_t* ctx,
+    T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs, int64_t max_blocks, float scale,
     int64_t q_stride_b, int64_t q_stride_h) {
+  using E = typename R::elem;
+  using A = Avx512Rows<R>;
   constexpr int64_t D = NC * 16;
   constexpr int MAXH = 16 / NC;  // query heads whose registers fit beside the key row's
-  const int64_t G = H / Hkv, W = Hkv * D;
+  const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
   const int64_t heads_per_part = Hkv / parts;
   at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), s;
     alignas(64) __m512 part[MAXH][16];
+    alignas(64) float ks[16];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
       const int64_t h0 = g0 * G, nh = heads_per_part * G;
@@ -186,13 +225,13 @@ static void decode_kernel_avx512(
       // for while this one is read, each kv head's slice of a token row during that head's pass, so
       // the requests are spread over the whole block's work (all of a block at once overflowed the
       // line fill buffers; a whole row per token in the first head's pass only was 10-20% slower).
-      const int64_t slice = heads_per_part * D * sizeof(T);
-      for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + g0 * D, slice);
+      const int64_t slice = heads_per_part * RW * sizeof(E);
+      for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + g0 * RW, slice);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
-        const T* next = (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + g0 * D;
+        const E* next = (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + g0 * RW;
         for (int64_t g = 0; g < heads_per_part; ++g) {
-          const T* base = kc + table[blk] * bs * W + (g0 + g) * D;
+          const E* base = kc + table[blk] * bs * W + (g0 + g) * RW;
           for (int64_t hc = 0; hc < G; hc += MAXH) {
             const int64_t m = std::min<int64_t>(MAXH, G - hc);
             const float* qg = &qf[(g * G + hc) * D];
@@ -206,9 +245,11 @@ static void decode_kernel_avx512(
                   for (int hh = 0; hh < MAXH; ++hh) part[hh][i] = _mm512_setzero_ps();
                   continue;
                 }
-                if (hc == 0) prefetch(next + (i0 + i) * W + g * D, D * sizeof(T));
+                if (hc == 0) prefetch(next + (i0 + i) * W + g * RW, RW * sizeof(E));
+                const E* kr = base + (i0 + i) * W;
+                if constexpr (R::scaled) ks[i] = A::scale(kr, D);
                 __m512 k[NC];
-                for (int c = 0; c < NC; ++c) k[c] = ld16(base + (i0 + i) * W + c * 16);
+                for (int c = 0; c < NC; ++c) k[c] = A::ld(kr + c * 16);
                 for (int hh = 0; hh < MAXH; ++hh) {
                   __m512 a = _mm512_mul_ps(qv[hh][0], k[0]);
                   for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[hh][c], k[c], a);
@@ -216,8 +257,11 @@ static void decode_kernel_avx512(
                 }
               }
               const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1u);
-              for (int hh = 0; hh < m; ++hh)
-                _mm512_mask_storeu_ps(&s[(g * G + hc + hh) * L + t0 + i0], keep, hsum16(part[hh]));
+              for (int hh = 0; hh < m; ++hh) {
+                __m512 dots = hsum16(part[hh]);
+                if constexpr (R::scaled) dots = _mm512_mul_ps(dots, _mm512_load_ps(ks));
+                _mm512_mask_storeu_ps(&s[(g * G + hc + hh) * L + t0 + i0], keep, dots);
+              }
             }
           }
         }
@@ -227,9 +271,9 @@ static void decode_kernel_avx512(
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
-        const T* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + g0 * D : nullptr;
+        const E* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + g0 * RW : nullptr;
         for (int64_t g = 0; g < heads_per_part; ++g) {
-          const T* base = vc + table[blk] * bs * W + (g0 + g) * D;
+          const E* base = vc + table[blk] * bs * W + (g0 + g) * RW;
           for (int64_t hc = 0; hc < G; hc += MAXH) {
             const int64_t m = std::min<int64_t>(MAXH, G - hc);
             float* ag = &acc[(g * G + hc) * D];
@@ -238,12 +282,14 @@ static void decode_kernel_avx512(
             for (int hh = 0; hh < MAXH; ++hh)
               for (int c = 0; c < NC; ++c) av[hh][c] = hh < m ? _mm512_loadu_ps(ag + hh * D + c * 16) : _mm512_setzero_ps();
             for (int64_t i = 0; i < n; ++i) {
-              if (next && hc == 0) prefetch(next + i * W + g * D, D * sizeof(T));
+              if (next && hc == 0) prefetch(next + i * W + g * RW, RW * sizeof(E));
+              const E* vr = base + i * W;
+              const float sv = A::scale(vr, D);
               __m512 v[NC];
-              for (int c = 0; c < NC; ++c) v[c] = ld16(base + i * W + c * 16);
+              for (int c = 0; c < NC; ++c) v[c] = A::ld(vr + c * 16);
               for (int hh = 0; hh < MAXH; ++hh) {
                 if (hh >= m) break;
-                const __m512 p = _mm512_set1_ps(sg[hh * L + i]);
+                const __m512 p = _mm512_set1_ps(sg[hh * L + i] * sv);
                 for (int c = 0; c < NC; ++c) av[hh][c] = _mm512_fmadd_ps(p, v[c], av[hh][c]);
               }
             }
@@ -261,36 +307,56 @@ static void decode_kernel_avx512(
 }
 #endif
 
-// q: [B, H, D] (rows may be strided), caches: [num_blocks, block_size, Hkv, D] contiguous,
+template <typename T, typename R>
+static void run_decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& bt,
+                       const torch::Tensor& ctx, torch::Tensor& out, float scale) {
+  using E = typename R::elem;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = kc.size(1), Hkv = kc.size(2);
+  const E* k = reinterpret_cast<const E*>(kc.data_ptr());
+  const E* v = reinterpret_cast<const E*>(vc.data_ptr());
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    auto fast = D == 64 ? &decode_kernel_avx512<T, R, 4> : D == 128 ? &decode_kernel_avx512<T, R, 8> : nullptr;
+    if (fast) {
+      fast(q.data_ptr<T>(), k, v, bt.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, Hkv, bs,
+           bt.size(1), scale, q.stride(0), q.stride(1));
+      return;
+    }
+  }
+#endif
+  decode_kernel<T, R>(q.data_ptr<T>(), k, v, bt.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H,
+                      Hkv, D, bs, bt.size(1), scale, q.stride(0), q.stride(1));
+}
+
+// q: [B, H, D] (rows may be strided), caches: [num_blocks, block_size, Hkv, row] contiguous, where a row
+// is D values of q's dtype (kv_format 0) or D 8-bit codes and a float32 scale (1: int8, 2: fp8 e4m3),
 // block_tables: [B, max_blocks] int64, context_lens: [B] int64. Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
   auto bt = block_tables.contiguous();
   auto ctx = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D);
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK(H % Hkv == 0 && k_cache.sizes() == v_cache.sizes());
+  if (kv_format == 0) {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == D, "cache rows: D values of q's dtype");
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_cache.size(3) == D + 4, "8-bit cache rows: D + 4 bytes");
+  }
   TORCH_CHECK(H <= 256, "at most 256 query heads");
   auto out = torch::empty({B, H, D}, q.options());
+  const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-#if defined(__AVX512F__)
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      auto fast = D == 64 ? &decode_kernel_avx512<scalar_t, 4> : D == 128 ? &decode_kernel_avx512<scalar_t, 8> : nullptr;
-      if (fast) {
-        fast(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             bt.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, Hkv, bs, bt.size(1),
-             static_cast<float>(scale), q.stride(0), q.stride(1));
-        return;
-      }
-    }
-#endif
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
-                            out.data_ptr<scalar_t>(), B, H, Hkv, D, bs, bt.size(1),
-                            static_cast<float>(scale), q.stride(0), q.stride(1));
+    if (kv_format == 1)
+      run_decode<scalar_t, Q8Rows<false>>(q, k_cache, v_cache, bt, ctx, out, sc);
+    else if (kv_format == 2)
+      run_decode<scalar_t, Q8Rows<true>>(q, k_cache, v_cache, bt, ctx, out, sc);
+    else
+      run_decode<scalar_t, PlainRows<scalar_t>>(q, k_cache, v_cache, bt, ctx, out, sc);
   });
   return out;
 }

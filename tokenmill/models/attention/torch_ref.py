@@ -6,10 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.models.attention.kv_quant import check_format, dequantize_rows, quantize_rows
 
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, kv_format: str | None = None) -> None:
+        check_format(kv_format)
+        self.kv_format = kv_format
 
     def forward(
         self,
@@ -21,13 +26,9 @@ class TorchReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv, head_dim = k_cache.shape
-        flat_k = k_cache.view(num_blocks * block_size, num_kv, head_dim)
-        flat_v = v_cache.view(num_blocks * block_size, num_kv, head_dim)
         # Write first: a request may read blocks that another request of this same step fills
         # (early reuse of a block the moment it is full).
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
 
         nd = meta.num_decode
         if nd == q.shape[0]:  # a pure decode step: no copy into a combined output
@@ -35,6 +36,7 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        num_kv, head_dim = k.shape[1], k.shape[2]
         for seg in meta.prefills:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if seg.start_pos == 0:
@@ -48,8 +50,8 @@ class TorchReferenceBackend(AttentionBackend):
                     ks, vs = k_cache[blocks], v_cache[blocks]
                 else:
                     ks, vs = k_cache[seg.block_ids], v_cache[seg.block_ids]
-                ks = ks.reshape(-1, num_kv, head_dim)[: seg.context_len]
-                vs = vs.reshape(-1, num_kv, head_dim)[: seg.context_len]
+                ks = self._values(ks.reshape(-1, num_kv, ks.shape[-1])[: seg.context_len], q.dtype)
+                vs = self._values(vs.reshape(-1, num_kv, vs.shape[-1])[: seg.context_len], q.dtype)
                 mask, causal = seg.causal_mask(), False
             o = F.scaled_dot_product_attention(
                 qs,
@@ -63,8 +65,22 @@ class TorchReferenceBackend(AttentionBackend):
             out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
+    def _write(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """The step's keys and values into their cache slots (as 8-bit rows when the cache is)."""
+        num_blocks, block_size, num_kv, width = k_cache.shape
+        if self.kv_format:
+            k, v = quantize_rows(k, self.kv_format), quantize_rows(v, self.kv_format)
+        k_cache.view(num_blocks * block_size, num_kv, width).index_copy_(0, slots, k)
+        v_cache.view(num_blocks * block_size, num_kv, width).index_copy_(0, slots, v)
+
+    def _values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows as values of `dtype` (8-bit rows dequantized; others as they are)."""
+        return dequantize_rows(rows, self.kv_format, dtype) if self.kv_format else rows
+
     def _decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -74,9 +90,9 @@ class TorchReferenceBackend(AttentionBackend):
         assert meta.decode_block_tables is not None
         bt = meta.decode_block_tables
         b, nb = bt.shape
-        _, block_size, num_kv, head_dim = k_cache.shape
-        ks = k_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
-        vs = v_cache[bt].view(b, nb * block_size, num_kv, head_dim).transpose(1, 2)
+        _, block_size, num_kv, width = k_cache.shape
+        ks = self._values(k_cache[bt].view(b, nb * block_size, num_kv, width), q.dtype).transpose(1, 2)
+        vs = self._values(v_cache[bt].view(b, nb * block_size, num_kv, width), q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask(), scale=scale, enable_gqa=True
         )

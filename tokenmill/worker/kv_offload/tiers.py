@@ -83,4 +83,6 @@ def layout_namespace(model: str, dtype: str, quantization: str | None, spec: KVC
     precision (it changes the keys and values), block shape or rank is never found under it."""
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype_bytes)
     text = f"v1|{model}|{dtype}|{quantization}|{'x'.join(map(str, shape))}|rank{rank}"
+    if spec.kv_format:  # an 8-bit cache's blocks are another layout (older names stay as they were)
+        text += f"|kv-{spec.kv_format}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
