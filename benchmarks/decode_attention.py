@@ -4,6 +4,8 @@ SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64), 30 layers, bf16,
 scattered over a 1 GB pool as they are after a while of serving. The reference gathers each
 sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
 Reports ms per step (all 30 layers), the KV bytes read per second, and the ratio in the same run.
+A second table times the kernel on 8-bit caches (`--kv-cache-dtype int8|fp8`: rows of 64 codes and a
+float32 scale, 68 bytes against 128) against the same kernel on the bf16 cache, same block tables.
 
     python benchmarks/decode_attention.py
 """
@@ -15,6 +17,7 @@ import time
 import torch
 
 from tokenmill.models.attention.backend import AttentionMetadata
+from tokenmill.models.attention.kv_quant import quantize_rows
 from tokenmill.models.attention.registry import get_backend
 
 H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
@@ -63,6 +66,43 @@ def main() -> None:
         print(
             f"| {b} | {ctx_mean} | {t_ref:.2f} | {t_cpu:.2f} | {kv_bytes / t_cpu / 1e6:.1f} "
             f"| {t_ref / t_cpu:.2f} |"
+        )
+    eight_bit(k_cache, v_cache, pool_blocks, g)
+
+
+def eight_bit(k_cache: torch.Tensor, v_cache: torch.Tensor, pool_blocks: int, g: torch.Generator) -> None:
+    rows = {
+        fmt: (
+            torch.stack([quantize_rows(k_cache[i], fmt) for i in range(LAYERS)]),
+            torch.stack([quantize_rows(v_cache[i], fmt) for i in range(LAYERS)]),
+        )
+        for fmt in ("int8", "fp8")
+    }
+    backends = {None: get_backend("cpu"), **{fmt: get_backend("cpu", kv_format=fmt) for fmt in rows}}
+    caches = {None: (k_cache, v_cache), **rows}
+    print()
+    print("| sequences | mean context | bf16 ms/step | int8 ms/step | fp8 ms/step | int8 speed-up | fp8 speed-up "
+          "| int8 KV GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, ctx_mean in CASES:
+        meta = make_step(b, ctx_mean, pool_blocks, g)
+        q = torch.randn(b, H, D, generator=g).to(torch.bfloat16)
+
+        def step(fmt: str | None, meta=meta, q=q) -> None:
+            kc, vc = caches[fmt]
+            for layer in range(LAYERS):
+                backends[fmt]._decode(q, kc[layer], vc[layer], meta, D**-0.5)
+
+        # Alternated, three rounds, best of each: the machine's memory bandwidth drifts between runs.
+        best = {fmt: float("inf") for fmt in caches}
+        for _ in range(3):
+            for fmt in caches:
+                best[fmt] = min(best[fmt], time_ms(lambda fmt=fmt: step(fmt), 5))
+        kv_bytes = 2 * int(meta.decode_context_lens.sum()) * HKV * (D + 4) * LAYERS
+        print(
+            f"| {b} | {ctx_mean} | {best[None]:.2f} | {best['int8']:.2f} | {best['fp8']:.2f} "
+            f"| {best[None] / best['int8']:.2f} | {best[None] / best['fp8']:.2f} "
+            f"| {kv_bytes / best['int8'] / 1e6:.1f} |"
         )
 
 

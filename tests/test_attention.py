@@ -90,3 +90,35 @@ def test_cpu_kernel_equals_reference_on_large_batch() -> None:
     ref = get_backend("torch")._decode(q, k_cache, v_cache, meta, D**-0.5)
     cpu = get_backend("cpu")._decode(q, k_cache, v_cache, meta, D**-0.5)
     torch.testing.assert_close(cpu, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_backend_with_8bit_cache_matches_naive_attention(backend: str, fmt: str) -> None:
+    """With an 8-bit cache, every query attends to the dequantized rows of the cache, except a prompt's
+    first chunk, which attends to its own keys and values as computed (nothing is cached before it)."""
+    from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
+
+    q, k, v, k_cache, v_cache, meta, seqs = make_case(torch.float32, seed=3)
+    k_rows, v_rows = quantize_rows(k_cache, fmt), quantize_rows(v_cache, fmt)
+    out = get_backend(backend, kv_format=fmt).forward(q, k, v, k_rows, v_rows, meta, D**-0.5)
+    flat_k = dequantize_rows(k_rows, fmt, torch.float32).view(-1, HKV, D)
+    flat_v = dequantize_rows(v_rows, fmt, torch.float32).view(-1, HKV, D)
+    row = 0
+    for before, new, blocks in seqs:
+        slots = [blocks[p // BS] * BS + p % BS for p in range(before + new)]
+        written = slots[before:]
+        assert torch.equal(k_rows.view(-1, HKV, D + 4)[written], quantize_rows(k[row : row + new], fmt))
+        assert torch.equal(v_rows.view(-1, HKV, D + 4)[written], quantize_rows(v[row : row + new], fmt))
+        if before == 0 and new > 1:
+            ks, vs = k[row : row + new], v[row : row + new]
+        else:
+            ks, vs = flat_k[slots], flat_v[slots]
+        expect = naive(q[row : row + new], ks, vs, before)
+        torch.testing.assert_close(out[row : row + new].double(), expect, atol=1e-5, rtol=1e-5)
+        row += new
+    # Rows hold what they stand for, within the format's resolution (half a step of the largest value
+    # for int8; half a unit in the last place of 3 mantissa bits, relative, for fp8).
+    back = dequantize_rows(quantize_rows(k_cache, fmt), fmt, torch.float32)
+    err = (back - k_cache).abs() / (k_cache.abs() if fmt == "fp8" else k_cache.abs().amax(-1, keepdim=True))
+    assert float(err.max()) <= {"int8": 0.5 / 127 * 1.01, "fp8": 2**-4 * 1.01}[fmt]

@@ -53,13 +53,15 @@ def test_parse_disaggregate() -> None:
 
 
 @pytest.mark.parametrize("use_shm", [True, False])
-def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool) -> None:
+@pytest.mark.parametrize("layout", ["", "int8"])  # bfloat16 values, or 8-bit rows (bytes)
+def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool, layout: str) -> None:
     shape = (3, 2, 10, 4, 2, 8)  # layers, k/v, blocks, tokens, heads, dim
-    src, path = shared_kv_tensor(shape, torch.bfloat16)
-    src.copy_(torch.randn(shape).to(torch.bfloat16))
-    dst = torch.zeros(shape, dtype=torch.bfloat16)
-    server = TransferServer(src, path)
-    client = TransferClient(dst, timeout_s=5, use_shm=use_shm)
+    dtype = torch.uint8 if layout else torch.bfloat16
+    src, path = shared_kv_tensor(shape, dtype)
+    src.copy_(torch.randint(0, 256, shape).to(dtype) if layout else torch.randn(shape).to(dtype))
+    dst = torch.zeros(shape, dtype=dtype)
+    server = TransferServer(src, path, layout=layout)
+    client = TransferClient(dst, timeout_s=5, use_shm=use_shm, layout=layout)
     try:
         client.read(server.endpoint, [7, 2, 5], [0, 1, 9])
         assert torch.equal(dst[:, :, 0], src[:, :, 7]) and torch.equal(dst[:, :, 9], src[:, :, 5])
@@ -69,12 +71,32 @@ def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool) -> No
         client.done(server.endpoint, "req-1")
         assert server.take_done() == ["req-1"] and server.take_done() == []
         with pytest.raises(TransferError, match="out of range"):
-            TransferClient(dst, 5, use_shm=False).read(server.endpoint, [99], [0])
+            TransferClient(dst, 5, use_shm=False, layout=layout).read(server.endpoint, [99], [0])
     finally:
         client.close()
         server.close()
     if path is not None:  # the region was never a file in /dev/shm; its descriptor is closed now
         assert not path.exists() and not list(Path("/dev/shm").glob(f"tokenmill-kv-{os.getpid()}-*"))
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_blocks_of_another_layout_are_refused(use_shm: bool) -> None:
+    """int8 and fp8 blocks have the same shape and dtype: only the layout each side declares tells them
+    apart, and a mismatch is an error (the decode worker recomputes), never blocks read as garbage."""
+    shape = (1, 2, 4, 4, 1, 12)
+    src, path = shared_kv_tensor(shape, torch.uint8)
+    server = TransferServer(src, path, layout="fp8")
+    dst = torch.zeros(shape, dtype=torch.uint8)
+    try:
+        with pytest.raises(TransferError, match="another layout"):
+            TransferClient(dst, 5, use_shm=use_shm, layout="int8").read(server.endpoint, [1], [0])
+        with pytest.raises(TransferError, match="another layout"):  # a bfloat16 cache of other rows
+            TransferClient(torch.zeros(1, 2, 4, 4, 1, 8, dtype=torch.bfloat16), 5, use_shm).read(
+                server.endpoint, [1], [0]
+            )
+        assert not dst.any()
+    finally:
+        server.close()
 
 
 def test_a_peer_that_does_not_answer_is_an_error_not_a_hang() -> None:

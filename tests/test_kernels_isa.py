@@ -180,3 +180,104 @@ def test_paged_decode(
         p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
         exact = torch.einsum("ht,thd->hd", p, v)
         check(out[b], exact, atol=1e-5)
+
+
+# -- the 8-bit KV cache (models/attention/kv_quant.py is the reference) -----------------------------
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite e4m3 value (both signs), and every midpoint between neighbours: the ties that
+    round-to-nearest-even must settle as PyTorch does."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = vals[(vals >= 0) & vals.isfinite()].unique().sort().values
+    mids = (pos[1:] + pos[:-1]) / 2
+    grid = torch.cat([pos, mids])
+    return torch.cat([grid, -grid])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_q8_is_the_reference_bit_for_bit(kernels, fmt: str, dtype: torch.dtype) -> None:
+    from tokenmill.models.attention.kv_quant import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    hkv, d, pool, bs = 3, 64, 40, 16
+    # Keys and values are views into one fused row, as the model's qkv split leaves them.
+    fused = (torch.randn(50, 4 + 2 * hkv, d, generator=g) * torch.rand(50, 1, 1, generator=g) * 20).to(dtype)
+    fused[3] = 0  # all-zero rows: scale 1, codes 0
+    fused[4, 4, 5] = 300.0  # an outlier sets its row's scale
+    if fmt == "fp8" and dtype == torch.float32:
+        # Rows whose largest value is 448 have scale 1: their codes are the grid's own roundings.
+        grid = _e4m3_grid()
+        n = grid.numel() // (d - 1)
+        fused[10 : 10 + n, 4, 1:] = grid[: n * (d - 1)].view(n, d - 1)
+        fused[10 : 10 + n, 4, 0] = 448.0
+    k, v = fused[:, 4 : 4 + hkv], fused[:, 4 + hkv :]
+    slots = torch.randperm(pool * bs, generator=g)[:50]
+    k_cache = torch.zeros(pool, bs, hkv, d + 4, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    kernels.kv_write_q8(k, v, k_cache, v_cache, slots, fmt == "fp8")
+    assert torch.equal(k_cache.view(-1, hkv, d + 4)[slots], quantize_rows(k, fmt))
+    assert torch.equal(v_cache.view(-1, hkv, d + 4)[slots], quantize_rows(v, fmt))
+    untouched = torch.ones(pool * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert int(k_cache.view(-1, hkv, d + 4)[untouched].count_nonzero()) == 0, "only the given slots are written"
+
+
+def test_kv_write_q8_rejects_a_slot_outside_the_cache(kernels) -> None:
+    k = torch.randn(2, 1, 64)
+    cache = torch.zeros(4, 16, 1, 68, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.kv_write_q8(k, k, cache, cache.clone(), torch.tensor([0, 64]), False)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "d", "bs"),
+    [
+        (6, 9, 3, 64, 16),  # SmolLM2-135M's heads
+        (40, 8, 8, 64, 16),  # batch enough for one item a sequence
+        (5, 12, 2, 64, 32),  # two register chunks a kv head; 32-token blocks
+        (4, 8, 2, 128, 16),
+        (3, 4, 2, 32, 16),  # the plain loops
+    ],
+)
+def test_paged_decode_8bit_cache(
+    kernels, fmt: str, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int
+) -> None:
+    """Attention over 8-bit rows equals float64 attention over the rows' dequantized values: the kernel
+    adds no error of its own beyond float32 arithmetic and the final rounding."""
+    from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
+
+    pool = 320
+    g = torch.Generator().manual_seed(batch * heads + d)
+    k_rows = quantize_rows(torch.randn(pool, bs, kv_heads, d, generator=g) * 3, fmt)
+    v_rows = quantize_rows(torch.randn(pool, bs, kv_heads, d, generator=g), fmt)
+    q = (torch.randn(batch, heads, d, generator=g) * 2).to(dtype)
+    ctx = torch.randint(1, 8 * bs, (batch,), generator=g)
+    ctx[0] = 1
+    ctx[-1] = 2 * bs
+    width = int((ctx.max() + bs - 1) // bs)
+    tables = torch.randperm(pool, generator=g)[: batch * width].view(batch, width).long()
+    out = kernels.paged_decode(q, k_rows, v_rows, tables, ctx, d**-0.5, {"int8": 1, "fp8": 2}[fmt])
+    k_all = dequantize_rows(k_rows, fmt, torch.float64).view(-1, kv_heads, d)
+    v_all = dequantize_rows(v_rows, fmt, torch.float64).view(-1, kv_heads, d)
+    for b in range(batch):
+        n = int(ctx[b])
+        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
+        k = k_all[slots].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_all[slots].repeat_interleave(heads // kv_heads, dim=1)
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
+        check(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5)
+
+
+def test_paged_decode_rejects_a_cache_of_the_wrong_layout(kernels) -> None:
+    q = torch.randn(1, 2, 64)
+    plain = torch.zeros(4, 16, 1, 64)
+    rows = torch.zeros(4, 16, 1, 68, dtype=torch.uint8)
+    one = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="8-bit cache rows"):
+        kernels.paged_decode(q, plain, plain, torch.zeros(1, 1, dtype=torch.long), one, 0.125, 1)
+    with pytest.raises(RuntimeError, match="D values"):
+        kernels.paged_decode(q, rows, rows, torch.zeros(1, 1, dtype=torch.long), one, 0.125, 0)

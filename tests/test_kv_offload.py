@@ -255,6 +255,31 @@ def test_a_block_of_another_layout_is_never_found(reference: list[list[int]], tm
     assert len([d for d in disk.iterdir() if d.is_dir()]) == 2
 
 
+def test_8bit_blocks_come_back_from_the_tiers_as_the_pool_held_them(tmp_path: Path) -> None:
+    """An int8 cache's blocks (codes and scales) return from host memory and disk byte for byte: the
+    second round, loading them from the tiers, decodes exactly as an engine whose pool kept them all.
+    An fp8 engine (blocks of the same shape and dtype) never finds them."""
+    big = LLM(**{**SMALL_POOL, "num_blocks": 400}, kv_cache_dtype="int8")
+    try:
+        expected = _rounds(big)[1]
+    finally:
+        big.close()
+    disk = tmp_path / "disk"
+    llm = LLM(**SMALL_POOL, kv_cache_dtype="int8", kv_offload=f"host=1MB,disk={disk}:100MB")
+    try:
+        assert _rounds(llm)[1] == expected
+        kv = llm.engine.stats().kv_connector
+    finally:
+        llm.close()
+    assert kv["host_loads"] + kv["disk_hits"] >= 6 * 12 and kv["corrupt_blocks"] == 0, kv
+    llm = LLM(**SMALL_POOL, kv_cache_dtype="fp8", kv_offload=f"disk={disk}:100MB")
+    try:
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert llm.engine.stats().kv_connector["disk_hits"] == 0
+    finally:
+        llm.close()
+
+
 def test_salted_requests_never_load_each_others_blocks(tmp_path: Path) -> None:
     llm = LLM(**SMALL_POOL, kv_offload=f"disk={tmp_path}:100MB")
     try:

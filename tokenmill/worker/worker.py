@@ -116,7 +116,7 @@ class Worker:
         if kt.kv_role is not None:
             self.transfer = PDWorker(
                 runner.kv_caches, kt.serves, shm_path, kt.kv_transfer_host, kt.kv_transfer_port,
-                kt.kv_transfer_timeout_s, kt.kv_transfer_shm,
+                kt.kv_transfer_timeout_s, kt.kv_transfer_shm, spec.kv_format or str(self.dtype),
             )  # fmt: skip
         self.offload: OffloadWorker | None = None
         if self.config.offload.kv_offload:

@@ -27,9 +27,10 @@ class PDWorker:
         port: int = 0,
         timeout_s: float = 10.0,
         use_shm: bool = True,
+        layout: str = "",
     ) -> None:
-        self.server = TransferServer(kv, shm_path, host, port) if serve else None
-        self.client = TransferClient(kv, timeout_s, use_shm)
+        self.server = TransferServer(kv, shm_path, host, port, layout) if serve else None
+        self.client = TransferClient(kv, timeout_s, use_shm, layout)
         self.stats = {"remote_read_failures": 0}
         self._jobs: queue.Queue[tuple[str, RemoteLoad | None, tuple[str, str] | None] | None] = queue.Queue()
         self._cv = threading.Condition()

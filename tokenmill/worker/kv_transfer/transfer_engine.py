@@ -7,7 +7,7 @@ over a ZeroMQ socket (TCP between hosts). The control messages (describe, read, 
 the socket, so a reader on another host needs nothing but the address.
 
 Messages (multipart, plain bytes and msgpack):
-  [b"meta"]                      -> [b"ok", msgpack {shm, shape, dtype, host}]
+  [b"meta"]                      -> [b"ok", msgpack {shm, shape, dtype, host, layout}]
   [b"read", msgpack [block ids]] -> [b"ok", the blocks' bytes, in order] | [b"err", message]
   [b"done", request id]          -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
 """
@@ -29,7 +29,7 @@ import zmq
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32)}
+_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8)}
 
 
 def shared_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Path | None]:
@@ -64,9 +64,11 @@ class TransferServer:
     """Serves reads of a registered KV cache to peers, on a thread of its own; collects their `done`s."""
 
     def __init__(
-        self, kv: torch.Tensor, shm_path: Path | None, host: str = "127.0.0.1", port: int = 0
+        self, kv: torch.Tensor, shm_path: Path | None, host: str = "127.0.0.1", port: int = 0, layout: str = ""
     ) -> None:
-        self.kv, self.shm_path = kv, shm_path
+        # layout: what a block's bytes mean beyond shape and dtype (an 8-bit cache's format: int8 and
+        # fp8 blocks have the same shape and dtype); peers must agree on it.
+        self.kv, self.shm_path, self.layout = kv, shm_path, layout or str(kv.dtype)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -103,6 +105,7 @@ class TransferServer:
                 "shape": list(self.kv.shape),
                 "dtype": str(self.kv.dtype),
                 "host": socket.gethostname(),
+                "layout": self.layout,
             }
         )
         while not self._stop.is_set():
@@ -157,8 +160,10 @@ class TransferClient:
     """Reads blocks from peers' TransferServers into a local KV cache. One thread uses it (sockets are
     not thread-safe); a peer's shared-memory region is mapped once and kept."""
 
-    def __init__(self, kv: torch.Tensor, timeout_s: float = 10.0, use_shm: bool = True) -> None:
+    def __init__(self, kv: torch.Tensor, timeout_s: float = 10.0, use_shm: bool = True, layout: str = "") -> None:
         self.kv, self.timeout_s, self.use_shm = kv, timeout_s, use_shm
+        self.layout = layout or str(kv.dtype)
+        self._checked: set[str] = set()
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
         self._regions: dict[str, torch.Tensor | None] = {}
@@ -182,15 +187,23 @@ class TransferClient:
         return reply[1:]
 
     def _region(self, endpoint: str) -> torch.Tensor | None:
-        """The peer's cache mapped from shared memory, when it is on this host with the same layout."""
+        """The peer's cache mapped from shared memory, when it is on this host with the same layout.
+        First contact with a peer checks that its blocks mean what ours do (TransferError if not)."""
         if endpoint in self._regions:
             return self._regions[endpoint]
         region = None
+        meta = msgspec.msgpack.decode(self._call(endpoint, b"meta")[0])
+        theirs = meta.get("layout", meta.get("dtype"))
+        shape = tuple(meta["shape"])
+        if theirs != self.layout or shape[:2] + shape[3:] != self.kv.shape[:2] + self.kv.shape[3:]:
+            raise TransferError(
+                f"{endpoint} holds KV blocks of another layout ({theirs}, rows {meta['shape'][3:]}; here "
+                f"{self.layout}, rows {list(self.kv.shape[3:])}): prefill and decode workers need the same "
+                "model, dtype and --kv-cache-dtype"
+            )
         if self.use_shm:
-            meta = msgspec.msgpack.decode(self._call(endpoint, b"meta")[0])
-            path, shape, dtype = meta.get("shm"), tuple(meta["shape"]), _DTYPES.get(meta["dtype"])
-            same = dtype == self.kv.dtype and shape[:2] + shape[3:] == self.kv.shape[:2] + self.kv.shape[3:]
-            if path and same and meta.get("host") == socket.gethostname() and os.path.exists(path):
+            path, dtype = meta.get("shm"), _DTYPES.get(meta["dtype"])
+            if path and dtype == self.kv.dtype and meta.get("host") == socket.gethostname() and os.path.exists(path):
                 numel = 1
                 for n in shape:
                     numel *= n
