@@ -6,7 +6,8 @@ makes exactly its length. Each engine runs in its own process, one after the oth
 venv, set up by setup_vllm.sh, on the HF directory from export_hf.py); tokens per second counts prompt
 and output tokens, and output tokens alone.
 
-    python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,vllm]
+    python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,tokenmill-int8,vllm]
+        [--kv-cache-memory-gb GB]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-pee
 # Run inside each engine's own interpreter: reads the workload, prints one JSON line.
 RUNNER = r"""
 import json, sys, time
-engine, path, hf_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+engine, path, hf_dir, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 reqs = json.load(open(path))
 if engine == "vllm":
     from vllm import LLM, SamplingParams
@@ -43,7 +44,7 @@ if engine == "vllm":
     made = sum(len(o.outputs[0].token_ids) for o in outs)
 else:
     from tokenmill import LLM, SamplingParams
-    llm = LLM(max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(max_model_len=1024, enable_prefix_caching=False, **options)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate([p for p, _ in reqs[:4]], params[:4])
     t = time.perf_counter()
@@ -67,10 +68,19 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--engines", default="tokenmill,vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kv-cache-memory-gb", type=float, default=None,
+        help="tokenmill's KV budget (default its own, 1 GB; vLLM gets VLLM_CPU_KVCACHE_SPACE, default 4 GB here)",
+    )
     args = ap.parse_args()
     hf_dir = PEERS / "smollm2-135m-hf"
     pythons = {"tokenmill": sys.executable, "vllm": str(PEERS / "vllm-venv" / "bin" / "python")}
+    # "tokenmill-int8" / "tokenmill-fp8": tokenmill with that --kv-cache-dtype, beside the others.
     engines = args.engines.split(",")
+    options = {e: {"kv_cache_dtype": e.split("-", 1)[1]} if e.startswith("tokenmill-") else {} for e in engines}
+    for e in engines:
+        if e.startswith("tokenmill") and args.kv_cache_memory_gb is not None:
+            options[e]["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if "vllm" in engines and not (Path(pythons["vllm"]).exists() and hf_dir.exists()):
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh and export_hf.py first")
     reqs = workload(args.num_requests, 49152, args.seed)
@@ -86,7 +96,8 @@ def main() -> None:
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             r = subprocess.run(
-                [pythons[e], "-c", RUNNER, e, str(path), str(hf_dir)], capture_output=True, text=True, env=env
+                [pythons.get(e, sys.executable), "-c", RUNNER, e, str(path), str(hf_dir), json.dumps(options[e])],
+                capture_output=True, text=True, env=env,
             )
             line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
@@ -97,9 +108,9 @@ def main() -> None:
             all_tps = (res["output_tokens"] + prompt_tokens) / res["seconds"]
             secs = res["seconds"]
             print(f"{e}: {secs:.1f} s, {out_tps:.1f} output tok/s, {all_tps:.1f} tok/s with prompts")
-    if "tokenmill" in results and "vllm" in results:
-        ratio = results["vllm"]["seconds"] / results["tokenmill"]["seconds"]
-        print(f"tokenmill / vLLM: {ratio:.2f}x")
+    for e in results:
+        if e.startswith("tokenmill") and "vllm" in results:
+            print(f"{e} / vLLM: {results['vllm']['seconds'] / results[e]['seconds']:.2f}x")
 
 
 if __name__ == "__main__":

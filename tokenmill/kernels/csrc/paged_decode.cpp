@@ -10,6 +10,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "kv_rows.h"
 #include "vec_math.h"
 
@@ -28,13 +32,60 @@ static void load_scaled_q(const T* q, int64_t q_stride_h, int64_t nh, int64_t D,
   }
 }
 
+// The largest of n floats. Written with vector registers: GCC leaves a float max reduction scalar
+// without -ffast-math (even under omp simd), one vmaxss waiting on the last per score, which was a
+// quarter of the whole kernel's time at 32 sequences x 176 tokens.
+static inline float max_of(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(mx);
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(mx);
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) mx = std::max(mx, v);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
+
+// body(begin, end) over the work items [0, B * parts) (item i: sequence i / parts), one contiguous range
+// per thread, cut where the context lengths summed so far reach an equal share. at::parallel_for cuts
+// by item count, which left one thread waiting at the barrier when its half of the batch held the
+// longer sequences (offline serving mixes prompts of 32 to 512 tokens).
+template <typename F>
+static void parallel_by_context(int64_t B, int64_t parts, const int64_t* ctx, const F& body) {
+  const int64_t n = B * parts, T = at::get_num_threads();
+  if (T <= 1 || n <= 1 || at::in_parallel_region()) {
+    body(0, n);
+    return;
+  }
+  constexpr int64_t kItemCost = 32;  // a sequence's fixed work (query, softmax set-up) in token units
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += ctx[i / parts] + kItemCost;
+  std::vector<int64_t> cuts(T + 1, n);
+  cuts[0] = 0;
+  int64_t acc = 0, k = 1;
+  for (int64_t i = 0; i < n && k < T; ++i) {
+    acc += ctx[i / parts] + kItemCost;
+    while (k < T && acc * T >= total * k) cuts[k++] = i + 1;
+  }
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      if (cuts[t] < cuts[t + 1]) body(cuts[t], cuts[t + 1]);
+  });
+}
+
 // Each of the nh rows of L scores becomes exp(score - row max) in place; inv[h] = 1 / the row's sum
 // (the normalization is applied to the value sums, once per head rather than once per token).
 static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = s + h * L;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sh[t]);
+    const float mx = max_of(sh, L);
     float l = 0.f;
 #pragma omp simd reduction(+ : l)
     for (int64_t t = 0; t < L; ++t) {
@@ -63,7 +114,7 @@ static void decode_kernel(
   // enough to keep every thread busy, else one each (a single long sequence still uses every core).
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
   const int64_t heads_per_part = Hkv / parts;
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+  parallel_by_context(B, parts, ctx, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), row(W), s;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
@@ -209,7 +260,7 @@ static void decode_kernel_avx512(
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
   const int64_t heads_per_part = Hkv / parts;
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+  parallel_by_context(B, parts, ctx, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), s;
     alignas(64) __m512 part[MAXH][16];
     alignas(64) float ks[16];
@@ -251,6 +302,7 @@ static void decode_kernel_avx512(
                 __m512 k[NC];
                 for (int c = 0; c < NC; ++c) k[c] = A::ld(kr + c * 16);
                 for (int hh = 0; hh < MAXH; ++hh) {
+                  if (hh >= m) break;  // G = 3 (SmolLM2) fills three of four: no work for the fourth
                   __m512 a = _mm512_mul_ps(qv[hh][0], k[0]);
                   for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[hh][c], k[c], a);
                   part[hh][i] = a;
