@@ -32,9 +32,9 @@ RUNNER = r"""
 import json, sys, time
 engine, path, hf_dir, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 reqs = json.load(open(path))
-if engine == "vllm":
+if engine.startswith("vllm"):
     from vllm import LLM, SamplingParams
-    llm = LLM(model=hf_dir, dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(model=hf_dir, dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False, **options)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)
@@ -74,14 +74,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     hf_dir = PEERS / "smollm2-135m-hf"
-    pythons = {"tokenmill": sys.executable, "vllm": str(PEERS / "vllm-venv" / "bin" / "python")}
-    # "tokenmill-int8" / "tokenmill-fp8": tokenmill with that --kv-cache-dtype, beside the others.
+    vllm_python = str(PEERS / "vllm-venv" / "bin" / "python")
+    pythons = {e: vllm_python if e.startswith("vllm") else sys.executable for e in args.engines.split(",")}
+    # "tokenmill-int8" / "tokenmill-fp8" / "vllm-fp8": that engine with that KV cache dtype.
     engines = args.engines.split(",")
-    options = {e: {"kv_cache_dtype": e.split("-", 1)[1]} if e.startswith("tokenmill-") else {} for e in engines}
+    options = {e: {"kv_cache_dtype": e.split("-", 1)[1]} if "-" in e else {} for e in engines}
     for e in engines:
         if e.startswith("tokenmill") and args.kv_cache_memory_gb is not None:
             options[e]["kv_cache_memory_gb"] = args.kv_cache_memory_gb
-    if "vllm" in engines and not (Path(pythons["vllm"]).exists() and hf_dir.exists()):
+    if any(e.startswith("vllm") for e in engines) and not (Path(vllm_python).exists() and hf_dir.exists()):
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh and export_hf.py first")
     reqs = workload(args.num_requests, 49152, args.seed)
     prompt_tokens = sum(len(p) for p, _ in reqs)
@@ -92,11 +93,11 @@ def main() -> None:
         path.write_text(json.dumps(reqs))
         for e in engines:
             env = {**os.environ}
-            if e == "vllm":
+            if e.startswith("vllm"):
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             r = subprocess.run(
-                [pythons.get(e, sys.executable), "-c", RUNNER, e, str(path), str(hf_dir), json.dumps(options[e])],
+                [pythons[e], "-c", RUNNER, e, str(path), str(hf_dir), json.dumps(options[e])],
                 capture_output=True, text=True, env=env,
             )
             line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -109,8 +110,9 @@ def main() -> None:
             secs = res["seconds"]
             print(f"{e}: {secs:.1f} s, {out_tps:.1f} output tok/s, {all_tps:.1f} tok/s with prompts")
     for e in results:
-        if e.startswith("tokenmill") and "vllm" in results:
-            print(f"{e} / vLLM: {results['vllm']['seconds'] / results[e]['seconds']:.2f}x")
+        for v in results:
+            if e.startswith("tokenmill") and v.startswith("vllm"):
+                print(f"{e} / {v}: {results[v]['seconds'] / results[e]['seconds']:.2f}x")
 
 
 if __name__ == "__main__":
