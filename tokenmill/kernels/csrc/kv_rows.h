@@ -75,9 +75,7 @@ struct Q8Rows {
   }
   // D floats -> D codes and their scale at p (the reference's arithmetic, step by step).
   static void store(const float* x, int64_t D, elem* p) {
-    float m = 0.f;
-    for (int64_t d = 0; d < D; ++d) m = std::max(m, std::fabs(x[d]));
-    float s = m / kCodeMax;
+    float s = max_of<true>(x, D) / kCodeMax;
     if (!(s > 0.f)) s = 1.f;
     for (int64_t d = 0; d < D; ++d) {
       const float y = std::min(std::max(x[d] / s, -kCodeMax), kCodeMax);

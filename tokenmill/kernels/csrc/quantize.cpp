@@ -21,9 +21,7 @@ static void quantize_rows(const T* x, uint8_t* q, float* scales, int64_t rows, i
     std::vector<float> buf(n);
     for (int64_t r = b; r < e; ++r) {
       load_f32(x + r * stride, buf.data(), n);
-      float m = 0.f;
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(buf[i]));
+      const float m = max_of<true>(buf.data(), n);
       // FLT_MIN for an all-zero row: its values quantize to 0 whatever the scale.
       const float s = std::max(m / 127.f, FLT_MIN);
       scales[r] = s;

@@ -25,9 +25,7 @@ void sample_kernel(const T* x, int64_t R, int64_t V, int64_t stride, const float
     std::vector<float> p(V), part(nchunks);
     for (int64_t r = begin; r < end; ++r) {
       load_f32(x + r * stride, p.data(), V);
-      float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-      for (int64_t i = 0; i < V; ++i) m = std::max(m, p[i]);
+      const float m = max_of(p.data(), V);
       const float inv_t = 1.f / temps[r];
       if (!std::isfinite(m)) {  // +inf, or all -inf (a NaN alone does not show in the max)
         out[r] = -1;

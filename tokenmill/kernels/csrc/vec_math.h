@@ -6,7 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(TM_AVX512_BF16)
+#include <limits>
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -14,6 +15,36 @@
 // of a few rows) runs on the calling thread instead of waking the pool.
 static inline int64_t grain_for(int64_t row_elems) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1));
+}
+
+// The largest of n floats (abs: of their magnitudes). Written with vector registers: GCC leaves a float
+// max reduction scalar without -ffast-math, even under omp simd, one vmaxss waiting on the last per
+// element: in decode attention's softmax that was a quarter of the whole kernel's time. NaN elements are
+// skipped, as std::max(m, x) skips them.
+template <bool ABS = false>
+static inline float max_of(const float* x, int64_t n) {
+  float mx = ABS ? 0.f : -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(mx);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    m = _mm512_max_ps(ABS ? _mm512_abs_ps(v) : v, m);  // this order: a NaN element is skipped
+  }
+  mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_set1_ps(mx);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(ABS ? _mm256_andnot_ps(sign, v) : v, m);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) mx = std::max(mx, v);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, ABS ? std::fabs(x[i]) : x[i]);
+  return mx;
 }
 
 // exp(x) from 2^n * 2^r with |r| <= 1/2 and a degree-7 Taylor polynomial of 2^r (relative error
