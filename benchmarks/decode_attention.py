@@ -81,8 +81,10 @@ def eight_bit(k_cache: torch.Tensor, v_cache: torch.Tensor, pool_blocks: int, g:
     backends = {None: get_backend("cpu"), **{fmt: get_backend("cpu", kv_format=fmt) for fmt in rows}}
     caches = {None: (k_cache, v_cache), **rows}
     print()
-    print("| sequences | mean context | bf16 ms/step | int8 ms/step | fp8 ms/step | int8 speed-up | fp8 speed-up "
-          "| int8 KV GB/s |")
+    print(
+        "| sequences | mean context | bf16 ms/step | int8 ms/step | fp8 ms/step "
+        "| int8 speed-up | fp8 speed-up | int8 KV GB/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for b, ctx_mean in CASES:
         meta = make_step(b, ctx_mean, pool_blocks, g)

@@ -221,7 +221,9 @@ def test_kv_write_q8_is_the_reference_bit_for_bit(kernels, fmt: str, dtype: torc
     assert torch.equal(v_cache.view(-1, hkv, d + 4)[slots], quantize_rows(v, fmt))
     untouched = torch.ones(pool * bs, dtype=torch.bool)
     untouched[slots] = False
-    assert int(k_cache.view(-1, hkv, d + 4)[untouched].count_nonzero()) == 0, "only the given slots are written"
+    assert int(k_cache.view(-1, hkv, d + 4)[untouched].count_nonzero()) == 0, (
+        "only the given slots are written"
+    )
 
 
 def test_kv_write_q8_rejects_a_slot_outside_the_cache(kernels) -> None:

@@ -69,8 +69,10 @@ def main() -> None:
     ap.add_argument("--engines", default="tokenmill,vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None,
-        help="tokenmill's KV budget (default its own, 1 GB; vLLM gets VLLM_CPU_KVCACHE_SPACE, default 4 GB here)",
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="tokenmill's KV budget (default its own, 1 GB; vLLM gets VLLM_CPU_KVCACHE_SPACE, 4 GB here)",
     )
     args = ap.parse_args()
     hf_dir = PEERS / "smollm2-135m-hf"
@@ -98,7 +100,9 @@ def main() -> None:
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             r = subprocess.run(
                 [pythons[e], "-c", RUNNER, e, str(path), str(hf_dir), json.dumps(options[e])],
-                capture_output=True, text=True, env=env,
+                capture_output=True,
+                text=True,
+                env=env,
             )
             line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:

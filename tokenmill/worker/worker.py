@@ -96,7 +96,9 @@ class Worker:
         kv_caches, shm_path = None, None
         spec = self.kv_cache_spec(block_size)
         if kt.serves and kt.kv_transfer_shm and self.device.type == "cpu":
-            kv_caches, shm_path = shared_kv_tensor(spec.tensor_shape(num_blocks), spec.storage_dtype(self.dtype))
+            kv_caches, shm_path = shared_kv_tensor(
+                spec.tensor_shape(num_blocks), spec.storage_dtype(self.dtype)
+            )
         self.runner = runner = ModelRunner(
             self.model,
             spec,

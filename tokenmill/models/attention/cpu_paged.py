@@ -27,7 +27,12 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._format_code = _FORMAT_CODES[kv_format]
 
     def _write(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
         if self.kv_format is None or k.device.type != "cpu":
             super()._write(k, v, k_cache, v_cache, slots)

@@ -36,7 +36,7 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        num_kv, head_dim = k.shape[1], k.shape[2]
+        num_kv = k.shape[1]
         for seg in meta.prefills:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if seg.start_pos == 0:
@@ -66,7 +66,12 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
     def _write(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
         """The step's keys and values into their cache slots (as 8-bit rows when the cache is)."""
         num_blocks, block_size, num_kv, width = k_cache.shape

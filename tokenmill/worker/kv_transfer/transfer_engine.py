@@ -64,7 +64,12 @@ class TransferServer:
     """Serves reads of a registered KV cache to peers, on a thread of its own; collects their `done`s."""
 
     def __init__(
-        self, kv: torch.Tensor, shm_path: Path | None, host: str = "127.0.0.1", port: int = 0, layout: str = ""
+        self,
+        kv: torch.Tensor,
+        shm_path: Path | None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        layout: str = "",
     ) -> None:
         # layout: what a block's bytes mean beyond shape and dtype (an 8-bit cache's format: int8 and
         # fp8 blocks have the same shape and dtype); peers must agree on it.
@@ -160,7 +165,9 @@ class TransferClient:
     """Reads blocks from peers' TransferServers into a local KV cache. One thread uses it (sockets are
     not thread-safe); a peer's shared-memory region is mapped once and kept."""
 
-    def __init__(self, kv: torch.Tensor, timeout_s: float = 10.0, use_shm: bool = True, layout: str = "") -> None:
+    def __init__(
+        self, kv: torch.Tensor, timeout_s: float = 10.0, use_shm: bool = True, layout: str = ""
+    ) -> None:
         self.kv, self.timeout_s, self.use_shm = kv, timeout_s, use_shm
         self.layout = layout or str(kv.dtype)
         self._checked: set[str] = set()
@@ -203,7 +210,12 @@ class TransferClient:
             )
         if self.use_shm:
             path, dtype = meta.get("shm"), _DTYPES.get(meta["dtype"])
-            if path and dtype == self.kv.dtype and meta.get("host") == socket.gethostname() and os.path.exists(path):
+            if (
+                path
+                and dtype == self.kv.dtype
+                and meta.get("host") == socket.gethostname()
+                and os.path.exists(path)
+            ):
                 numel = 1
                 for n in shape:
                     numel *= n
