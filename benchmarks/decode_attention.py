@@ -1,8 +1,8 @@
 """Decode attention over the paged KV cache: the C++ kernel against the plain-PyTorch backend.
 
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64), 30 layers, bf16, blocks of 16 tokens
-scattered over a 1 GB pool as they are after a while of serving. The reference gathers each
-sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
+scattered over a 1 GB pool as they are after a while of serving, on huge pages as the engine's pool
+is. The reference gathers each sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
 Reports ms per step (all 30 layers), the KV bytes read per second, and the ratio in the same run.
 A second table times the kernel on 8-bit caches (`--kv-cache-dtype int8|fp8`: rows of 64 codes and a
 float32 scale, 68 bytes against 128) against the same kernel on the bf16 cache, same block tables.
@@ -19,6 +19,7 @@ import torch
 from tokenmill.models.attention.backend import AttentionMetadata
 from tokenmill.models.attention.kv_quant import quantize_rows
 from tokenmill.models.attention.registry import get_backend
+from tokenmill.worker import huge_pages
 
 H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 CASES = [(1, 2000), (8, 500), (32, 50), (32, 175), (64, 300)]  # (sequences, mean context length)
@@ -29,6 +30,13 @@ def make_step(b: int, ctx_mean: int, pool_blocks: int, g: torch.Generator) -> At
     width = int((ctx.max() + BS - 1) // BS)
     tables = torch.randperm(pool_blocks, generator=g)[: b * width].view(b, width)
     return AttentionMetadata(torch.empty(0, dtype=torch.long), b, tables, ctx, [], BS)
+
+
+def pooled(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into memory allocated as the engine allocates its pool (transparent huge pages: 15-20%
+    more KV per second than 4 KB pages here)."""
+    out = huge_pages.zeros(tuple(t.shape), t.dtype, t.device)
+    return out.copy_(t)
 
 
 def time_ms(fn, reps: int) -> float:
@@ -42,8 +50,8 @@ def time_ms(fn, reps: int) -> float:
 def main() -> None:
     g = torch.Generator().manual_seed(0)
     pool_blocks = 2**30 // (LAYERS * 2 * BS * HKV * D * 2)
-    k_cache = torch.randn(LAYERS, pool_blocks, BS, HKV, D, generator=g).to(torch.bfloat16)
-    v_cache = torch.randn(LAYERS, pool_blocks, BS, HKV, D, generator=g).to(torch.bfloat16)
+    k_cache = pooled(torch.randn(LAYERS, pool_blocks, BS, HKV, D, generator=g).to(torch.bfloat16))
+    v_cache = pooled(torch.randn(LAYERS, pool_blocks, BS, HKV, D, generator=g).to(torch.bfloat16))
     ref, cpu = get_backend("torch"), get_backend("cpu")
     print(f"threads: {torch.get_num_threads()}")
     print("| sequences | mean context | torch ms/step | kernel ms/step | kernel KV GB/s | ratio |")
@@ -73,8 +81,8 @@ def main() -> None:
 def eight_bit(k_cache: torch.Tensor, v_cache: torch.Tensor, pool_blocks: int, g: torch.Generator) -> None:
     rows = {
         fmt: (
-            torch.stack([quantize_rows(k_cache[i], fmt) for i in range(LAYERS)]),
-            torch.stack([quantize_rows(v_cache[i], fmt) for i in range(LAYERS)]),
+            pooled(torch.stack([quantize_rows(k_cache[i], fmt) for i in range(LAYERS)])),
+            pooled(torch.stack([quantize_rows(v_cache[i], fmt) for i in range(LAYERS)])),
         )
         for fmt in ("int8", "fp8")
     }
