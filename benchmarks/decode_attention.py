@@ -2,7 +2,8 @@
 
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64), 30 layers, bf16, blocks of 16 tokens
 scattered over a 1 GB pool as they are after a while of serving, on huge pages as the engine's pool
-is. The reference gathers each sequence's blocks and calls scaled_dot_product_attention; the kernel reads the blocks in place.
+is. The reference gathers each sequence's blocks and calls scaled_dot_product_attention; the kernel
+reads the blocks in place.
 Reports ms per step (all 30 layers), the KV bytes read per second, and the ratio in the same run.
 A second table times the kernel on 8-bit caches (`--kv-cache-dtype int8|fp8`: rows of 64 codes and a
 float32 scale, 68 bytes against 128) against the same kernel on the bf16 cache, same block tables.
