@@ -224,3 +224,25 @@ def test_greedy_output_is_identical_with_speculation(method, monkeypatch):
     # speculate at under the default token cap: raised, so that all of them draft.
     cap = 256 if method.startswith("draft:") else 16
     assert _run(method, prompts, max_batch_tokens=cap, num_blocks=64) == base
+
+
+@pytest.mark.slow
+def test_a_draft_keeps_its_kv_in_the_targets_8bit_format(monkeypatch):
+    """With `kv_cache_dtype="int8"` the self-draft's pool is 8-bit too (as many blocks as the target's,
+    of the same size), and speculation still changes no greedy token."""
+    from tokenmill.worker.spec_decode.draft_cost import DraftCost
+
+    monkeypatch.setattr(DraftCost, "share", lambda self, batch_size: 0.0)
+    monkeypatch.setattr(DraftCost, "drafting_pays", lambda self, batch_size: True)
+    base = _run(None, PROMPTS, num_blocks=64, kv_cache_dtype="int8")
+    assert _run("draft:self", PROMPTS, max_batch_tokens=256, num_blocks=64, kv_cache_dtype="int8") == base
+    from tokenmill import LLM
+
+    spec = {"method": "draft:self", "num_speculative_tokens": 5}
+    llm = LLM(dtype="float32", max_model_len=256, num_blocks=16, speculative_config=spec, kv_cache_dtype="int8")
+    try:
+        target = llm.engine.runner.kv_caches
+        draft = llm.engine.runner.speculator.proposer.kv_caches
+        assert target.dtype == draft.dtype == torch.uint8 and target.shape[2:] == draft.shape[2:]
+    finally:
+        llm.close()

@@ -135,7 +135,8 @@ class Worker:
 
     def _draft_proposer(self, num_blocks: int, block_size: int) -> DraftModelProposer | None:
         """The draft model of `--speculative draft:MODEL`, on the rank that samples, with a KV pool of
-        as many blocks as the target's (a 4-bit self-draft's blocks are the same size)."""
+        as many blocks as the target's, in the target's KV format (a self-draft's blocks are then the
+        same size as the target's, 4-bit weights or not)."""
         spec = self.config.speculative
         name = spec.draft_model
         if name is None or not self.parallel.samples:
@@ -157,8 +158,9 @@ class Worker:
         log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
                  time.perf_counter() - t0)  # fmt: skip
         return DraftModelProposer(
-            model, num_blocks, block_size, self.dtype, self.device, self.config.kernels, self.max_model_len
-        )
+            model, num_blocks, block_size, self.dtype, self.device, self.config.kernels, self.max_model_len,
+            self.config.cache.kv_format,
+        )  # fmt: skip
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "allocate_kv_cache first"

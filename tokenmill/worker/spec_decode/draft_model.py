@@ -49,17 +49,18 @@ class DraftModelProposer(Proposer):
         device: torch.device,
         backend: str = "torch",
         max_model_len: int | None = None,
+        kv_format: str | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         cfg = model.config
-        spec = KVCacheSpec(
-            block_size, model.num_local_layers, model.num_local_kv_heads, cfg.head_dim, dtype.itemsize
-        )
-        self.kv_caches = torch.zeros(spec.tensor_shape(num_blocks), dtype=dtype, device=device)
+        layers, kv_heads = model.num_local_layers, model.num_local_kv_heads
+        spec = KVCacheSpec(block_size, layers, kv_heads, cfg.head_dim, dtype.itemsize, kv_format)
+        shape, storage = spec.tensor_shape(num_blocks), spec.storage_dtype(dtype)
+        self.kv_caches = torch.zeros(shape, dtype=storage, device=device)
         self.free = list(range(num_blocks - 1, -1, -1))
-        self.backend: AttentionBackend = get_backend(backend, device.type)
+        self.backend: AttentionBackend = get_backend(backend, device.type, kv_format)
         self.max_len = max_model_len or cfg.max_position_embeddings
         self.seqs: dict[str, _Seq] = {}
 
