@@ -7,7 +7,7 @@ venv, set up by setup_vllm.sh, on the HF directory from export_hf.py); tokens pe
 and output tokens, and output tokens alone.
 
     python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,tokenmill-int8,vllm]
-        [--kv-cache-memory-gb GB]
+        [--kv-cache-memory-gb 4]
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-memory-gb",
         type=float,
-        default=None,
-        help="tokenmill's KV budget (default its own, 1 GB; vLLM gets VLLM_CPU_KVCACHE_SPACE, 4 GB here)",
+        default=4.0,
+        help="KV budget of both engines (tokenmill's kv_cache_memory_gb, vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
     args = ap.parse_args()
     hf_dir = PEERS / "smollm2-135m-hf"
@@ -81,8 +81,8 @@ def main() -> None:
     # "tokenmill-int8" / "tokenmill-fp8" / "vllm-fp8": that engine with that KV cache dtype.
     engines = args.engines.split(",")
     options = {e: {"kv_cache_dtype": e.split("-", 1)[1]} if "-" in e else {} for e in engines}
-    for e in engines:
-        if e.startswith("tokenmill") and args.kv_cache_memory_gb is not None:
+    for e in engines:  # the same KV budget for both: a bigger pool runs more requests at once
+        if e.startswith("tokenmill"):
             options[e]["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if any(e.startswith("vllm") for e in engines) and not (Path(vllm_python).exists() and hf_dir.exists()):
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh and export_hf.py first")
@@ -97,7 +97,7 @@ def main() -> None:
             env = {**os.environ}
             if e.startswith("vllm"):
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_memory_gb:g}")
             r = subprocess.run(
                 [pythons[e], "-c", RUNNER, e, str(path), str(hf_dir), json.dumps(options[e])],
                 capture_output=True,
