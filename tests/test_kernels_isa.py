@@ -283,3 +283,23 @@ def test_paged_decode_rejects_a_cache_of_the_wrong_layout(kernels) -> None:
         kernels.paged_decode(q, plain, plain, torch.zeros(1, 1, dtype=torch.long), one, 0.125, 1)
     with pytest.raises(RuntimeError, match="D values"):
         kernels.paged_decode(q, rows, rows, torch.zeros(1, 1, dtype=torch.long), one, 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [49152, 301, 7])
+def test_argmax_rows_is_pytorchs_max_indices(kernels, dtype: torch.dtype, vocab: int) -> None:
+    """Greedy decoding's pick: the first maximum, a NaN (its first occurrence) counting as the largest,
+    as `max(dim=-1).indices` gives it; strided rows read in place."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(12, vocab + 5, generator=g) * 4).to(dtype)
+    x[1, 2] = x[1, vocab - 1] = 60  # a tie: the first one
+    x[2, vocab - 1] = 60  # the maximum in the scalar tail
+    x[3, 1] = float("nan")
+    x[3, 0] = x[3, vocab - 2] = float("nan")
+    x[4, :] = float("-inf")
+    x[5, 3] = float("inf")
+    x[6, :] = 1.0  # all equal: index 0
+    x[7, vocab - 1] = float("nan")  # a NaN after the maximum
+    x[7, 0] = 60
+    for rows in (x[:, :vocab], x[:, :vocab].contiguous()):
+        assert torch.equal(kernels.argmax_rows(rows), rows.max(dim=-1).indices)

@@ -239,7 +239,8 @@ def test_a_draft_keeps_its_kv_in_the_targets_8bit_format(monkeypatch):
     from tokenmill import LLM
 
     spec = {"method": "draft:self", "num_speculative_tokens": 5}
-    llm = LLM(dtype="float32", max_model_len=256, num_blocks=16, speculative_config=spec, kv_cache_dtype="int8")
+    kw = {"num_blocks": 16, "kv_cache_dtype": "int8"}
+    llm = LLM(dtype="float32", max_model_len=256, speculative_config=spec, **kw)
     try:
         target = llm.engine.runner.kv_caches
         draft = llm.engine.runner.speculator.proposer.kv_caches

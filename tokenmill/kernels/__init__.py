@@ -20,7 +20,15 @@ from tokenmill.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "quantize.cpp", "sample.cpp", "kv_write.cpp"]
+_SOURCES = [
+    "bindings.cpp",
+    "paged_decode.cpp",
+    "fused_ops.cpp",
+    "quantize.cpp",
+    "sample.cpp",
+    "argmax.cpp",
+    "kv_write.cpp",
+]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}
 

@@ -17,6 +17,7 @@ torch::Tensor to_bf16(torch::Tensor x);
 std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
 void scale_rows_(torch::Tensor y, torch::Tensor scales);
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor u);
+torch::Tensor argmax_rows(torch::Tensor logits);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -45,4 +46,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_u8", &quantize_rows_u8, "rows as q + 128 (q in [-127, 127]) and a float32 scale each");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
 }
