@@ -249,9 +249,7 @@ def test_paged_decode_8bit_cache(
     kernels, fmt: str, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int
 ) -> None:
     """Attention over 8-bit rows equals float64 attention over the rows' dequantized values: the kernel
-    adds no error of its own beyond float32 arithmetic and the final rounding. A build whose key pass
-    runs on integer dot products (VNNI) quantizes each scaled query head as a cache row is quantized;
-    its reference takes the same query codes, so the bound stays that tight."""
+    adds no error of its own beyond float32 arithmetic and the final rounding."""
     from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
 
     pool = 320
@@ -267,24 +265,13 @@ def test_paged_decode_8bit_cache(
     out = kernels.paged_decode(q, k_rows, v_rows, tables, ctx, d**-0.5, {"int8": 1, "fp8": 2}[fmt])
     k_all = dequantize_rows(k_rows, fmt, torch.float64).view(-1, kv_heads, d)
     v_all = dequantize_rows(v_rows, fmt, torch.float64).view(-1, kv_heads, d)
-    register_path = d in (64, 128)
-    int8_queries = fmt == "int8" and register_path and kernels.int8_query_dots()
     for b in range(batch):
         n = int(ctx[b])
         slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
         k = k_all[slots].repeat_interleave(heads // kv_heads, dim=1)
         v = v_all[slots].repeat_interleave(heads // kv_heads, dim=1)
-        if int8_queries:  # the kernel's own query codes: float32 q times the softmax scale, quantized
-            qs = dequantize_rows(quantize_rows(q[b].float() * d**-0.5, "int8"), "int8", torch.float64)
-            p = torch.einsum("hd,thd->ht", qs, k).softmax(-1)
-        else:
-            p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
         check(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5)
-
-
-def test_int8_query_dots_is_the_vnni_build(kernels) -> None:
-    """The integer key pass is on exactly where its instructions are (the avx512_bf16 level asks for VNNI)."""
-    assert kernels.int8_query_dots() == (kernels.isa_level() == "avx512_bf16")
 
 
 def test_paged_decode_rejects_a_cache_of_the_wrong_layout(kernels) -> None:

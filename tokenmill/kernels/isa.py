@@ -29,12 +29,8 @@ class IsaLevel:
 # (its dot products are 64 floats long, and the horizontal sums cost more at 512 bits), and the
 # element-wise ops were within noise (docs/benchmarks.md). Explicit AVX-512 intrinsics still use 512.
 X86_LEVELS = (
-    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later) also has
-    # AVX512-VNNI; the level asks for both.
     IsaLevel(
-        "avx512_bf16",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-DTM_AVX512_BF16=1", "-DTM_AVX512_VNNI=1"),
-        ("avx512", "avx512_bf16", "vnni"),
+        "avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-DTM_AVX512_BF16=1"), ("avx512", "avx512_bf16")
     ),
     IsaLevel("avx512", ("-march=x86-64-v4",), ("avx512",)),
     IsaLevel("avx2", ("-march=x86-64-v3",), ("avx2",)),

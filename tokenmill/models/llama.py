@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
-    ) -> torch.Tensor:  # [S, vocab] float32 on the last stage; else the [T, hidden] activations
+    ) -> torch.Tensor:  # [S, vocab] in the model's dtype on the last stage; else [T, hidden] activations
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
         residual = self._embed(inputs) if self.shard.first_stage else inputs
@@ -165,7 +165,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.shard.last_stage:
             return residual
         h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
-        logits = self._lm_head(h).float()
+        # In the model's dtype, as the head computed them: the sampler widens to float32 only what it edits
+        # (penalties, masks, draft rows). A float32 copy here cost a step ~50 MB of fresh pages at 256
+        # rows, the most page faults of an offline run (perf), for no precision the head had not already
+        # rounded away.
+        logits = self._lm_head(h)
         if self.comm.tp_size > 1:  # the head is vocabulary-parallel
             logits = self.comm.all_gather_last_dim(logits, self.shard.vocab_sizes(self.config))
         return logits

@@ -6,7 +6,6 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format);
-bool int8_query_dots();
 void kv_write_q8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor slots, bool fp8);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
@@ -38,8 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention through block tables", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("kv_format") = 0);
-  m.def("int8_query_dots", &int8_query_dots,
-        "whether paged_decode's key pass over int8 rows quantizes each query head to int8 (VNNI builds)");
   m.def("kv_write_q8", &kv_write_q8, "keys and values into an 8-bit paged cache, a scale per row");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");

@@ -13,16 +13,6 @@
 #include "kv_rows.h"
 #include "vec_math.h"
 
-#if defined(TM_AVX512_VNNI)
-// Whether the key pass over int8 rows runs on integer dot products (vpdpbusd): each query head is
-// itself quantized to int8 codes and a float32 scale, exactly as kv_quant.quantize_rows quantizes a
-// cache row, and a key row's 64 codes meet it in one instruction where the float path converts and
-// multiplies 64 floats. Python asks through int8_query_dots() which arithmetic this build uses.
-constexpr bool kInt8QueryDots = true;
-#else
-constexpr bool kInt8QueryDots = false;
-#endif
-
 // Ask for the cache lines of [p, p + bytes) ahead of use.
 static inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -221,33 +211,23 @@ struct Avx512Rows<Q8Rows<FP8>> {
   static float scale(const uint8_t* p, int64_t D) { return Q8Rows<FP8>::scale(p, D) * (FP8 ? 256.f : 1.f); }
 };
 
-// Lane-wise sum of float32 lanes, or of int32 lanes held in float registers (INT: exact integer sums).
-template <bool INT>
-static inline __m512 add16(__m512 a, __m512 b) {
-  if constexpr (INT)
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-  else
-    return _mm512_add_ps(a, b);
-}
-
 // r[i] = sum of v[i]'s sixteen lanes, for sixteen vectors at once: ~3 instructions a sum where one
 // horizontal sum alone takes ~8. Pairs are folded within 128-bit lanes (unpack ps, then pd), then the
 // four lanes across vectors (shuffle_f32x4), so that vector 4m + j ends in lane 4m + j.
-template <bool INT = false>
 static inline __m512 hsum16(const __m512* v) {
   __m512 a[8], b[4];
   for (int k = 0; k < 8; ++k)
-    a[k] = add16<INT>(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
   for (int k = 0; k < 4; ++k) {
     const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
-    b[k] = add16<INT>(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  const __m512 d0 = add16<INT>(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = add16<INT>(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                               _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return add16<INT>(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                    _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 
@@ -302,59 +282,6 @@ static inline void key_rows(const typename R::elem* base, int64_t W, int64_t n, 
   }
 }
 
-#if defined(TM_AVX512_VNNI)
-// The key pass over int8 rows on integer dot products: M query heads as int8 codes and scales (qc: rows
-// of D + 4 bytes, kv_quant's layout) and bias[hh] = 128 * the sum of head hh's codes. vpdpbusd
-// multiplies unsigned by signed bytes, so a key code k goes in as k + 128 (its top bit flipped) and
-// the bias comes off the exact integer sum, which is then scaled once by the key's and the query's
-// scales.
-template <int M, int KC>
-static inline void int8_key_rows(const uint8_t* base, int64_t W, int64_t n, const uint8_t* qc, const int32_t* bias,
-                                 float* sg, int64_t L, const uint8_t* pf, int64_t pf_bytes) {
-  constexpr int64_t D = KC * 64;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i qv[M][KC];
-  __m512 qs[M];
-  __m512i qb[M];
-  for (int hh = 0; hh < M; ++hh) {
-    for (int c = 0; c < KC; ++c) qv[hh][c] = _mm512_loadu_si512(qc + hh * (D + 4) + c * 64);
-    qs[hh] = _mm512_set1_ps(Q8Rows<false>::scale(qc + hh * (D + 4), D));
-    qb[hh] = _mm512_set1_epi32(bias[hh]);
-  }
-  alignas(64) __m512 part[M][16];
-  alignas(64) float ks[16] = {};
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t cnt = std::min<int64_t>(16, n - i0);
-    for (int64_t i = 0; i < 16; ++i) {
-      if (i >= cnt) {
-        for (int hh = 0; hh < M; ++hh) part[hh][i] = _mm512_setzero_ps();
-        continue;
-      }
-      if (pf) prefetch(pf + (i0 + i) * W, pf_bytes);
-      const uint8_t* kr = base + (i0 + i) * W;
-      ks[i] = Q8Rows<false>::scale(kr, D);
-      __m512i k[KC];
-      for (int c = 0; c < KC; ++c) k[c] = _mm512_xor_si512(_mm512_loadu_si512(kr + c * 64), flip);
-      for (int hh = 0; hh < M; ++hh) {
-        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k[0], qv[hh][0]);
-        for (int c = 1; c < KC; ++c) a = _mm512_dpbusd_epi32(a, k[c], qv[hh][c]);
-        part[hh][i] = _mm512_castsi512_ps(a);
-      }
-    }
-    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1u);
-    const __m512 kscale = _mm512_load_ps(ks);
-    for (int hh = 0; hh < M; ++hh) {
-      const __m512i dots = _mm512_sub_epi32(_mm512_castps_si512(hsum16<true>(part[hh])), qb[hh]);
-      _mm512_mask_storeu_ps(sg + hh * L + i0, keep, _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(kscale, qs[hh])));
-    }
-  }
-}
-#else
-template <int M, int KC>
-void int8_key_rows(const uint8_t*, int64_t, int64_t, const uint8_t*, const int32_t*, float*, int64_t, const uint8_t*,
-                   int64_t);  // never called: the build has no VNNI (kInt8QueryDots is false)
-#endif
-
 // The value pass of M query heads over n value rows (base, W apart): acc (M rows of D floats) +=
 // weight x row, the weights from sg (rows L apart) times an 8-bit row's scale, the sums in registers.
 template <typename R, int NC, int M>
@@ -398,14 +325,11 @@ static void decode_kernel_avx512(
   // Prefetch distance in block passes: 2 against 1, same-process A/B: one sequence of ~2000 tokens
   // 1.29x (bf16) and 1.33x (int8) faster, 8-64 sequences within 2% either way.
   constexpr int64_t PD = 2;
-  constexpr bool kVnniKeys = kInt8QueryDots && std::is_same_v<R, Q8Rows<false>>;
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
   const int64_t heads_per_part = Hkv / parts;
   parallel_by_context(B, parts, ctx, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), s;
-    std::vector<uint8_t> qcodes(kVnniKeys ? H * (D + 4) : 0);
-    std::vector<int32_t> qbias(kVnniKeys ? H : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
       const int64_t h0 = g0 * G, nh = heads_per_part * G;
@@ -413,16 +337,6 @@ static void decode_kernel_avx512(
       const int64_t* table = bt + b * max_blocks;
       const int64_t nblocks = (L + bs - 1) / bs;
       load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
-      if constexpr (kVnniKeys) {
-        // Each query head as int8 codes, quantized as kv_quant.quantize_rows quantizes a cache row.
-        for (int64_t h = 0; h < nh; ++h) {
-          Q8Rows<false>::store(&qf[h * D], D, &qcodes[h * (D + 4)]);
-          const int8_t* c = reinterpret_cast<const int8_t*>(&qcodes[h * (D + 4)]);
-          int32_t sum = 0;
-          for (int64_t d = 0; d < D; ++d) sum += c[d];
-          qbias[h] = 128 * sum;
-        }
-      }
       s.resize(nh * L);
       // A block lies anywhere in the pool, where no hardware prefetcher looks: the next block is asked
       // for while this one is read, each kv head's slice of a token row during that head's pass, so
@@ -456,11 +370,7 @@ static void decode_kernel_avx512(
             const E* pf = next && hc == 0 ? next + g * RW : nullptr;
             float* sg = &s[(g * G + hc) * L + t0];
             with_heads<MAXH>(std::min<int64_t>(MAXH, G - hc), [&](auto Mc) {
-              if constexpr (kVnniKeys)
-                int8_key_rows<Mc.value, NC / 4>(base, W, n, &qcodes[(g * G + hc) * (D + 4)], &qbias[g * G + hc], sg,
-                                                L, pf, row_bytes);
-              else
-                key_rows<R, NC, Mc.value>(base, W, n, &qf[(g * G + hc) * D], sg, L, pf, row_bytes);
+              key_rows<R, NC, Mc.value>(base, W, n, &qf[(g * G + hc) * D], sg, L, pf, row_bytes);
             });
           }
         }
@@ -515,8 +425,6 @@ static void run_decode(const torch::Tensor& q, const torch::Tensor& kc, const to
 // q: [B, H, D] (rows may be strided), caches: [num_blocks, block_size, Hkv, row] contiguous, where a row
 // is D values of q's dtype (kv_format 0) or D 8-bit codes and a float32 scale (1: int8, 2: fp8 e4m3),
 // block_tables: [B, max_blocks] int64, context_lens: [B] int64. Returns [B, H, D].
-bool int8_query_dots() { return kInt8QueryDots; }
-
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
