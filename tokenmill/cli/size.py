@@ -62,6 +62,9 @@ def size_cmd(
     model: str | None = typer.Option(None, help=MODEL_HELP),
     gpu: str = typer.Option("h100-sxm", help="a100-80gb, h100-sxm, h200, l40s, b200, gb200-nvl72, cpu-2c"),
     precision: str = typer.Option("fp16", help="fp16, bf16, fp8, int8, int4 (weight-only)"),
+    kv_cache_dtype: str = typer.Option(
+        "auto", help="the KV cache's own dtype: auto (the precision's), fp16, bf16, fp8, int8 (1 byte)"
+    ),
     isl: int | None = typer.Option(None, help="input tokens per request (include the system prompt)"),
     isl_words: float | None = typer.Option(None, help="input length in words (0.75 words per token)"),
     osl: int | None = typer.Option(None, help="output tokens per request"),
@@ -82,6 +85,7 @@ def size_cmd(
     """How many servers serve this use case inside the limits (and on which shape)."""
     if ctx.invoked_subcommand is not None:
         return
+    from tokenmill.sizing.hardware import KV_CACHE_DTYPES
     from tokenmill.sizing.report import plot_frontier, sizing_summary
     from tokenmill.sizing.search import Limits, peak_rps, size
 
@@ -100,8 +104,10 @@ def size_cmd(
         fail(str(e))
     if peak <= 0:
         fail("the peak request rate must be positive")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        fail(f"--kv-cache-dtype {kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}")
     limits = Limits(*(v / 1e3 if v is not None else None for v in (ttft_ms, itl_ms, e2e_ms)), mode=mode)
-    result = size(a, g, precision, f, isl_t, osl_t, limits, peak)
+    result = size(a, g, precision, f, isl_t, osl_t, limits, peak, kv_cache_dtype)
     inputs = {
         "isl": isl_t,
         "osl": osl_t,
@@ -114,6 +120,7 @@ def size_cmd(
         "itl_ms": itl_ms,
         "e2e_ms": e2e_ms,
         "mode": mode,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     price = g.gpu_hour_price if gpu_hour_price is None else gpu_hour_price
     s = sizing_summary(result, a, g, precision, f, isl_t, osl_t, avg_rps, price, inputs)

@@ -21,6 +21,11 @@ PRECISIONS: dict[str, tuple[float, float]] = {
     "int4": (0.5, 2.0),  # weight-only INT4, 16-bit activations and KV cache
 }
 
+# Bytes per KV-cache element when the cache's dtype is set on its own (`--kv-cache-dtype`, as vLLM's
+# flag): "auto" keeps the precision's. 8-bit caches are counted at one byte an element; tokenmill's own
+# rows add a float32 scale per (token, head), 4 / head_dim more (3% at head size 128).
+KV_CACHE_DTYPES: dict[str, float | None] = {"auto": None, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+
 
 @dataclass(frozen=True)
 class Gpu:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from tokenmill.sizing.arch import Arch
-from tokenmill.sizing.hardware import PRECISIONS, Factors, Gpu
+from tokenmill.sizing.hardware import KV_CACHE_DTYPES, PRECISIONS, Factors, Gpu
 
 ACT_BYTES = 2.0  # activations travel between GPUs in 16 bits
 MEMORY_USABLE = 0.9  # share of GPU memory for weights + KV (the rest: activations, workspace)
@@ -38,6 +38,7 @@ class Deployment:
     tp: int = 1
     pp: int = 1
     ep: bool = False  # MoE: experts spread over the TP group (all-to-all instead of all-reduce in the MLP)
+    kv_cache_dtype: str = "auto"  # the KV cache's own dtype (KV_CACHE_DTYPES); "auto": the precision's
 
     @property
     def gpus(self) -> int:
@@ -49,7 +50,8 @@ class Deployment:
 
     @property
     def b_kv(self) -> float:
-        return PRECISIONS[self.precision][1]
+        own = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return PRECISIONS[self.precision][1] if own is None else own
 
     # --- memory ---------------------------------------------------------------------------------
 

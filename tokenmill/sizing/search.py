@@ -92,7 +92,14 @@ def _concurrencies(max_c: int) -> list[int]:
 
 
 def candidates(
-    arch: Arch, gpu: Gpu, precision: str, factors: Factors, isl: int, osl: int, max_concurrency: int = 4096
+    arch: Arch,
+    gpu: Gpu,
+    precision: str,
+    factors: Factors,
+    isl: int,
+    osl: int,
+    max_concurrency: int = 4096,
+    kv_cache_dtype: str = "auto",
 ) -> list[Candidate]:
     """Every shape that fits in memory, at every concurrency it fits."""
     out = []
@@ -102,7 +109,7 @@ def candidates(
             if tp * pp > gpu.gpus_per_server or pp > arch.layers:
                 continue
             for ep in (False, True) if arch.is_moe and tp > 1 else (False,):
-                d = Deployment(arch, gpu, precision, factors, tp, pp, ep)
+                d = Deployment(arch, gpu, precision, factors, tp, pp, ep, kv_cache_dtype)
                 max_c = min(d.max_seqs(isl + osl), max_concurrency)
                 for c in _concurrencies(max_c):
                     p = predict(d, c, isl, osl)
@@ -121,9 +128,17 @@ class SizingResult:
 
 
 def size(
-    arch: Arch, gpu: Gpu, precision: str, factors: Factors, isl: int, osl: int, limits: Limits, peak: float
+    arch: Arch,
+    gpu: Gpu,
+    precision: str,
+    factors: Factors,
+    isl: int,
+    osl: int,
+    limits: Limits,
+    peak: float,
+    kv_cache_dtype: str = "auto",
 ) -> SizingResult:
-    all_c = candidates(arch, gpu, precision, factors, isl, osl)
+    all_c = candidates(arch, gpu, precision, factors, isl, osl, kv_cache_dtype=kv_cache_dtype)
     feasible = [c for c in all_c if limits.met(c.prediction)]
     notes = []
     if not all_c:
