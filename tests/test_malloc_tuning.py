@@ -3,6 +3,7 @@ without the kernel zeroing fresh pages for them again."""
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -31,7 +32,7 @@ print(faults_of_one_round())
 
 
 def _second_round_faults(mode: str) -> int:
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, timeout=120, check=True
     )

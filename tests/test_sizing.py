@@ -345,3 +345,16 @@ def test_bad_input_is_a_one_line_error(args, message) -> None:
     res = CliRunner().invoke(app, ["size", *args])
     assert res.exit_code == 2 and message in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_predict_takes_the_kv_cache_dtype_too() -> None:
+    args = ["size", "predict", "--model", "llama3-8b", "--precision", "bf16", "--concurrency", "32"]
+    args += ["--isl", "4000", "--osl", "200", "--json"]
+    plain = json.loads(CliRunner().invoke(app, args).output)
+    eight = json.loads(CliRunner().invoke(app, [*args, "--kv-cache-dtype", "int8"]).output)
+    assert eight["kv_cache_dtype"] == "int8" and plain["kv_cache_dtype"] == "auto"
+    kv = Deployment(MODELS["llama3-8b"], H100, "bf16", default_factors("h100-sxm", "bf16")).kv_gb_per_gpu(
+        32, 4200
+    )
+    assert plain["memory_gb_per_gpu"] - eight["memory_gb_per_gpu"] == pytest.approx(kv / 2)
+    assert eight["itl_ms"] < plain["itl_ms"]

@@ -18,7 +18,17 @@ size_app = typer.Typer(
 MODEL_HELP = "catalog name (e.g. llama3-8b, gpt-43b, mixtral-8x7b), config.json or .gguf"
 
 
-def _common(model: str, gpu: str, precision: str, factors_file: Path | None, profile: str):
+KV_DTYPE_HELP = "the KV cache's own dtype: auto (the precision's), fp16, bf16, fp8, int8 (1 byte)"
+
+
+def _common(
+    model: str,
+    gpu: str,
+    precision: str,
+    factors_file: Path | None,
+    profile: str,
+    kv_cache_dtype: str = "auto",
+):
     from tokenmill.sizing import arch as arch_mod
     from tokenmill.sizing import hardware
     from tokenmill.sizing.calibrate import load_factors
@@ -28,6 +38,8 @@ def _common(model: str, gpu: str, precision: str, factors_file: Path | None, pro
         g = hardware.resolve(gpu)
         if precision not in hardware.PRECISIONS:
             fail(f"--precision {precision!r}: use one of {', '.join(hardware.PRECISIONS)}")
+        if kv_cache_dtype not in hardware.KV_CACHE_DTYPES:
+            fail(f"--kv-cache-dtype {kv_cache_dtype!r}: use {', '.join(hardware.KV_CACHE_DTYPES)}")
         if factors_file is not None:
             f = load_factors(factors_file)
         elif profile == "nim":
@@ -62,9 +74,7 @@ def size_cmd(
     model: str | None = typer.Option(None, help=MODEL_HELP),
     gpu: str = typer.Option("h100-sxm", help="a100-80gb, h100-sxm, h200, l40s, b200, gb200-nvl72, cpu-2c"),
     precision: str = typer.Option("fp16", help="fp16, bf16, fp8, int8, int4 (weight-only)"),
-    kv_cache_dtype: str = typer.Option(
-        "auto", help="the KV cache's own dtype: auto (the precision's), fp16, bf16, fp8, int8 (1 byte)"
-    ),
+    kv_cache_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP),
     isl: int | None = typer.Option(None, help="input tokens per request (include the system prompt)"),
     isl_words: float | None = typer.Option(None, help="input length in words (0.75 words per token)"),
     osl: int | None = typer.Option(None, help="output tokens per request"),
@@ -85,13 +95,12 @@ def size_cmd(
     """How many servers serve this use case inside the limits (and on which shape)."""
     if ctx.invoked_subcommand is not None:
         return
-    from tokenmill.sizing.hardware import KV_CACHE_DTYPES
     from tokenmill.sizing.report import plot_frontier, sizing_summary
     from tokenmill.sizing.search import Limits, peak_rps, size
 
     if model is None:
         fail("--model is required, e.g. tokenmill size --model llama3-8b --isl 2000 --osl 200 --rps 31")
-    a, g, f = _common(model, gpu, precision, factors, factor_profile)
+    a, g, f = _common(model, gpu, precision, factors, factor_profile, kv_cache_dtype)
     isl_t, isl_note = _tokens(isl, isl_words, "isl")
     osl_t, osl_note = _tokens(osl, osl_words, "osl")
     if (rps is None) == (avg_rps is None):
@@ -104,8 +113,6 @@ def size_cmd(
         fail(str(e))
     if peak <= 0:
         fail("the peak request rate must be positive")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        fail(f"--kv-cache-dtype {kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES)}")
     limits = Limits(*(v / 1e3 if v is not None else None for v in (ttft_ms, itl_ms, e2e_ms)), mode=mode)
     result = size(a, g, precision, f, isl_t, osl_t, limits, peak, kv_cache_dtype)
     inputs = {
@@ -200,6 +207,7 @@ def predict_cmd(
     model: str = typer.Option(..., help=MODEL_HELP),
     gpu: str = typer.Option("h100-sxm"),
     precision: str = typer.Option("fp16"),
+    kv_cache_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP),
     tp: int = typer.Option(1, help="tensor parallel GPUs"),
     pp: int = typer.Option(1, help="pipeline stages"),
     concurrency: int = typer.Option(1, help="requests in flight on the instance"),
@@ -212,17 +220,18 @@ def predict_cmd(
     """Predict TTFT, ITL and throughput of one configuration (to hold against your measurements)."""
     from tokenmill.sizing.roofline import Deployment, predict
 
-    a, g, f = _common(model, gpu, precision, factors, factor_profile)
+    a, g, f = _common(model, gpu, precision, factors, factor_profile, kv_cache_dtype)
     if tp < 1 or pp < 1 or concurrency < 1 or isl < 1 or osl < 1:
         fail("--tp, --pp, --concurrency, --isl and --osl must be at least 1")
     if tp * pp > g.gpus_per_server:
         fail(f"TP x PP = {tp * pp} is more than the {g.gpus_per_server} GPUs of a {g.name} server")
-    d = Deployment(a, g, precision, f, tp, pp)
+    d = Deployment(a, g, precision, f, tp, pp, kv_cache_dtype=kv_cache_dtype)
     p = predict(d, concurrency, isl, osl)
     out = {
         "model": a.name,
         "gpu": g.name,
         "precision": precision,
+        "kv_cache_dtype": kv_cache_dtype,
         "tp": tp,
         "pp": pp,
         "concurrency": concurrency,

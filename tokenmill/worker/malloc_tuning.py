@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
-NO_TRIM = 1 << 40
+NO_TRIM = 2**31 - 1  # mallopt takes an int: a free top of the heap never reaches this
 
 _done = False
 
@@ -43,7 +43,7 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
-    ok = mallopt(M_TRIM_THRESHOLD, min(NO_TRIM, 2**31 - 1)) == 1 and ok
+    ok = mallopt(M_TRIM_THRESHOLD, NO_TRIM) == 1 and ok
     if not ok:
         log.debug("mallopt refused the thresholds; allocations stay as glibc sets them")
     _done = ok

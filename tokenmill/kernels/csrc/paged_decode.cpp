@@ -230,7 +230,6 @@ static inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-
 // f(std::integral_constant<int, m>{}) for 1 <= m <= MAXH. The per-row loops below are compiled for
 // each count of query heads, so that their accumulators stay in registers: with a count known only at
 // run time GCC kept the value sums on the stack, a load and a store around every multiply-add.
