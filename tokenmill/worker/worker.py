@@ -24,7 +24,6 @@ from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.kv_transfer.pd_worker import PDWorker
 from tokenmill.worker.kv_transfer.transfer_engine import shared_kv_tensor
-from tokenmill.worker.malloc_tuning import keep_freed_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.spec_decode.draft_model import DraftModelProposer, check_draft_vocabulary
@@ -52,7 +51,6 @@ class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelState | None = None) -> None:
         self.config = config
         self.parallel = ps = parallel or ParallelState.single()
-        keep_freed_memory()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.governor = make_governor(config.adaptive_threads)
