@@ -24,6 +24,7 @@ CONFIGS = [
     ("bf16 (default)", {}),
     ("int8 weights and activations (quantization=int8)", {"quantization": "int8"}),
     ("int4 weights (quantization=int4)", {"quantization": "int4"}),
+    ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),
     ("bf16, int8 KV cache (kv_cache_dtype=int8)", {"kv_cache_dtype": "int8"}),
     ("bf16, fp8 e4m3 KV cache (kv_cache_dtype=fp8)", {"kv_cache_dtype": "fp8"}),
 ]

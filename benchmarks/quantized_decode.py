@@ -23,12 +23,18 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.models.fp8_linear import Fp8Linear  # noqa: E402
 from tokenmill.models.linear import Int8Linear, LinearBase, PackedLinear, QuantizedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
 
-CONFIGS = [("bf16", {}), ("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"})]
+CONFIGS = [
+    ("bf16", {}),
+    ("int8", {"quantization": "int8"}),
+    ("int4", {"quantization": "int4"}),
+    ("fp8 (emulated)", {"quantization": "fp8"}),
+]
 OUT = 64
 
 
@@ -48,9 +54,11 @@ def _timed(fn) -> float:  # noqa: ANN001
 def weight_bytes(model: torch.nn.Module, rows: int) -> int:
     """Bytes of the weights a decode step of `rows` rows reads through its linears."""
     total = 0
-    twins = {id(m.wide) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit) or its bf16 codes (the
+    # emulated fp8 layer's) are counted with the layer.
+    twins = {id(m.wide) for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear))}
     for m in model.modules():
-        if id(m) in twins:  # a quantized layer's bf16 copy: counted with its layer
+        if id(m) in twins:
             continue
         if isinstance(m, QuantizedLinear):
             if rows <= m.max_rows:
@@ -59,6 +67,8 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
                 )
             else:
                 total += 2 * m.in_features * m.out_features
+        elif isinstance(m, Fp8Linear):  # emulated: its e4m3 codes are read as bf16
+            total += 2 * m.in_features * m.out_features
         elif isinstance(m, Int8Linear):
             total += m.in_features * m.out_features + 4 * m.out_features
         elif isinstance(m, (PackedLinear, LinearBase, torch.nn.Linear)):

@@ -303,3 +303,48 @@ def test_argmax_rows_is_pytorchs_max_indices(kernels, dtype: torch.dtype, vocab:
     x[7, 0] = 60
     for rows in (x[:, :vocab], x[:, :vocab].contiguous()):
         assert torch.equal(kernels.argmax_rows(rows), rows.max(dim=-1).indices)
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="the whole-prompt kernel is used only on CPUs with AMX"
+)
+def test_prefill_attention(kernels) -> None:
+    """Every build's softmax (AVX-512 lanes, or the scalar loop of the AVX2 build) around the brgemm
+    products: causal attention of three prompts against float64, within bf16 weights' error."""
+    torch.manual_seed(0)
+    heads, kv_heads, d, lens = 6, 2, 64, [1, 70, 129]
+    t = sum(lens)
+    q = torch.randn(t, heads, d).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, d).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, d).to(torch.bfloat16)
+    starts = torch.tensor([0, 1, 71])
+    out = torch.empty(t, heads, d, dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k, v, out, starts, torch.tensor(lens), d**-0.5)
+    for s, n in zip(starts.tolist(), lens, strict=True):
+        qs, ks, vs = (x[s : s + n].double().transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(heads // kv_heads, 0), vs.repeat_interleave(heads // kv_heads, 0)
+        scores = (qs @ ks.transpose(1, 2)) * d**-0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        exact = (scores.softmax(-1) @ vs).transpose(0, 1)
+        # The weights are rounded to bf16 before the value sum (as SDPA's are): ~2**-9 of each term.
+        torch.testing.assert_close(out[s : s + n].double(), exact, atol=1e-2, rtol=2e-2)
+
+
+def test_e4m3_rows_are_pytorchs_float8_bit_for_bit(kernels) -> None:
+    """fp8 activation codes (quantization="fp8"): each e4m3 value, the ties between neighbours (half to
+    even), subnormals and random magnitudes, as torch's float8_e4m3fn conversion rounds them."""
+    e4m3 = torch.float8_e4m3fn
+    finite = torch.arange(256, dtype=torch.uint8).view(e4m3).float()
+    finite = finite[finite.isfinite()].unique()
+    row = torch.cat([finite, (finite[1:] + finite[:-1]) / 2, torch.randn(1000) * torch.logspace(-4, 2, 1000)])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.stack([row, -row * 0.37]).to(dtype)
+        codes, scale = kernels.e4m3_rows_bf16(x)
+        assert torch.equal(codes.float(), (x.float() / scale).to(e4m3).float())
+
+
+def test_scale_rows_cols_rounds_once(kernels) -> None:
+    y = torch.randn(5, 300).to(torch.bfloat16)
+    rows, cols = torch.rand(5, 1) + 0.5, torch.rand(1, 300) + 0.5
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(kernels.scale_rows_cols(y, rows, cols, dtype), (y.float() * rows * cols).to(dtype))

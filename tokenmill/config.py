@@ -204,7 +204,8 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         help='"int4": 4-bit weights for small batches (Q4 GGUF precision); "int8": int8 weights and '
-        "activations (dynamic per-row scales) at every batch size",
+        'activations (dynamic per-row scales) at every batch size; "fp8": e4m3 weights (per channel) and '
+        "activations (per row), emulated on CPU in bf16 (fp8's accuracy, bf16's speed)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
@@ -217,5 +218,5 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
-        if self.quantization not in (None, "int4", "int8"):
-            raise ValueError(f'quantization must be "int4" or "int8", got {self.quantization!r}')
+        if self.quantization not in (None, "int4", "int8", "fp8"):
+            raise ValueError(f'quantization must be "int4", "int8" or "fp8", got {self.quantization!r}')

@@ -28,6 +28,7 @@ _SOURCES = [
     "sample.cpp",
     "argmax.cpp",
     "kv_write.cpp",
+    "prefill_attention.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

@@ -25,6 +25,9 @@ class LinearBase(nn.Module):
 
     in_features: int
     out_features: int
+    # True for the forms a linear is turned into for its device (packed, quantized): not to be turned
+    # again by another pass over the model.
+    prepared: bool = False
 
 
 def _probe_packing() -> bool:
@@ -312,5 +315,7 @@ def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], 
 def _plain_linear(m: nn.Module) -> bool:
     """A linear still computed by a plain matmul of its weight (not yet packed or quantized)."""
     return isinstance(m, nn.Linear) or (
-        isinstance(m, LinearBase) and not isinstance(m, (PackedLinear, QuantizedLinear, Int8Linear))
+        isinstance(m, LinearBase)
+        and not m.prepared
+        and not isinstance(m, (PackedLinear, QuantizedLinear, Int8Linear))
     )

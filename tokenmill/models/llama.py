@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.fp8_linear import quantize_linears_fp8
 from tokenmill.models.linear import pack_linears, quantize_linears, quantize_linears_int8
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
@@ -314,8 +315,10 @@ def build_model(
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).
         quantize_linears_int8(model, model.ops.quantize_rows_u8, model.ops.scale_rows_)
+    elif quantization == "fp8":
+        quantize_linears_fp8(model, model.ops.e4m3_rows, model.ops.scale_rows_cols)
     elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8")
+        raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
     pack_linears(model)
     model.finalize()
     return model.eval()

@@ -59,6 +59,18 @@ class TorchOps:
         """y[r, :] *= scales[r] in place, computed in float32 and rounded to y's dtype once."""
         y.copy_(y.float() * scales)
 
+    def e4m3_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row as float8 e4m3 codes at one float32 scale (max|x| / 448), the codes held in bfloat16
+        (exact: 4 significant bits): (codes [M, K] bf16, scales [M, 1] float32)."""
+        s = (x.abs().amax(dim=1, keepdim=True).float() / 448).clamp(min=torch.finfo(torch.float32).tiny)
+        return (x.float() / s).to(torch.float8_e4m3fn).to(torch.bfloat16), s
+
+    def scale_rows_cols(
+        self, y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """y * rows[r] * cols[c] in float32, rounded once to `dtype` (rows [M, 1], cols [1, N])."""
+        return (y.float() * rows * cols).to(dtype)
+
     def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """A token per row of `logits` [R, V] at temperature temps[r] (> 0): the first token whose
         cumulative probability reaches u[r] in (0, 1]. p_i = exp((x_i - max) / T), terms below exp(-87)
@@ -117,6 +129,15 @@ class CpuFusedOps(TorchOps):
 
     def scale_rows_(self, y: torch.Tensor, scales: torch.Tensor) -> None:
         self.k.scale_rows_(y, scales)
+
+    def e4m3_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = self.k.e4m3_rows_bf16(x)
+        return q, s
+
+    def scale_rows_cols(
+        self, y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return self.k.scale_rows_cols(y, rows, cols, dtype)
 
     def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self.k.sample_rows(logits, temps, u)

@@ -16,8 +16,12 @@ void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions,
 torch::Tensor to_bf16(torch::Tensor x);
 std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
 void scale_rows_(torch::Tensor y, torch::Tensor scales);
+std::vector<torch::Tensor> e4m3_rows_bf16(torch::Tensor x);
+torch::Tensor scale_rows_cols(torch::Tensor y, torch::Tensor rs, torch::Tensor cs, at::ScalarType out_dtype);
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor u);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       torch::Tensor starts, torch::Tensor lens, double scale);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -44,7 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("to_bf16", &to_bf16, "float32 -> bfloat16 with the kernels' own rounding");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("quantize_rows_u8", &quantize_rows_u8, "rows as q + 128 (q in [-127, 127]) and a float32 scale each");
+  m.def("e4m3_rows_bf16", &e4m3_rows_bf16, "rows as float8 e4m3 codes (held in bf16) and a float32 scale each");
+  m.def("scale_rows_cols", &scale_rows_cols, "y * row scale * column scale, in float32, rounded once");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
 }

@@ -3,15 +3,19 @@
 The reference backend copies every decode row's KV out of the paged cache each layer; at batch 64
 with a few hundred tokens of context that copy was most of the step. This backend reads the cache
 where it lies instead, 8-bit rows included (converted as they are read), and writes 8-bit rows with
-one kernel call per layer. Prefill segments are large enough that the reference path serves them well.
+one kernel call per layer. Whole prompts (segments from position 0, in bfloat16) go to a causal
+attention kernel on oneDNN's brgemm micro-kernel where the CPU has AMX; the rest (prompt chunks that
+continue a cached context, other dtypes, other CPUs) to the reference path's SDPA.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.models.attention.backend import AttentionMetadata
+from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.torch_ref import TorchReferenceBackend
 
 _FORMAT_CODES = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_format argument
@@ -25,6 +29,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         super().__init__(kv_format)
         self.kernels = cpu_kernels(level)
         self._format_code = _FORMAT_CODES[kv_format]
+        self.whole_prompt_kernel = brgemm_prefill_available()
 
     def _write(
         self,
@@ -39,6 +44,32 @@ class CpuPagedBackend(TorchReferenceBackend):
         else:
             self.kernels.kv_write_q8(k, v, k_cache, v_cache, slots, self.kv_format == "fp8")
 
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        segments: list[PrefillSegment],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        usable = (
+            self.whole_prompt_kernel
+            and q.dtype == torch.bfloat16
+            and q.device.type == "cpu"
+            and q.shape[-1] % 32 == 0
+        )
+        whole = [s for s in segments if s.start_pos == 0] if usable else []
+        if whole:
+            starts = torch.tensor([s.q_start for s in whole], dtype=torch.long)
+            lens = torch.tensor([s.q_len for s in whole], dtype=torch.long)
+            self.kernels.prefill_attention(q, k, v, out, starts, lens, scale)
+        if len(whole) < len(segments):
+            rest = [s for s in segments if s.start_pos != 0] if whole else segments
+            super()._prefill(q, k, v, k_cache, v_cache, rest, scale, out)
+
     def _decode(
         self,
         q: torch.Tensor,
@@ -51,3 +82,18 @@ class CpuPagedBackend(TorchReferenceBackend):
         return self.kernels.paged_decode(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, self._format_code
         )
+
+
+def brgemm_prefill_available() -> bool:
+    """Whether the whole-prompt kernel is used here: CPUs with AMX, with oneDNN allowed to use it. Its
+    products run on oneDNN's brgemm micro-kernel, which also runs (correctly) on AVX512-BF16 without
+    AMX, but there it was slower than SDPA: 0.44-0.75x on the Intel machine with oneDNN held to
+    AVX512_CORE_BF16, Zen 4's instruction set (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch
+    refuses the packed layout, so a limit set on oneDNN (ONEDNN_MAX_CPU_ISA, or its older name
+    DNNL_MAX_CPU_ISA) counts as the CPU."""
+    limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return (
+        bool(torch.cpu._is_amx_tile_supported())
+        and torch.backends.mkldnn.is_available()
+        and (limit == "ALL" or "AMX" in limit)
+    )

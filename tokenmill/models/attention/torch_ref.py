@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.kv_quant import check_format, dequantize_rows, quantize_rows
 
 
@@ -36,8 +36,23 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        self._prefill(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
+        return out
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        segments: list[PrefillSegment],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prefill segment's attention into its rows of `out`."""
         num_kv = k.shape[1]
-        for seg in meta.prefills:
+        for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if seg.start_pos == 0:
                 # Nothing cached before this chunk: its own K/V are the whole context.
@@ -63,7 +78,6 @@ class TorchReferenceBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-        return out
 
     def _write(
         self,

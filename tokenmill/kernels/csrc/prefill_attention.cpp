@@ -1,0 +1,221 @@
+// Causal attention of whole prompts (prefill segments that start at position 0, so a segment's own keys
+// and values are its whole context), bf16 in and out, float32 scores and softmax. The two products run on
+// oneDNN's batch-reduce GEMM micro-kernel as PyTorch exposes it (at::native::cpublas::brgemm: AMX tiles
+// on CPUs that have them, vdpbf16ps on AVX512-BF16 ones).
+//
+// Why not PyTorch's flash attention for CPU: in bf16 it calls a full oneDNN matmul per block of 64
+// queries x 512 keys (a primitive's set-up each time), computes the whole key block even where the
+// causal mask hides it (for prompts under 512 tokens, twice the work), and reads each key and value
+// once per query head. Here each (segment, kv head) packs its keys and values once into the layout the
+// micro-kernel wants, the query heads that share that kv head reuse them, and a block of queries only
+// multiplies the key panels its causal bound reaches.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kKeyPanel = 64;  // keys per packed panel: the causal bound is kept to this grain
+constexpr int64_t kQueryBlock = 64;  // query rows per work item
+
+using bf16 = at::BFloat16;
+
+// Keys [n, D] (rows `stride` elements apart) as transposed panels for S = Q K^T: panel p holds keys
+// p*64.. in the VNNI-2 layout of a [D, 64] matrix ([D/2][64][2]: the two halves of a dimension pair
+// side by side), zeros past the last key.
+void pack_keys(const bf16* k, int64_t n, int64_t stride, int64_t D, bf16* out) {
+  const int64_t panels = (n + kKeyPanel - 1) / kKeyPanel;
+  std::memset(static_cast<void*>(out), 0, sizeof(bf16) * panels * kKeyPanel * D);
+  for (int64_t j = 0; j < n; ++j) {
+    bf16* panel = out + (j / kKeyPanel) * kKeyPanel * D;
+    const int64_t col = j % kKeyPanel;
+    const bf16* row = k + j * stride;
+    for (int64_t d = 0; d < D; ++d) panel[(d / 2) * kKeyPanel * 2 + col * 2 + (d % 2)] = row[d];
+  }
+}
+
+// Values [n, D] in the VNNI-2 layout of a [keys, D] matrix ([keys/2][D][2]) for O = P V, padded with
+// zero rows to whole panels.
+void pack_values(const bf16* v, int64_t n, int64_t stride, int64_t D, bf16* out) {
+  const int64_t padded = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
+  std::memset(static_cast<void*>(out), 0, sizeof(bf16) * padded * D);
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* row = v + j * stride;
+    bf16* dst = out + (j / 2) * D * 2 + (j % 2);
+    for (int64_t d = 0; d < D; ++d) dst[d * 2] = row[d];
+  }
+}
+
+// One query row's softmax over the first `seen` of its scores, which lie in panels `panel_stride` floats
+// apart, 64 a panel: weights exp((s - max) * sc) stored as bf16 in `panels` panels (the block's: zeros
+// past `seen`), and 1 / the sum of the float weights returned (the normalization, applied to the
+// output row).
+float softmax_row(const float* s, int64_t panel_stride, int64_t panels, int64_t seen, float sc, bf16* w) {
+#if defined(__AVX512F__)
+  // Sixteen lanes at a time with masks, the horizontal reductions once per row: GCC left the plain
+  // loop scalar (the select between the exponential and zero and the rounding to bf16 kept it from
+  // vectorizing), three quarters of the kernel's time.
+  auto mask = [&](int64_t j) {
+    const int64_t left = seen - j;
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+           : left <= 0 ? static_cast<__mmask16>(0)
+                       : static_cast<__mmask16>((1u << left) - 1u);
+  };
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p * kKeyPanel < seen; ++p)
+    for (int64_t j = 0; j < kKeyPanel; j += 16)
+      vmax = _mm512_mask_max_ps(vmax, mask(p * kKeyPanel + j), vmax, _mm512_loadu_ps(s + p * panel_stride + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), c = _mm512_set1_ps(sc);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t j = 0; j < kKeyPanel; j += 16) {
+      const __m512 x = _mm512_loadu_ps(s + p * panel_stride + j);
+      const __m512 e = _mm512_maskz_mov_ps(mask(p * kKeyPanel + j), exp_approx16(_mm512_mul_ps(_mm512_sub_ps(x, m), c)));
+      acc = _mm512_add_ps(acc, e);
+      bf16* dst = w + p * panel_stride + j;
+#if defined(TM_AVX512_BF16)
+      const __m256bh h = _mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(h));
+#else
+      // Round to nearest even by integer arithmetic (the weights are finite and non-negative).
+      const __m512i b = _mm512_castps_si512(e);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+#endif
+    }
+  return 1.f / _mm512_reduce_add_ps(acc);
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t p = 0; p * kKeyPanel < seen; ++p)
+    mx = std::max(mx, max_of(s + p * panel_stride, std::min(kKeyPanel, seen - p * kKeyPanel)));
+  float sum = 0.f;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t j = 0; j < kKeyPanel; ++j) {
+      const float ex = p * kKeyPanel + j < seen ? exp_approx((s[p * panel_stride + j] - mx) * sc) : 0.f;
+      sum += ex;
+      reinterpret_cast<uint16_t*>(w + p * panel_stride)[j] = bf16_bits(ex);
+    }
+  return 1.f / sum;
+#endif
+}
+
+}  // namespace
+
+// q [T, H, D], k and v [T, Hkv, D] (rows may be views of a fused qkv tensor: only the last dimension
+// must be contiguous), out [T, H, D] contiguous. Segment i is rows starts[i]..starts[i]+lens[i]-1.
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       torch::Tensor starts, torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention: bfloat16 tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.is_contiguous(), "prefill_attention: shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "prefill_attention: heads must be contiguous within a row");
+  const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(H % Hkv == 0 && D % 32 == 0, "prefill_attention: head size a multiple of 32, heads a multiple of kv heads");
+  const int64_t group = H / Hkv;
+  const int64_t S = starts.numel();
+  auto st = starts.contiguous().to(at::kLong);
+  auto ln = lens.contiguous().to(at::kLong);
+  const int64_t* seg_start = st.data_ptr<int64_t>();
+  const int64_t* seg_len = ln.data_ptr<int64_t>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  const bf16* qp = q.data_ptr<at::BFloat16>();
+  const bf16* kp = k.data_ptr<at::BFloat16>();
+  const bf16* vp = v.data_ptr<at::BFloat16>();
+  bf16* op = out.data_ptr<at::BFloat16>();
+  const float sc = static_cast<float>(scale);
+
+  // Packed keys and values of every (segment, kv head), one buffer; offsets in elements.
+  std::vector<int64_t> pack_off(S + 1, 0);
+  int64_t max_padded = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t padded = (seg_len[s] + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
+    max_padded = std::max(max_padded, padded);
+    pack_off[s + 1] = pack_off[s] + Hkv * padded * D;
+  }
+  std::vector<bf16> kpack(pack_off[S]), vpack(pack_off[S]);
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = i / Hkv, g = i % Hkv;
+      const int64_t padded = (seg_len[s] + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
+      const int64_t off = pack_off[s] + g * padded * D;
+      pack_keys(kp + seg_start[s] * ks + g * D, seg_len[s], ks, D, kpack.data() + off);
+      pack_values(vp + seg_start[s] * vs + g * D, seg_len[s], vs, D, vpack.data() + off);
+    }
+  });
+
+  // Work items: (segment, kv head, block of queries), all the group's query heads in one item.
+  std::vector<int64_t> item_seg, item_block;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t m = 0; m < seg_len[s]; m += kQueryBlock) {
+      item_seg.push_back(s);
+      item_block.push_back(m);
+    }
+  const int64_t items = static_cast<int64_t>(item_seg.size()) * Hkv;
+  // Costliest first (a block's cost grows with its causal bound), handed out one at a time: at::parallel_for
+  // cuts the range into equal runs, which gave one thread the late, long blocks of a prompt and left the
+  // other waiting (a quarter of the time spent in the pool's spin).
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return item_block[a / Hkv] > item_block[b / Hkv];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    // Per thread: scores [panels][64 queries][64 keys] (float), weights as bf16 in the same shape, and
+    // the output accumulator [64][D].
+    std::vector<float> scores(max_padded * kQueryBlock);
+    std::vector<bf16> weights(max_padded * kQueryBlock);
+    std::vector<float> acc(kQueryBlock * D);
+    std::vector<float> inv(kQueryBlock);
+    for (int64_t taken = next.fetch_add(1); taken < items; taken = next.fetch_add(1)) {
+      const int64_t i = order[taken];
+      const int64_t w = i / Hkv, g = i % Hkv;
+      const int64_t s = item_seg[w], m0 = item_block[w];
+      const int64_t n = seg_len[s], rows = std::min(kQueryBlock, n - m0);
+      const int64_t keys = m0 + rows;  // the last query of the block sees keys 0..keys-1
+      const int64_t panels = (keys + kKeyPanel - 1) / kKeyPanel;
+      const int64_t padded = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
+      const bf16* kpanels = kpack.data() + pack_off[s] + g * padded * D;
+      const bf16* vpacked = vpack.data() + pack_off[s] + g * padded * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const bf16* qrow = qp + (seg_start[s] + m0) * qs + h * D;
+        for (int64_t p = 0; p < panels; ++p)
+          at::native::cpublas::brgemm(rows, kKeyPanel, D, qs, kKeyPanel, kKeyPanel, false, qrow,
+                                      kpanels + p * kKeyPanel * D, scores.data() + p * kQueryBlock * kKeyPanel);
+        // Softmax of each query row over keys 0..m0+r; weights left unnormalized (1/sum applied to
+        // the output row), zero past the causal bound so the padded products add nothing.
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t seen = m0 + r + 1;
+          inv[r] = softmax_row(scores.data() + r * kKeyPanel, kQueryBlock * kKeyPanel, panels, seen, sc,
+                               weights.data() + r * kKeyPanel);
+        }
+        for (int64_t p = 0; p < panels; ++p)
+          at::native::cpublas::brgemm(rows, D, kKeyPanel, kKeyPanel, D, D, p > 0,
+                                      weights.data() + p * kQueryBlock * kKeyPanel, vpacked + p * kKeyPanel * D,
+                                      acc.data());
+        bf16* orow = op + (seg_start[s] + m0) * H * D + h * D;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* a = acc.data() + r * D;
+          for (int64_t d = 0; d < D; ++d) a[d] *= inv[r];
+          store_f32(a, orow + r * H * D, D);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}

@@ -1,0 +1,89 @@
+"""fp8 (e4m3) linears: the accuracy of an FP8 deployment, on a CPU that has no fp8 arithmetic.
+
+The scheme is the common "FP8 dynamic" one of GPU serving (vLLM's `quantization="fp8"` with per-token
+activations, llm-compressor's FP8_DYNAMIC): weights rounded once to float8 e4m3 with one scale per
+output channel, activations rounded to e4m3 as each step runs with one scale per row, products summed
+in float32 and scaled back. On CUDA that is one `torch._scaled_mm`. On a CPU the arithmetic is
+emulated: every e4m3 number is exact in bf16 (4 significant bits of 8), so the weight codes live as
+bf16 in oneDNN's packed layout, each step's activation codes are cast to bf16, the bf16 matmul sums
+their products in float32, and the row and column scales multiply its output. That output is rounded to
+bf16 once before the scales and once after (fp8 hardware rounds once): about 2^-9 relative more. The
+speed and memory are bf16's (a CPU without fp8 arithmetic reads no fewer bytes for it): the option is
+there for fp8's accuracy, not its speed, on this hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenmill.models.linear import LinearBase, PackedLinear, _plain_linear, onednn_packing_available
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+
+
+def to_e4m3(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as e4m3 codes and float32 scales along `dim` (x ~= codes * scale): each slice's largest
+    magnitude maps to 448; an all-zero slice gets the smallest normal scale, not a division by zero."""
+    tiny = torch.finfo(torch.float32).tiny
+    scale = (x.abs().amax(dim=dim, keepdim=True).float() / E4M3_MAX).clamp(min=tiny)
+    return (x.float() / scale).to(E4M3), scale
+
+
+E4m3Rows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ScaleRowsCols = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+class Fp8Linear(LinearBase):
+    """A linear computing what an fp8 (e4m3) weight-and-activation matmul computes (module doc)."""
+
+    prepared = True
+
+    def __init__(self, linear: nn.Linear, e4m3_rows: E4m3Rows, scale_rows_cols: ScaleRowsCols) -> None:
+        """`e4m3_rows`, `scale_rows_cols`: the model's ops (models/ops.py), C++ kernels on a CPU."""
+        super().__init__()
+        self.e4m3_rows, self.scale_rows_cols = e4m3_rows, scale_rows_cols
+        w = linear.weight.detach()
+        self.out_features, self.in_features = w.shape
+        codes, scale = to_e4m3(w, dim=1)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.cuda = w.device.type == "cuda"
+        if self.cuda:
+            self.w_codes_t, self.w_scales = codes.t(), scale.view(1, -1)  # _scaled_mm wants [K, N]
+            return
+        # bf16 whatever the model dtype: the codes are exact in it, and it is what oneDNN packs.
+        wide = nn.Linear(self.in_features, self.out_features, bias=False)
+        wide.weight = nn.Parameter(codes.to(torch.bfloat16), requires_grad=False)
+        self.wide: nn.Module = PackedLinear(wide) if onednn_packing_available(wide.weight) else wide
+        self.w_scales = scale.view(1, -1)  # float32 [1, N]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            codes, scale = to_e4m3(x, dim=-1)
+            w, ws = self.w_codes_t, self.w_scales
+            y = torch._scaled_mm(codes, w, scale_a=scale, scale_b=ws, out_dtype=x.dtype)
+        else:
+            codes, scale = self.e4m3_rows(x)
+            y = self.scale_rows_cols(self.wide(codes), scale, self.w_scales, x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_linears_fp8(
+    model: nn.Module,
+    e4m3_rows: E4m3Rows,
+    scale_rows_cols: ScaleRowsCols,
+    skip: tuple[str, ...] = ("lm_head",),
+) -> int:
+    """Replace every plain linear but those named in `skip` by an Fp8Linear; return the count. The output
+    head stays in the model dtype, as FP8 checkpoints keep it (every logit depends on it)."""
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if _plain_linear(child) and full not in skip:
+                setattr(parent, name, Fp8Linear(child, e4m3_rows, scale_rows_cols))
+                count += 1
+    return count
