@@ -2,7 +2,9 @@
 
 SmolLM2-135M's shape (9 query heads, 3 kv heads, head size 64), bf16, one layer of a prompt step: a
 2048-token step made of whole prompts, as offline serving schedules them. Cases: the offline
-benchmark's prompts (32-512 tokens, uniform), and single prompts of 128 to 1024 tokens. Both paths
+benchmark's prompts (32-512 tokens, uniform), single prompts of 128 to 1024 tokens, and chunks that
+continue a cached context (chunked prefill of a long prompt, a prefix hit), read from a paged bf16
+cache of 16-token blocks in shuffled order. Both paths
 run in the same process, alternated, best of three rounds; GFLOPS counts the causal products only
 (2 * 2 * D flops for each query-key pair a query sees).
 
@@ -55,23 +57,35 @@ def main() -> None:
     cases = [("offline mix", offline_lengths(rng)), ("offline mix", offline_lengths(rng))]
     cases += [(f"1 x {n}", [n]) for n in (128, 256, 512, 1024)]
     backends = {"ref": get_backend("torch"), "cpu": get_backend("cpu")}
+    # Chunks under CACHED_MIN_QUERIES (64 here) stay with SDPA: that case shows the routing, about 1.0.
+    later = ((512, 512), (2048, 2048), (3000, 256), (3000, 64))
+    cases += [(f"{n} after {past} cached", [(past, n)]) for past, n in later]
     print("| prompts | tokens | SDPA ms | kernel ms | SDPA GFLOPS | kernel GFLOPS | speed-up |")
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name, lens in cases:
-        t = sum(lens)
+        t = sum(x[1] if isinstance(x, tuple) else x for x in lens)
         qkv = torch.randn(t, (H + 2 * HKV) * D, generator=g).to(torch.bfloat16)
         q = qkv[:, : H * D].view(t, H, D)
         k = qkv[:, H * D : (H + HKV) * D].view(t, HKV, D)
         v = qkv[:, (H + HKV) * D :].view(t, HKV, D)
         segs, start = [], 0
+        k_cache = v_cache = None
         for n in lens:
-            segs.append(PrefillSegment(start, n, 0, torch.zeros(0, dtype=torch.long)))
+            if isinstance(n, tuple):  # (cached tokens, new tokens): a paged cache holds the context
+                past, n = n
+                blocks = -(-(past + n) // 16)
+                k_cache = torch.randn(blocks, 16, HKV, D, generator=g).to(torch.bfloat16)
+                v_cache = torch.randn(blocks, 16, HKV, D, generator=g).to(torch.bfloat16)
+                table = torch.randperm(blocks, generator=g)
+                segs.append(PrefillSegment(start, n, past, table))
+            else:
+                segs.append(PrefillSegment(start, n, 0, torch.zeros(0, dtype=torch.long)))
             start += n
         outs = {w: torch.empty(t, H, D, dtype=torch.bfloat16) for w in backends}
 
-        def run(which: str, segs=segs, q=q, k=k, v=v, outs=outs) -> None:
-            backends[which]._prefill(q, k, v, None, None, segs, D**-0.5, outs[which])
+        def run(which: str, segs=segs, q=q, k=k, v=v, outs=outs, kc=k_cache, vc=v_cache) -> None:
+            backends[which]._prefill(q, k, v, kc, vc, segs, D**-0.5, outs[which])
 
         run("ref")
         run("cpu")
@@ -80,7 +94,7 @@ def main() -> None:
         for _ in range(3):
             for w in backends:
                 best[w] = min(best[w], time_ms(lambda w=w: run(w), 5))
-        flops = sum(4 * D * H * n * (n + 1) / 2 for n in lens)
+        flops = sum(4 * D * H * (s.q_len * s.start_pos + s.q_len * (s.q_len + 1) / 2) for s in segs)
         ref, cpu = best["ref"], best["cpu"]
         print(
             f"| {name} ({len(lens)}) | {t} | {ref:.2f} | {cpu:.2f} "

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.attention.backend import PrefillSegment
-from tokenmill.models.attention.cpu_paged import brgemm_prefill_available
+from tokenmill.models.attention.cpu_paged import CACHED_MIN_QUERIES, brgemm_prefill_available
+from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
 from tokenmill.models.attention.registry import get_backend
 
 needs_kernel = pytest.mark.skipif(
@@ -69,29 +70,64 @@ def test_kernel_matches_float64_attention_as_closely_as_sdpa(
 
 
 @needs_kernel
-def test_segments_that_continue_a_cached_context_still_take_the_reference_path() -> None:
-    """A prompt chunk after cached tokens reads the cache: the kernel leaves it to SDPA, and both kinds
-    of segment in one step land in their own rows."""
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8"])
+def test_chunks_after_a_cached_context_read_it_through_their_block_tables(fmt: str | None) -> None:
+    """Chunked prefill, prefix hits and draft verification: the chunk's queries at positions past..,
+    keys and values read from shuffled cache blocks (8-bit rows dequantized), against float64 attention
+    over the same cached values, as closely as SDPA; a whole prompt in the same step lands in its rows."""
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, d, bs = 4, 2, 64, 16
-    k_cache = torch.randn(8, bs, kv_heads, d, generator=g).to(torch.bfloat16)
-    v_cache = torch.randn(8, bs, kv_heads, d, generator=g).to(torch.bfloat16)
-    q = torch.randn(40, heads, d, generator=g).to(torch.bfloat16)
-    k = torch.randn(40, kv_heads, d, generator=g).to(torch.bfloat16)
-    v = torch.randn(40, kv_heads, d, generator=g).to(torch.bfloat16)
-    # Rows 0-29: a whole prompt; rows 30-39: 10 new tokens after 20 cached ones in blocks 3 and 5.
-    k_cache[3], v_cache[3] = torch.randn(2, bs, kv_heads, d, generator=g).to(torch.bfloat16)
-    whole = PrefillSegment(0, 30, 0, torch.zeros(0, dtype=torch.long))
-    cont = PrefillSegment(30, 10, 20, torch.tensor([3, 5]))
-    # The continuation's own keys go to slots 20..29 of its table (block 5, offsets 4..13).
-    k_cache[5, 4:14], v_cache[5, 4:14] = k[30:], v[30:]
+    heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 64
+    # (cached tokens before, new tokens): two chunks long enough for the kernel, one left to SDPA.
+    chunks = [(100, 200), (5, 1), (64, 256)]
+    whole_len = 33
+    t = whole_len + sum(n for _, n in chunks)
+    q = torch.randn(t, heads, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, d, generator=g).to(torch.bfloat16)
+    # Context rows of every chunk (cached ones random, then the chunk's own), written into its blocks.
+    raw_k = torch.randn(blocks, bs, kv_heads, d, generator=g).to(torch.bfloat16)
+    raw_v = torch.randn(blocks, bs, kv_heads, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    segments = [PrefillSegment(0, whole_len, 0, torch.zeros(0, dtype=torch.long))]
+    row, used = whole_len, 0
+    for past, n in chunks:
+        nb = -(-(past + n) // bs)
+        table = torch.tensor(perm[used : used + nb])
+        used += nb
+        slots = table[torch.arange(past, past + n) // bs] * bs + torch.arange(past, past + n) % bs
+        raw_k.view(-1, kv_heads, d)[slots] = k[row : row + n]
+        raw_v.view(-1, kv_heads, d)[slots] = v[row : row + n]
+        segments.append(PrefillSegment(row, n, past, table))
+        row += n
+    k_cache = raw_k if fmt is None else quantize_rows(raw_k, fmt)
+    v_cache = raw_v if fmt is None else quantize_rows(raw_v, fmt)
     outs = {}
     for name in ("cpu", "torch"):
         out = torch.empty_like(q)
-        get_backend(name)._prefill(q, k, v, k_cache, v_cache, [whole, cont], d**-0.5, out)
+        get_backend(name, kv_format=fmt)._prefill(q, k, v, k_cache, v_cache, segments, d**-0.5, out)
         outs[name] = out
-    torch.testing.assert_close(outs["cpu"][30:], outs["torch"][30:], atol=0, rtol=0)  # same path
-    torch.testing.assert_close(outs["cpu"][:30].float(), outs["torch"][:30].float(), atol=2e-2, rtol=1e-2)
+    values_k = raw_k if fmt is None else dequantize_rows(k_cache, fmt, torch.float64)
+    values_v = raw_v if fmt is None else dequantize_rows(v_cache, fmt, torch.float64)
+    for seg in segments[1:]:
+        ctx = torch.arange(seg.start_pos + seg.q_len)
+        slots = seg.block_ids[ctx // bs] * bs + ctx % bs
+        ks = values_k.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        vs = values_v.reshape(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        qs = q[seg.q_start : seg.q_start + seg.q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * d**-0.5
+        hidden = ctx[None, :] > torch.arange(seg.start_pos, seg.context_len)[:, None]
+        exact = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), vs)
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        err = (outs["cpu"][rows].double() - exact).abs()
+        sdpa_err = (outs["torch"][rows].double() - exact).abs()
+        torch.testing.assert_close(outs["cpu"][rows].double(), exact, atol=2e-2, rtol=1e-2)
+        # Routing: long chunks went to the kernel (other roundings), the short one stayed with SDPA.
+        same = torch.equal(outs["cpu"][rows], outs["torch"][rows])
+        assert same == (seg.q_len < CACHED_MIN_QUERIES), seg
+        assert err.mean() <= 1.25 * sdpa_err.mean() + 1e-4, (seg, err.mean().item(), sdpa_err.mean().item())
+    torch.testing.assert_close(
+        outs["cpu"][:whole_len].float(), outs["torch"][:whole_len].float(), atol=2e-2, rtol=1e-2
+    )
 
 
 @pytest.mark.parametrize("var", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])

@@ -22,6 +22,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tens
 torch::Tensor argmax_rows(torch::Tensor logits);
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        torch::Tensor starts, torch::Tensor lens, double scale);
+void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor starts, torch::Tensor lens, torch::Tensor past,
+                              torch::Tensor block_tables, double scale, int64_t kv_format);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -54,5 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");
+  m.def("prefill_attention_cached", &prefill_attention_cached,
+        "causal attention of prompt chunks after a cached context, read through block tables");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
 }

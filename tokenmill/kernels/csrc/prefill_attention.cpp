@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec_math.h"
 
 namespace {
@@ -109,50 +110,29 @@ float softmax_row(const float* s, int64_t panel_stride, int64_t panels, int64_t 
 #endif
 }
 
-}  // namespace
-
-// q [T, H, D], k and v [T, Hkv, D] (rows may be views of a fused qkv tensor: only the last dimension
-// must be contiguous), out [T, H, D] contiguous. Segment i is rows starts[i]..starts[i]+lens[i]-1.
-void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       torch::Tensor starts, torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "prefill_attention: bfloat16 tensors only");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.is_contiguous(), "prefill_attention: shapes");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.stride(1) == q.size(2) &&
-                  k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
-              "prefill_attention: heads must be contiguous within a row");
-  const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(2);
-  TORCH_CHECK(H % Hkv == 0 && D % 32 == 0, "prefill_attention: head size a multiple of 32, heads a multiple of kv heads");
+// The attention itself, whatever holds the keys and values. Segment i's queries are rows
+// starts[i]..starts[i]+lens[i]-1 of q (rows qs elements apart, heads D apart) at positions past[i]..;
+// they see keys 0..past[i]+lens[i]-1, which pack(i, g, keys_out, values_out) writes for kv head g in the
+// layouts above. out [T, H, D] contiguous.
+template <typename Pack>
+void attend(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+            const int64_t* seg_start, const int64_t* seg_len, const int64_t* past, float sc, const Pack& pack) {
   const int64_t group = H / Hkv;
-  const int64_t S = starts.numel();
-  auto st = starts.contiguous().to(at::kLong);
-  auto ln = lens.contiguous().to(at::kLong);
-  const int64_t* seg_start = st.data_ptr<int64_t>();
-  const int64_t* seg_len = ln.data_ptr<int64_t>();
-  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
-  const bf16* qp = q.data_ptr<at::BFloat16>();
-  const bf16* kp = k.data_ptr<at::BFloat16>();
-  const bf16* vp = v.data_ptr<at::BFloat16>();
-  bf16* op = out.data_ptr<at::BFloat16>();
-  const float sc = static_cast<float>(scale);
+  auto padded_of = [&](int64_t s) { return (past[s] + seg_len[s] + kKeyPanel - 1) / kKeyPanel * kKeyPanel; };
 
   // Packed keys and values of every (segment, kv head), one buffer; offsets in elements.
   std::vector<int64_t> pack_off(S + 1, 0);
   int64_t max_padded = 0;
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t padded = (seg_len[s] + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
-    max_padded = std::max(max_padded, padded);
-    pack_off[s + 1] = pack_off[s] + Hkv * padded * D;
+    max_padded = std::max(max_padded, padded_of(s));
+    pack_off[s + 1] = pack_off[s] + Hkv * padded_of(s) * D;
   }
   std::vector<bf16> kpack(pack_off[S]), vpack(pack_off[S]);
   at::parallel_for(0, S * Hkv, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t s = i / Hkv, g = i % Hkv;
-      const int64_t padded = (seg_len[s] + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
-      const int64_t off = pack_off[s] + g * padded * D;
-      pack_keys(kp + seg_start[s] * ks + g * D, seg_len[s], ks, D, kpack.data() + off);
-      pack_values(vp + seg_start[s] * vs + g * D, seg_len[s], vs, D, vpack.data() + off);
+      const int64_t off = pack_off[s] + g * padded_of(s) * D;
+      pack(s, g, kpack.data() + off, vpack.data() + off);
     }
   });
 
@@ -169,9 +149,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   // other waiting (a quarter of the time spent in the pool's spin).
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return item_block[a / Hkv] > item_block[b / Hkv];
-  });
+  auto bound = [&](int64_t i) { return past[item_seg[i / Hkv]] + item_block[i / Hkv]; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return bound(a) > bound(b); });
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
 
@@ -186,21 +165,20 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
       const int64_t i = order[taken];
       const int64_t w = i / Hkv, g = i % Hkv;
       const int64_t s = item_seg[w], m0 = item_block[w];
-      const int64_t n = seg_len[s], rows = std::min(kQueryBlock, n - m0);
-      const int64_t keys = m0 + rows;  // the last query of the block sees keys 0..keys-1
+      const int64_t rows = std::min(kQueryBlock, seg_len[s] - m0);
+      const int64_t keys = past[s] + m0 + rows;  // the last query of the block sees keys 0..keys-1
       const int64_t panels = (keys + kKeyPanel - 1) / kKeyPanel;
-      const int64_t padded = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
-      const bf16* kpanels = kpack.data() + pack_off[s] + g * padded * D;
-      const bf16* vpacked = vpack.data() + pack_off[s] + g * padded * D;
+      const bf16* kpanels = kpack.data() + pack_off[s] + g * padded_of(s) * D;
+      const bf16* vpacked = vpack.data() + pack_off[s] + g * padded_of(s) * D;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const bf16* qrow = qp + (seg_start[s] + m0) * qs + h * D;
         for (int64_t p = 0; p < panels; ++p)
           at::native::cpublas::brgemm(rows, kKeyPanel, D, qs, kKeyPanel, kKeyPanel, false, qrow,
                                       kpanels + p * kKeyPanel * D, scores.data() + p * kQueryBlock * kKeyPanel);
-        // Softmax of each query row over keys 0..m0+r; weights left unnormalized (1/sum applied to
+        // Softmax of each query row over keys 0..past+m0+r; weights left unnormalized (1/sum applied to
         // the output row), zero past the causal bound so the padded products add nothing.
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t seen = m0 + r + 1;
+          const int64_t seen = past[s] + m0 + r + 1;
           inv[r] = softmax_row(scores.data() + r * kKeyPanel, kQueryBlock * kKeyPanel, panels, seen, sc,
                                weights.data() + r * kKeyPanel);
         }
@@ -218,4 +196,113 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
     }
     at::native::cpublas::brgemm_release();
   });
+}
+
+// A segment's context rows [0, n) of kv head g, gathered from the paged cache through its block table
+// and converted to bf16 (8-bit rows dequantized, rounded as the reference's dequantize_rows rounds),
+// into dst [n, D].
+template <typename R>
+void gather_rows(const typename R::elem* cache, const int64_t* table, int64_t block_size, int64_t Hkv, int64_t g,
+                 int64_t n, int64_t D, bf16* dst) {
+  const int64_t w = R::width(D);
+  std::vector<float> buf(D);
+  for (int64_t j = 0; j < n; ++j) {
+    const typename R::elem* row = cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + g) * w;
+    R::load(row, D, buf.data());
+    store_f32(buf.data(), dst + j * D, D);
+  }
+}
+
+template <typename R>
+void attend_cached(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t D, torch::Tensor k_cache,
+                   torch::Tensor v_cache, int64_t S, const int64_t* seg_start, const int64_t* seg_len,
+                   const int64_t* past, const int64_t* tables, int64_t table_width, float sc) {
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const auto* kc = reinterpret_cast<const typename R::elem*>(k_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const typename R::elem*>(v_cache.data_ptr());
+  attend(qp, qs, op, H, Hkv, D, S, seg_start, seg_len, past, sc, [&](int64_t s, int64_t g, bf16* ko, bf16* vo) {
+    const int64_t n = past[s] + seg_len[s];
+    std::vector<bf16> rows(n * D);
+    gather_rows<R>(kc, tables + s * table_width, block_size, Hkv, g, n, D, rows.data());
+    pack_keys(rows.data(), n, D, D, ko);
+    gather_rows<R>(vc, tables + s * table_width, block_size, Hkv, g, n, D, rows.data());
+    pack_values(rows.data(), n, D, D, vo);
+  });
+}
+
+void check_query(const torch::Tensor& q, const torch::Tensor& out, int64_t Hkv) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention: bfloat16 queries and output only");
+  TORCH_CHECK(q.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes(), "prefill_attention: shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "prefill_attention: heads must be contiguous in a row");
+  TORCH_CHECK(q.size(1) % Hkv == 0 && q.size(2) % 32 == 0,
+              "prefill_attention: head size a multiple of 32, heads a multiple of kv heads");
+}
+
+}  // namespace
+
+// q [T, H, D], k and v [T, Hkv, D] (rows may be views of a fused qkv tensor: only the last dimension
+// must be contiguous), out [T, H, D] contiguous. Segment i is rows starts[i]..starts[i]+lens[i]-1, a
+// whole prompt: its own keys and values are its context.
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       torch::Tensor starts, torch::Tensor lens, double scale) {
+  check_query(q, out, k.size(1));
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.dim() == 3 && v.dim() == 3 &&
+                  k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "prefill_attention: bfloat16 keys and values, heads contiguous in a row");
+  const int64_t H = q.size(1), Hkv = k.size(1), D = q.size(2), S = starts.numel();
+  auto st = starts.contiguous().to(at::kLong);
+  auto ln = lens.contiguous().to(at::kLong);
+  const int64_t* seg_start = st.data_ptr<int64_t>();
+  const int64_t* seg_len = ln.data_ptr<int64_t>();
+  const std::vector<int64_t> past(S, 0);
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const bf16* kp = k.data_ptr<at::BFloat16>();
+  const bf16* vp = v.data_ptr<at::BFloat16>();
+  attend(q.data_ptr<at::BFloat16>(), q.stride(0), out.data_ptr<at::BFloat16>(), H, Hkv, D, S, seg_start, seg_len,
+         past.data(), static_cast<float>(scale), [&](int64_t s, int64_t g, bf16* ko, bf16* vo) {
+           pack_keys(kp + seg_start[s] * ks + g * D, seg_len[s], ks, D, ko);
+           pack_values(vp + seg_start[s] * vs + g * D, seg_len[s], vs, D, vo);
+         });
+}
+
+// Prompt chunks that continue a cached context: segment i's queries (rows starts[i].., lens[i] of them)
+// sit at positions past[i]..; its keys and values 0..past[i]+lens[i]-1, this chunk's included (the
+// backend writes them first), are read from the paged cache [blocks, block_size, Hkv, width] through
+// block_tables[i] (kv_format 0: bf16 rows; 1: int8, 2: fp8 e4m3 rows with their float32 scale).
+void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor starts, torch::Tensor lens, torch::Tensor past,
+                              torch::Tensor block_tables, double scale, int64_t kv_format) {
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "prefill_attention_cached: caches [blocks, block_size, kv heads, width], contiguous");
+  const int64_t H = q.size(1), Hkv = k_cache.size(2), D = q.size(2), S = starts.numel();
+  check_query(q, out, Hkv);
+  TORCH_CHECK(kv_format != 0 || (k_cache.scalar_type() == at::kBFloat16 && k_cache.size(3) == D),
+              "prefill_attention_cached: a plain cache holds bf16 rows of the head size");
+  TORCH_CHECK(kv_format == 0 || (k_cache.scalar_type() == at::kByte && k_cache.size(3) == D + 4),
+              "prefill_attention_cached: an 8-bit cache holds rows of head-size codes and a float32 scale");
+  auto st = starts.contiguous().to(at::kLong);
+  auto ln = lens.contiguous().to(at::kLong);
+  auto ps = past.contiguous().to(at::kLong);
+  auto bt = block_tables.contiguous().to(at::kLong);
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == S, "prefill_attention_cached: a block table per segment");
+  const int64_t* seg_len = ln.data_ptr<int64_t>();
+  const int64_t* seg_past = ps.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK((seg_past[s] + seg_len[s] + k_cache.size(1) - 1) / k_cache.size(1) <= bt.size(1),
+                "prefill_attention_cached: a block table shorter than its context");
+  const bf16* qp = q.data_ptr<at::BFloat16>();
+  bf16* op = out.data_ptr<at::BFloat16>();
+  const float sc = static_cast<float>(scale);
+  if (kv_format == 0)
+    attend_cached<PlainRows<c10::BFloat16>>(qp, q.stride(0), op, H, D, k_cache, v_cache, S, st.data_ptr<int64_t>(),
+                                            seg_len, seg_past, bt.data_ptr<int64_t>(), bt.size(1), sc);
+  else if (kv_format == 1)
+    attend_cached<Q8Rows<false>>(qp, q.stride(0), op, H, D, k_cache, v_cache, S, st.data_ptr<int64_t>(), seg_len,
+                                 seg_past, bt.data_ptr<int64_t>(), bt.size(1), sc);
+  else
+    attend_cached<Q8Rows<true>>(qp, q.stride(0), op, H, D, k_cache, v_cache, S, st.data_ptr<int64_t>(), seg_len,
+                                seg_past, bt.data_ptr<int64_t>(), bt.size(1), sc);
 }
