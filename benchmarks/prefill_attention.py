@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_attention import time_ms  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 from tokenmill.models.attention.backend import PrefillSegment  # noqa: E402
@@ -38,14 +38,6 @@ def offline_lengths(rng: random.Random) -> list[int]:
         if sum(lens) + n > STEP:
             return lens
         lens.append(n)
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def main() -> None:
