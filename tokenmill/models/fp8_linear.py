@@ -50,8 +50,8 @@ class Fp8Linear(LinearBase):
         self.out_features, self.in_features = w.shape
         codes, scale = to_e4m3(w, dim=1)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.cuda = w.device.type == "cuda"
-        if self.cuda:
+        self.on_cuda = w.device.type == "cuda"  # not `cuda`: that is nn.Module's method
+        if self.on_cuda:
             self.w_codes_t, self.w_scales = codes.t(), scale.view(1, -1)  # _scaled_mm wants [K, N]
             return
         # bf16 whatever the model dtype: the codes are exact in it, and it is what oneDNN packs.
@@ -61,7 +61,7 @@ class Fp8Linear(LinearBase):
         self.w_scales = scale.view(1, -1)  # float32 [1, N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
+        if self.on_cuda:
             codes, scale = to_e4m3(x, dim=-1)
             w, ws = self.w_codes_t, self.w_scales
             y = torch._scaled_mm(codes, w, scale_a=scale, scale_b=ws, out_dtype=x.dtype)

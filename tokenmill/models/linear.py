@@ -67,6 +67,8 @@ def row_bucket(m: int) -> int:
 class PackedLinear(LinearBase):
     """A bf16 linear whose weight lives in oneDNN's blocked layout (CPU inference only)."""
 
+    prepared = True
+
     # The batch size oneDNN tunes the layout for; measured best across 1..256 rows (see module doc).
     PACK_HINT = 64
 
@@ -105,6 +107,8 @@ class QuantizedLinear(LinearBase):
     row), so larger batches use a copy of the same dequantized weights in the model dtype. The two
     paths round differently, so logits can differ in their last bits between small and large batches.
     """
+
+    prepared = True
 
     GROUP = 32
 
@@ -168,6 +172,8 @@ class Int8Linear(LinearBase):
     oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI on Zen 4, AVX2 elsewhere): half the weight
     bytes of bf16, which is the time of a decode step's matmuls, and twice the bf16 rate where they
     compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers."""
+
+    prepared = True
 
     def __init__(self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows) -> None:
         super().__init__()
@@ -246,9 +252,10 @@ _bf16_out: bool | None = None
 
 
 def _onednn_limit() -> str:
+    """The instruction-set limit set on oneDNN (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA)."""
     import os
 
-    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
 
 
 def _onednn_vnni() -> bool:
@@ -314,8 +321,4 @@ def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], 
 
 def _plain_linear(m: nn.Module) -> bool:
     """A linear still computed by a plain matmul of its weight (not yet packed or quantized)."""
-    return isinstance(m, nn.Linear) or (
-        isinstance(m, LinearBase)
-        and not m.prepared
-        and not isinstance(m, (PackedLinear, QuantizedLinear, Int8Linear))
-    )
+    return isinstance(m, nn.Linear) or (isinstance(m, LinearBase) and not m.prepared)

@@ -12,6 +12,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from tokenmill.models.fp8_linear import to_e4m3
+
 log = logging.getLogger(__name__)
 
 
@@ -62,8 +64,8 @@ class TorchOps:
     def e4m3_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row as float8 e4m3 codes at one float32 scale (max|x| / 448), the codes held in bfloat16
         (exact: 4 significant bits): (codes [M, K] bf16, scales [M, 1] float32)."""
-        s = (x.abs().amax(dim=1, keepdim=True).float() / 448).clamp(min=torch.finfo(torch.float32).tiny)
-        return (x.float() / s).to(torch.float8_e4m3fn).to(torch.bfloat16), s
+        codes, s = to_e4m3(x, dim=1)
+        return codes.to(torch.bfloat16), s
 
     def scale_rows_cols(
         self, y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype

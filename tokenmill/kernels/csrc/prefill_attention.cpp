@@ -34,8 +34,8 @@ using bf16 = at::BFloat16;
 // p*64.. in the VNNI-2 layout of a [D, 64] matrix ([D/2][64][2]: the two halves of a dimension pair
 // side by side), zeros past the last key.
 void pack_keys(const bf16* k, int64_t n, int64_t stride, int64_t D, bf16* out) {
-  const int64_t panels = (n + kKeyPanel - 1) / kKeyPanel;
-  std::memset(static_cast<void*>(out), 0, sizeof(bf16) * panels * kKeyPanel * D);
+  if (n % kKeyPanel)  // the last panel's columns past the last key are zero
+    std::memset(static_cast<void*>(out + (n / kKeyPanel) * kKeyPanel * D), 0, sizeof(bf16) * kKeyPanel * D);
   for (int64_t j = 0; j < n; ++j) {
     bf16* panel = out + (j / kKeyPanel) * kKeyPanel * D;
     const int64_t col = j % kKeyPanel;
@@ -48,7 +48,8 @@ void pack_keys(const bf16* k, int64_t n, int64_t stride, int64_t D, bf16* out) {
 // zero rows to whole panels.
 void pack_values(const bf16* v, int64_t n, int64_t stride, int64_t D, bf16* out) {
   const int64_t padded = (n + kKeyPanel - 1) / kKeyPanel * kKeyPanel;
-  std::memset(static_cast<void*>(out), 0, sizeof(bf16) * padded * D);
+  const int64_t from = n / 2 * 2;  // the pair holding the last odd key, and every pair after it, zeroed
+  std::memset(static_cast<void*>(out + from * D), 0, sizeof(bf16) * (padded - from) * D);
   for (int64_t j = 0; j < n; ++j) {
     const bf16* row = v + j * stride;
     bf16* dst = out + (j / 2) * D * 2 + (j % 2);
@@ -77,23 +78,16 @@ float softmax_row(const float* s, int64_t panel_stride, int64_t panels, int64_t 
       vmax = _mm512_mask_max_ps(vmax, mask(p * kKeyPanel + j), vmax, _mm512_loadu_ps(s + p * panel_stride + j));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), c = _mm512_set1_ps(sc);
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t p = 0; p < panels; ++p)
+  alignas(64) float e16[kKeyPanel];
+  for (int64_t p = 0; p < panels; ++p) {
     for (int64_t j = 0; j < kKeyPanel; j += 16) {
       const __m512 x = _mm512_loadu_ps(s + p * panel_stride + j);
       const __m512 e = _mm512_maskz_mov_ps(mask(p * kKeyPanel + j), exp_approx16(_mm512_mul_ps(_mm512_sub_ps(x, m), c)));
       acc = _mm512_add_ps(acc, e);
-      bf16* dst = w + p * panel_stride + j;
-#if defined(TM_AVX512_BF16)
-      const __m256bh h = _mm512_cvtneps_pbh(e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<const __m256i&>(h));
-#else
-      // Round to nearest even by integer arithmetic (the weights are finite and non-negative).
-      const __m512i b = _mm512_castps_si512(e);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-#endif
+      _mm512_store_ps(e16 + j, e);
     }
+    store_f32(e16, w + p * panel_stride, kKeyPanel);  // the shared bf16 rounding (vcvtneps2bf16 where built)
+  }
   return 1.f / _mm512_reduce_add_ps(acc);
 #else
   float mx = -std::numeric_limits<float>::infinity();
@@ -108,6 +102,13 @@ float softmax_row(const float* s, int64_t panel_stride, int64_t panels, int64_t 
     }
   return 1.f / sum;
 #endif
+}
+
+// v's storage, grown to at least n elements (its contents are not kept meaningful between calls).
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
 }
 
 // The attention itself, whatever holds the keys and values. Segment i's queries are rows
@@ -127,12 +128,16 @@ void attend(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t Hkv, int64_
     max_padded = std::max(max_padded, padded_of(s));
     pack_off[s + 1] = pack_off[s] + Hkv * padded_of(s) * D;
   }
-  std::vector<bf16> kpack(pack_off[S]), vpack(pack_off[S]);
+  // Grown, never shrunk, and not zeroed: a fresh allocation per layer call went to mmap and the kernel
+  // zeroed its pages, and the packers write every element the products read.
+  static thread_local std::vector<bf16> kbuf, vbuf;
+  bf16* kpack = grown(kbuf, pack_off[S]);
+  bf16* vpack = grown(vbuf, pack_off[S]);
   at::parallel_for(0, S * Hkv, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t s = i / Hkv, g = i % Hkv;
       const int64_t off = pack_off[s] + g * padded_of(s) * D;
-      pack(s, g, kpack.data() + off, vpack.data() + off);
+      pack(s, g, kpack + off, vpack + off);
     }
   });
 
@@ -157,10 +162,12 @@ void attend(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t Hkv, int64_
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Per thread: scores [panels][64 queries][64 keys] (float), weights as bf16 in the same shape, and
     // the output accumulator [64][D].
-    std::vector<float> scores(max_padded * kQueryBlock);
-    std::vector<bf16> weights(max_padded * kQueryBlock);
-    std::vector<float> acc(kQueryBlock * D);
-    std::vector<float> inv(kQueryBlock);
+    static thread_local std::vector<float> sbuf, abuf;
+    static thread_local std::vector<bf16> wbuf;
+    float* scores = grown(sbuf, max_padded * kQueryBlock);
+    bf16* weights = grown(wbuf, max_padded * kQueryBlock);
+    float* acc = grown(abuf, kQueryBlock * D);
+    float inv[kQueryBlock];
     for (int64_t taken = next.fetch_add(1); taken < items; taken = next.fetch_add(1)) {
       const int64_t i = order[taken];
       const int64_t w = i / Hkv, g = i % Hkv;
@@ -168,27 +175,27 @@ void attend(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t Hkv, int64_
       const int64_t rows = std::min(kQueryBlock, seg_len[s] - m0);
       const int64_t keys = past[s] + m0 + rows;  // the last query of the block sees keys 0..keys-1
       const int64_t panels = (keys + kKeyPanel - 1) / kKeyPanel;
-      const bf16* kpanels = kpack.data() + pack_off[s] + g * padded_of(s) * D;
-      const bf16* vpacked = vpack.data() + pack_off[s] + g * padded_of(s) * D;
+      const bf16* kpanels = kpack + pack_off[s] + g * padded_of(s) * D;
+      const bf16* vpacked = vpack + pack_off[s] + g * padded_of(s) * D;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         const bf16* qrow = qp + (seg_start[s] + m0) * qs + h * D;
         for (int64_t p = 0; p < panels; ++p)
           at::native::cpublas::brgemm(rows, kKeyPanel, D, qs, kKeyPanel, kKeyPanel, false, qrow,
-                                      kpanels + p * kKeyPanel * D, scores.data() + p * kQueryBlock * kKeyPanel);
+                                      kpanels + p * kKeyPanel * D, scores + p * kQueryBlock * kKeyPanel);
         // Softmax of each query row over keys 0..past+m0+r; weights left unnormalized (1/sum applied to
         // the output row), zero past the causal bound so the padded products add nothing.
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t seen = past[s] + m0 + r + 1;
-          inv[r] = softmax_row(scores.data() + r * kKeyPanel, kQueryBlock * kKeyPanel, panels, seen, sc,
-                               weights.data() + r * kKeyPanel);
+          inv[r] = softmax_row(scores + r * kKeyPanel, kQueryBlock * kKeyPanel, panels, seen, sc,
+                               weights + r * kKeyPanel);
         }
         for (int64_t p = 0; p < panels; ++p)
           at::native::cpublas::brgemm(rows, D, kKeyPanel, kKeyPanel, D, D, p > 0,
-                                      weights.data() + p * kQueryBlock * kKeyPanel, vpacked + p * kKeyPanel * D,
-                                      acc.data());
+                                      weights + p * kQueryBlock * kKeyPanel, vpacked + p * kKeyPanel * D,
+                                      acc);
         bf16* orow = op + (seg_start[s] + m0) * H * D + h * D;
         for (int64_t r = 0; r < rows; ++r) {
-          float* a = acc.data() + r * D;
+          float* a = acc + r * D;
           for (int64_t d = 0; d < D; ++d) a[d] *= inv[r];
           store_f32(a, orow + r * H * D, D);
         }

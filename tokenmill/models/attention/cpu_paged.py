@@ -11,13 +11,12 @@ reference path's SDPA.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tokenmill.kernels import cpu_kernels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.torch_ref import TorchReferenceBackend
+from tokenmill.models.linear import _onednn_limit
 
 _FORMAT_CODES = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_format argument
 CACHED_MIN_QUERIES = 192  # shortest chunk after a cached context that the prompt kernel takes (below)
@@ -121,7 +120,7 @@ def brgemm_prefill_available() -> bool:
     AVX512_CORE_BF16, Zen 4's instruction set (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch
     refuses the packed layout, so a limit set on oneDNN (ONEDNN_MAX_CPU_ISA, or its older name
     DNNL_MAX_CPU_ISA) counts as the CPU."""
-    limit = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    limit = _onednn_limit()
     return (
         bool(torch.cpu._is_amx_tile_supported())
         and torch.backends.mkldnn.is_available()
