@@ -348,3 +348,22 @@ def test_scale_rows_cols_rounds_once(kernels) -> None:
     rows, cols = torch.rand(5, 1) + 0.5, torch.rand(1, 300) + 0.5
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(kernels.scale_rows_cols(y, rows, cols, dtype), (y.float() * rows * cols).to(dtype))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 19])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 130), (16, 3), (40, 1537)])
+def test_gemv_panels(kernels, x_dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """The few-row matmul against float64: sums in float32, one final rounding to x's dtype."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    wide = torch.randn(rows, k + 5, generator=g).to(x_dtype)
+    x = wide[:, 2 : 2 + k]  # rows k + 5 apart, as a slice of a fused projection would be
+    panels = kernels.gemv_pack(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    out = kernels.gemv(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == x_dtype
+    exact = x.double() @ w.double().T
+    # float32 sums of k products: error up to ~k * 2**-24 of the sum of |products|.
+    atol = k * 2**-23 * float((x.double().abs() @ w.double().abs().T).max())
+    check(out, exact, atol=atol)

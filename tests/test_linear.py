@@ -30,3 +30,27 @@ def test_padded_rows_give_the_unpadded_answer(rows: int) -> None:
     assert y.shape == (rows, 960) and y.is_contiguous()
     exact = x.double() @ lin.weight.double().t() + lin.bias.double()
     assert float((y.double() - exact).norm() / exact.norm()) < 2**-8
+
+
+@pytest.mark.skipif(
+    not onednn_packing_available(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 packing"
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64])
+def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
+    """Steps of up to `small.max_rows` rows go through the C++ few-row kernel (its own copy of the
+    weight), larger ones through oneDNN: both within bf16 rounding of the float64 product, bias added."""
+    from tokenmill.models.ops import get_ops
+
+    ops = get_ops("cpu", "cpu")
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
+    small = ops.gemv_for(lin.weight.detach())
+    assert small is not None and small.max_rows == 8
+    with_small, onednn_only = PackedLinear(lin, small), PackedLinear(lin)
+    x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
+    exact = x.double() @ lin.weight.double().t() + lin.bias.double()
+    for y in (with_small(x), onednn_only(x)):
+        assert y.shape == (rows, 576) and y.dtype == torch.bfloat16
+        assert float((y.double() - exact).norm() / exact.norm()) < 2**-8
+    gap = (with_small(x).double() - onednn_only(x).double()).abs().max()
+    assert float(gap) <= 2**-6 * float(exact.abs().max())

@@ -29,6 +29,7 @@ _SOURCES = [
     "argmax.cpp",
     "kv_write.cpp",
     "prefill_attention.cpp",
+    "gemv.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

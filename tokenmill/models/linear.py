@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -72,14 +73,21 @@ class PackedLinear(LinearBase):
     # The batch size oneDNN tunes the layout for; measured best across 1..256 rows (see module doc).
     PACK_HINT = 64
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, small: SmallMatmul | None = None) -> None:
+        """`small`: a kernel for steps of at most `small.max_rows` rows, given its own copy of the
+        weight (ops.gemv_for): one-row steps are bound by reading weights, which oneDNN's matmul did
+        at 18 GB/s of the 25 this machine streams (benchmarks/linear_kernels.py)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.small = small
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
+        if self.small is not None and m <= self.small.max_rows and x.dim() == 2:
+            y = self.small(x)
+            return y if self.bias is None else y.add_(self.bias)
         padded = row_bucket(m) if x.dim() == 2 else m
         if padded == m:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -87,15 +95,40 @@ class PackedLinear(LinearBase):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear that can be packed; return how many were."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _plain_linear(child) and onednn_packing_available(child.weight):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+class SmallMatmul(Protocol):
+    """x @ W^T for a few rows, with W in the kernel's own layout (a callable the ops provide)."""
+
+    max_rows: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+# The few-row kernel keeps a second copy of each weight; models whose packed linears take more than
+# this keep only oneDNN's (the copy would cost more memory than a small model's speed is worth).
+SMALL_COPY_LIMIT_BYTES = 1 << 30
+SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
+
+
+def pack_linears(
+    model: nn.Module, small_for: Callable[[torch.Tensor], SmallMatmul | None] | None = None
+) -> int:
+    """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
+    few-row kernel for a weight (ops.gemv_for), used when the model's linears fit
+    SMALL_COPY_LIMIT_BYTES."""
+    todo = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if _plain_linear(child) and onednn_packing_available(child.weight)
+    ]
+    total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in todo)
+    if small_for is not None and total > SMALL_COPY_LIMIT_BYTES:
+        log.info("linears take %.1f GB: no few-row copy of the weights", total / 1e9)
+        small_for = None
+    for parent, name, child in todo:
+        small = small_for(child.weight.detach()) if small_for is not None else None
+        setattr(parent, name, PackedLinear(child, small))
+    return len(todo)
 
 
 class QuantizedLinear(LinearBase):
