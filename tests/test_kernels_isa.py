@@ -351,19 +351,37 @@ def test_scale_rows_cols_rounds_once(kernels) -> None:
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 19])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 130), (16, 3), (40, 1537)])
-def test_gemv_panels(kernels, x_dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 130), (16, 2), (40, 1538)])
+def test_panel_matmul_vector_loops(kernels, x_dtype: torch.dtype, rows: int, n: int, k: int) -> None:
     """The few-row matmul against float64: sums in float32, one final rounding to x's dtype."""
     g = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     wide = torch.randn(rows, k + 5, generator=g).to(x_dtype)
     x = wide[:, 2 : 2 + k]  # rows k + 5 apart, as a slice of a fused projection would be
-    panels = kernels.gemv_pack(w)
-    assert panels.shape == ((n + 15) // 16, k, 16)
-    out = kernels.gemv(x, panels, n)
+    panels = kernels.panel_pack(w)
+    assert panels.shape == ((n + 31) // 32, k // 2, 32, 2)
+    out = kernels.panel_matmul(x, panels, n, 4)
     assert out.shape == (rows, n) and out.dtype == x_dtype
     exact = x.double() @ w.double().T
-    # float32 sums of k products: error up to ~k * 2**-24 of the sum of |products|.
+    # float32 sums of k products: error up to ~k * 2**-24 of the sum of |products|, plus the rounding.
     atol = k * 2**-23 * float((x.double().abs() @ w.double().abs().T).max())
     check(out, exact, atol=atol)
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="the brgemm path of the panel matmul is used only with AMX"
+)
+@pytest.mark.parametrize("rows", [3, 17, 64])
+def test_panel_matmul_brgemm(kernels, rows: int) -> None:
+    """More rows than the vector loops take: oneDNN's brgemm on the same panels, against float64."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 578
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    out = kernels.panel_matmul(x, kernels.panel_pack(w), n, 2)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    atol = k * 2**-23 * float((x.double().abs() @ w.double().abs().T).max())
+    check(out, x.double() @ w.double().T, atol=atol)
+    with pytest.raises(RuntimeError, match="up to 64"):
+        kernels.panel_matmul(torch.zeros(65, k, dtype=torch.bfloat16), kernels.panel_pack(w), n, 2)

@@ -29,7 +29,7 @@ _SOURCES = [
     "argmax.cpp",
     "kv_write.cpp",
     "prefill_attention.cpp",
-    "gemv.cpp",
+    "panel_matmul.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

@@ -75,8 +75,8 @@ class PackedLinear(LinearBase):
 
     def __init__(self, linear: nn.Linear, small: SmallMatmul | None = None) -> None:
         """`small`: a kernel for steps of at most `small.max_rows` rows, given its own copy of the
-        weight (ops.gemv_for): one-row steps are bound by reading weights, which oneDNN's matmul did
-        at 18 GB/s of the 25 this machine streams (benchmarks/linear_kernels.py)."""
+        weight (ops.small_matmul_for): such steps are bound by reading the weights, which oneDNN's
+        matmul did at ~17 GB/s of the 25 this machine streams (kernels/csrc/panel_matmul.cpp)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_HINT)
@@ -113,7 +113,7 @@ def pack_linears(
     model: nn.Module, small_for: Callable[[torch.Tensor], SmallMatmul | None] | None = None
 ) -> int:
     """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
-    few-row kernel for a weight (ops.gemv_for), used when the model's linears fit
+    few-row kernel for a weight (ops.small_matmul_for), used when the model's linears fit
     SMALL_COPY_LIMIT_BYTES."""
     todo = [
         (parent, name, child)
@@ -289,6 +289,21 @@ def _onednn_limit() -> str:
     import os
 
     return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def amx_brgemm_available() -> bool:
+    """Whether the C++ kernels built on oneDNN's brgemm micro-kernel (prompt attention, the panel
+    matmul of 5-64 rows) are used here: CPUs with AMX, with oneDNN allowed to use it. The micro-kernel
+    also runs (correctly) on AVX512-BF16 without AMX, but there the prompt attention was slower than
+    SDPA: 0.44-0.75x on the Intel machine with oneDNN held to AVX512_CORE_BF16, Zen 4's instruction set
+    (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch refuses the packed layout, so a limit set
+    on oneDNN counts as the CPU."""
+    limit = _onednn_limit()
+    return (
+        bool(torch.cpu._is_amx_tile_supported())
+        and torch.backends.mkldnn.is_available()
+        and (limit == "ALL" or "AMX" in limit)
+    )
 
 
 def _onednn_vnni() -> bool:

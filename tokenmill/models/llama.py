@@ -319,6 +319,6 @@ def build_model(
         quantize_linears_fp8(model, model.ops.e4m3_rows, model.ops.scale_rows_cols)
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
-    pack_linears(model, model.ops.gemv_for)
+    pack_linears(model, model.ops.small_matmul_for)
     model.finalize()
     return model.eval()

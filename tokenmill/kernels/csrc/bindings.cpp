@@ -25,8 +25,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor starts, torch::Tensor lens, torch::Tensor past,
                               torch::Tensor block_tables, double scale, int64_t kv_format);
-torch::Tensor gemv_pack(torch::Tensor weight);
-torch::Tensor gemv(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor panel_pack(torch::Tensor weight);
+torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -56,8 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("e4m3_rows_bf16", &e4m3_rows_bf16, "rows as float8 e4m3 codes (held in bf16) and a float32 scale each");
   m.def("scale_rows_cols", &scale_rows_cols, "y * row scale * column scale, in float32, rounded once");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
-  m.def("gemv_pack", &gemv_pack, "[N, K] bfloat16 weight as [N/16, K, 16] column panels for gemv");
-  m.def("gemv", &gemv, "x @ W^T for a few rows, W as gemv_pack's panels");
+  m.def("panel_pack", &panel_pack, "[N, K] bfloat16 weight as [N/32, K/2, 32, 2] panels for panel_matmul");
+  m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");

@@ -16,7 +16,7 @@ import torch
 from tokenmill.kernels import cpu_kernels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.torch_ref import TorchReferenceBackend
-from tokenmill.models.linear import _onednn_limit
+from tokenmill.models.linear import amx_brgemm_available
 
 _FORMAT_CODES = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_format argument
 CACHED_MIN_QUERIES = 192  # shortest chunk after a cached context that the prompt kernel takes (below)
@@ -114,15 +114,5 @@ class CpuPagedBackend(TorchReferenceBackend):
 
 
 def brgemm_prefill_available() -> bool:
-    """Whether the whole-prompt kernel is used here: CPUs with AMX, with oneDNN allowed to use it. Its
-    products run on oneDNN's brgemm micro-kernel, which also runs (correctly) on AVX512-BF16 without
-    AMX, but there it was slower than SDPA: 0.44-0.75x on the Intel machine with oneDNN held to
-    AVX512_CORE_BF16, Zen 4's instruction set (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch
-    refuses the packed layout, so a limit set on oneDNN (ONEDNN_MAX_CPU_ISA, or its older name
-    DNNL_MAX_CPU_ISA) counts as the CPU."""
-    limit = _onednn_limit()
-    return (
-        bool(torch.cpu._is_amx_tile_supported())
-        and torch.backends.mkldnn.is_available()
-        and (limit == "ALL" or "AMX" in limit)
-    )
+    """Whether the whole-prompt kernel is used here: where oneDNN's brgemm runs on AMX (see there)."""
+    return amx_brgemm_available()
