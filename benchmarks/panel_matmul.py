@@ -1,0 +1,103 @@
+"""The panel matmul of decode steps (kernels/csrc/panel_matmul.cpp) against oneDNN's packed matmul, in
+one process: first all of SmolLM2-135M's 121 linears at a range of row counts, then the model itself
+at 1 and 32 streams with every packed linear's few-row kernel switched on and off, alternated.
+
+    python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,128] [--streams 1,32] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.linear import PackedLinear, amx_brgemm_available
+from tokenmill.models.ops import get_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
+
+# (out, in) of one SmolLM2 layer's fused qkv, o, gate_up, down; 30 layers; then the output head.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+WEIGHT_BYTES = sum(2 * o * i for o, i in SHAPES)
+
+
+def linears_ms(fns: list, rows: int, reps: int = 5) -> float:  # noqa: ANN001
+    """Best of `reps` passes over all the linears at `rows` rows."""
+    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
+    for _ in range(2):
+        for f, (_, i) in zip(fns, SHAPES, strict=True):
+            f(xs[i])
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for f, (_, i) in zip(fns, SHAPES, strict=True):
+            f(xs[i])
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def microbenchmark(rows_list: list[int]) -> None:
+    torch.manual_seed(0)
+    ops = get_ops("cpu", "cpu")
+    plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in SHAPES]
+    onednn = [PackedLinear(m) for m in plain]
+    panels = [ops.small_matmul_for(m.weight.detach()) for m in plain]
+    assert all(p is not None for p in panels)
+    limit = panels[0].max_rows  # type: ignore[union-attr]
+    print(f"\nAll 121 linears ({WEIGHT_BYTES / 1e6:.0f} MB of bf16 weights), best of 5:\n")
+    print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | path |")
+    print("|---|---|---|---|---|---|")
+    for rows in rows_list:
+        if rows > limit:
+            print(f"| {rows} | | | | | above the panel kernel's {limit} rows: oneDNN |")
+            continue
+        a, b = linears_ms(onednn, rows), linears_ms(panels, rows)  # type: ignore[arg-type]
+        path = "vector loops" if rows <= panels[0].vector_rows else "brgemm"  # type: ignore[union-attr]
+        gbs = WEIGHT_BYTES / b / 1e6
+        print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {path} |", flush=True)
+
+
+def in_model(streams: list[int], rounds: int) -> None:
+    llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False)
+    packed = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, PackedLinear)]
+    kernels = [m.small for m in packed]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    print("\nIn the model (greedy, 64 tokens a stream, best of 3 per round; rounds alternate the two):\n")
+    print("| streams | oneDNN tok/s | panel tok/s | panel / oneDNN |")
+    print("|---|---|---|---|")
+    for n in streams:
+        prompts = [f"Write a short story about a robot named R{i} who learns to paint." for i in range(n)]
+        best = {"oneDNN": 0.0, "panel": 0.0}
+        for _ in range(rounds):
+            for name in best:
+                for m, k in zip(packed, kernels, strict=True):
+                    m.small = k if name == "panel" else None
+                llm.generate(prompts[:2], params)  # warm-up: this path's shapes
+                for _ in range(3):
+                    t = time.perf_counter()
+                    llm.generate(prompts, params)
+                    best[name] = max(best[name], n * 64 / (time.perf_counter() - t))
+        a, b = best["oneDNN"], best["panel"]
+        print(f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--streams", default="1,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cpu = cpu_description()
+    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; brgemm path: {amx_brgemm_available()}")
+    microbenchmark([int(r) for r in args.rows.split(",")])
+    in_model([int(s) for s in args.streams.split(",")], args.rounds)
+
+
+if __name__ == "__main__":
+    main()
