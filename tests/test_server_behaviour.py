@@ -126,17 +126,19 @@ def test_sigterm_drains_in_flight_requests() -> None:
 
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {"prompt": "Story:", "max_tokens": 80, "ignore_eos": True}
+                # Long enough to be still running when the late request comes (~15 ms a token here:
+                # 80 tokens were over before it at 70 tok/s, and the drained server had exited).
+                body = {"prompt": "Story:", "max_tokens": 400, "ignore_eos": True}
                 inflight = asyncio.create_task(c.post(f"{base}/v1/completions", json=body))
                 await asyncio.sleep(1.0)
                 srv.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
-                late = await c.post(f"{base}/v1/completions", json=body)
+                late = await c.post(f"{base}/v1/completions", json={**body, "max_tokens": 4})
                 ready = await c.get(f"{base}/v1/health/ready")
                 return await inflight, late, ready
 
         done, late, ready = asyncio.run(main())
-        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 80
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 400
         # While draining the socket stays open: new work gets 503 with Retry-After, not a refusal.
         assert late.status_code == 503 and late.headers["Retry-After"]
         assert ready.status_code == 503 and ready.json()["message"] == "draining"
