@@ -89,7 +89,7 @@ def in_model(streams: list[int], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128")
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()

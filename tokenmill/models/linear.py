@@ -293,7 +293,7 @@ def _onednn_limit() -> str:
 
 def amx_brgemm_available() -> bool:
     """Whether the C++ kernels built on oneDNN's brgemm micro-kernel (prompt attention, the panel
-    matmul of 5-64 rows) are used here: CPUs with AMX, with oneDNN allowed to use it. The micro-kernel
+    matmul of 3-96 rows) are used here: CPUs with AMX, with oneDNN allowed to use it. The micro-kernel
     also runs (correctly) on AVX512-BF16 without AMX, but there the prompt attention was slower than
     SDPA: 0.44-0.75x on the Intel machine with oneDNN held to AVX512_CORE_BF16, Zen 4's instruction set
     (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch refuses the packed layout, so a limit set

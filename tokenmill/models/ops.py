@@ -105,7 +105,7 @@ class PanelMatmul:
 
     All of SmolLM2-135M's linears, same process (Intel Xeon with AMX, 2 cores), against oneDNN's packed
     matmul: the vector loops 1.5x at 1-3 rows, 1.3x at 4 (in the model at one stream, 1.41x a token);
-    brgemm per panel 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.07x at 64, even at 128 (32 streams
+    brgemm per panel 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.11-1.18x at 64-96, 0.96x at 128 (32 streams
     offline in the model, 1.19x tokens/s). At one row the vector loops beat brgemm in the model (69.7
     against 64.7 tok/s)."""
 
@@ -113,7 +113,7 @@ class PanelMatmul:
         self.k, self.n = k, weight.shape[0]
         self.panels = k.panel_pack(weight)  # type: ignore[attr-defined]
         self.vector_rows = 2 if brgemm else 4
-        self.max_rows = 64 if brgemm else 4
+        self.max_rows = 96 if brgemm else 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.panel_matmul(x, self.panels, self.n, self.vector_rows)  # type: ignore[attr-defined]

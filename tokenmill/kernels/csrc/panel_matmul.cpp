@@ -6,8 +6,8 @@
 // panels is one contiguous stream read front to back. Two ways through it:
 // - up to 4 rows, vector loops (any x86 level): each weight widened to float32 once for all rows, with a
 //   software prefetch 8 KB ahead into L2;
-// - more rows, on CPUs with AMX: oneDNN's brgemm micro-kernel (at::native::cpublas) on one panel at a
-//   time, which oneDNN's own matmul is not at this size (it reads its blocked layout in strides).
+// - more rows (up to 96), on CPUs with AMX: oneDNN's brgemm micro-kernel (at::native::cpublas) on one
+//   panel at a time, faster at these sizes than oneDNN's own matmul over its packed weights (below).
 //
 // Measured (SmolLM2-135M, Intel Xeon with AMX, 2 cores, docs/benchmarks.md): in the model at one stream
 // oneDNN's matmul took 18.7-20.2 ms a token; the vector loops without software prefetch 17.8; prefetching
@@ -17,7 +17,8 @@
 // pages ahead keeps the stream going, and into L2 rather than L1 it leaves L1 to the loads of the moment.
 // All 121 linears at 8-32 rows (same process): brgemm per 32-column panel 11.8-14.6 ms against oneDNN's
 // 16.0-19.2; 64-column panels 12.0-16.9, 128: 14.3-17.7, 16: 12.8-17.0; a prefetch of the next panel
-// before each brgemm call did not help (12.2-15.3).
+// before each brgemm call did not help (12.2-15.3). Against oneDNN at more rows: 1.18x at 80, 1.11x at
+// 96, 1.05-1.08x at 104-120, 0.96x at 128, 0.87x at 256 (hence at most 96).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -32,7 +33,7 @@ constexpr int64_t kCols = 32;          // output columns a panel holds
 constexpr int64_t kPairRow = kCols * 2;  // bf16 values of one k pair across a panel (128 bytes)
 constexpr int64_t kAheadBytes = 8192;  // how far ahead of the loads the prefetch runs
 constexpr int64_t kMaxVectorRows = 4;
-constexpr int64_t kMaxBrgemmRows = 64;
+constexpr int64_t kMaxBrgemmRows = 96;
 
 using bf16 = at::BFloat16;
 
@@ -170,7 +171,7 @@ torch::Tensor panel_pack(torch::Tensor weight) {
 }
 
 // x: [M, K] (bfloat16 or float32, rows may be strided), panels from panel_pack, n: output columns.
-// Rows up to `vector_rows` (at most 4) take the vector loops; more take brgemm (bfloat16 x, up to 64).
+// Rows up to `vector_rows` (at most 4) take the vector loops; more take brgemm (bfloat16 x, up to 96).
 torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kCols && panels.size(3) == 2 && panels.is_contiguous(),
@@ -183,7 +184,7 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
   if (M == 0) return y;
   const bf16* w = panels.data_ptr<bf16>();
   if (M > vector_rows) {
-    TORCH_CHECK(M <= kMaxBrgemmRows && x.scalar_type() == at::kBFloat16, "brgemm path: up to 64 bfloat16 rows");
+    TORCH_CHECK(M <= kMaxBrgemmRows && x.scalar_type() == at::kBFloat16, "brgemm path: up to 96 bfloat16 rows");
     brgemm_matmul(x.data_ptr<bf16>(), x.stride(0), w, y.data_ptr<bf16>(), M, K, n);
     return y;
   }
