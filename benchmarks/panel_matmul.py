@@ -20,10 +20,9 @@ from tokenmill.models.linear import PackedLinear, amx_brgemm_available
 from tokenmill.models.ops import get_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from linear_kernels import SHAPES  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
-# (out, in) of one SmolLM2 layer's fused qkv, o, gate_up, down; 30 layers; then the output head.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 WEIGHT_BYTES = sum(2 * o * i for o, i in SHAPES)
 
 

@@ -24,8 +24,8 @@ from decode_attention import time_ms  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 from tokenmill.models.attention.backend import PrefillSegment  # noqa: E402
-from tokenmill.models.attention.cpu_paged import brgemm_prefill_available  # noqa: E402
 from tokenmill.models.attention.registry import get_backend  # noqa: E402
+from tokenmill.models.linear import amx_brgemm_available  # noqa: E402
 
 H, HKV, D, STEP = 9, 3, 64, 2048
 
@@ -42,7 +42,7 @@ def offline_lengths(rng: random.Random) -> list[int]:
 
 def main() -> None:
     print(cpu_description(), f"threads: {torch.get_num_threads()}")
-    if not brgemm_prefill_available():
+    if not amx_brgemm_available():
         print("the whole-prompt kernel does not run on this CPU (it needs AMX); nothing to compare")
         return
     rng = random.Random(0)

@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.attention.backend import PrefillSegment
-from tokenmill.models.attention.cpu_paged import CACHED_MIN_QUERIES, brgemm_prefill_available
+from tokenmill.models.attention.cpu_paged import CACHED_MIN_QUERIES
 from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
 from tokenmill.models.attention.registry import get_backend
+from tokenmill.models.linear import amx_brgemm_available
 
 needs_kernel = pytest.mark.skipif(
-    not brgemm_prefill_available(), reason="the whole-prompt kernel is used only on CPUs with AMX"
+    not amx_brgemm_available(), reason="the whole-prompt kernel is used only on CPUs with AMX"
 )
 
 
@@ -136,6 +137,6 @@ def test_a_limit_on_onednn_below_amx_turns_the_kernel_off(monkeypatch, var: str)
     an ISA limit set on oneDNN (as tests/isa_paths.py sets to play a laptop) must be obeyed."""
     for limit in ("AVX2", "avx512_core_bf16"):
         monkeypatch.setenv(var, limit)
-        assert not brgemm_prefill_available()
+        assert not amx_brgemm_available()
     monkeypatch.setenv(var, "AVX512_CORE_AMX")
-    assert brgemm_prefill_available() == bool(torch.cpu._is_amx_tile_supported())
+    assert amx_brgemm_available() == bool(torch.cpu._is_amx_tile_supported())

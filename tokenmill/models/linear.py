@@ -109,9 +109,7 @@ SMALL_COPY_LIMIT_BYTES = 1 << 30
 SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
 
 
-def pack_linears(
-    model: nn.Module, small_for: Callable[[torch.Tensor], SmallMatmul | None] | None = None
-) -> int:
+def pack_linears(model: nn.Module, small_for: SmallFor | None = None) -> int:
     """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
     few-row kernel for a weight (ops.small_matmul_for), used when the model's linears fit
     SMALL_COPY_LIMIT_BYTES."""

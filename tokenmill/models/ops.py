@@ -106,7 +106,7 @@ class PanelMatmul:
     All of SmolLM2-135M's linears, same process (Intel Xeon with AMX, 2 cores), against oneDNN's packed
     matmul: the vector loops 1.5x at 1-3 rows, 1.3x at 4 (in the model at one stream, 1.41x a token);
     brgemm per panel 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.11-1.18x at 64-96, 0.96x at 128 (32 streams
-    offline in the model, 1.19x tokens/s). At one row the vector loops beat brgemm in the model (69.7
+    offline in the model, 1.15-1.16x tokens/s). At one row the vector loops beat brgemm in the model (69.7
     against 64.7 tok/s)."""
 
     def __init__(self, k: object, weight: torch.Tensor, brgemm: bool) -> None:

@@ -30,7 +30,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         super().__init__(kv_format)
         self.kernels = cpu_kernels(level)
         self._format_code = _FORMAT_CODES[kv_format]
-        self.prompt_kernel = brgemm_prefill_available()
+        self.prompt_kernel = amx_brgemm_available()
 
     def _write(
         self,
@@ -111,8 +111,3 @@ class CpuPagedBackend(TorchReferenceBackend):
         return self.kernels.paged_decode(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, self._format_code
         )
-
-
-def brgemm_prefill_available() -> bool:
-    """Whether the whole-prompt kernel is used here: where oneDNN's brgemm runs on AMX (see there)."""
-    return amx_brgemm_available()
