@@ -18,6 +18,7 @@ from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.weights import catalog
+from tokenmill.worker.allocator import keep_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
 from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
@@ -56,6 +57,8 @@ class Worker:
         self.governor = make_governor(config.adaptive_threads)
         self.dtype = resolve_dtype(config.dtype)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations re-used, not re-faulted each step (worker/allocator.py)
         t0 = time.perf_counter()
         path = catalog.resolve(config.model)
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
