@@ -1,8 +1,10 @@
 """The panel matmul of decode steps (kernels/csrc/panel_matmul.cpp) against oneDNN's packed matmul, in
 one process: first all of SmolLM2-135M's 121 linears at a range of row counts, then the model itself
-at 1 and 32 streams with every packed linear's few-row kernel switched on and off, alternated.
+at 1 and 32 streams with every packed linear's few-row kernel switched on and off, alternated. Which
+loops the panel kernel runs depends on the CPU (models/ops.py, PanelMatmul): vector loops and brgemm
+with AMX, dot loops (vdpbf16ps) with AVX512-BF16 and no AMX, vector loops alone elsewhere.
 
-    python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,128] [--streams 1,32] [--rounds 2]
+    python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,96,128,256] [--streams 1,32] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def microbenchmark(rows_list: list[int]) -> None:
             print(f"| {rows} | | | | | above the panel kernel's {limit} rows: oneDNN |")
             continue
         a, b = linears_ms(onednn, rows), linears_ms(panels, rows)  # type: ignore[arg-type]
-        path = "vector loops" if rows <= panels[0].vector_rows else "brgemm"  # type: ignore[union-attr]
+        small = panels[0]
+        path = "dot loops" if small.dot else "vector loops" if rows <= small.vector_rows else "brgemm"  # type: ignore[union-attr]
         gbs = WEIGHT_BYTES / b / 1e6
         print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {path} |", flush=True)
 
@@ -88,12 +91,14 @@ def in_model(streams: list[int], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128,256")
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     cpu = cpu_description()
-    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; brgemm path: {amx_brgemm_available()}")
+    dot = bool(get_ops("cpu", "cpu").k.panel_dot_available()) and not amx_brgemm_available()  # type: ignore[attr-defined]
+    brgemm = amx_brgemm_available()
+    print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; brgemm path: {brgemm}; dot loops: {dot}")
     microbenchmark([int(r) for r in args.rows.split(",")])
     in_model([int(s) for s in args.streams.split(",")], args.rounds)
 

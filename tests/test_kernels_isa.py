@@ -385,3 +385,24 @@ def test_panel_matmul_brgemm(kernels, rows: int) -> None:
     check(out, x.double() @ w.double().T, atol=atol)
     with pytest.raises(RuntimeError, match="up to 96"):
         kernels.panel_matmul(torch.zeros(97, k, dtype=torch.bfloat16), kernels.panel_pack(w), n, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 96, 256])
+def test_panel_matmul_dot_loops(kernels, rows: int) -> None:
+    """The AVX512-BF16 dot loops (vdpbf16ps, every step up to 256 rows on CPUs without AMX) against
+    float64, and each row's result the same bits whatever rows share its step."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the dot loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 578
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    panels = kernels.panel_pack(w)
+    out = kernels.panel_matmul_dot(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    atol = k * 2**-23 * float((x.double().abs() @ w.double().abs().T).max())
+    check(out, x.double() @ w.double().T, atol=atol)
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(kernels.panel_matmul_dot(x[r : r + 1], panels, n)[0], out[r])
+    with pytest.raises(RuntimeError, match="up to 256"):
+        kernels.panel_matmul_dot(torch.zeros(257, k, dtype=torch.bfloat16), panels, n)

@@ -35,7 +35,7 @@ def test_padded_rows_give_the_unpadded_answer(rows: int) -> None:
 @pytest.mark.skipif(
     not onednn_packing_available(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 packing"
 )
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 96, 97])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 96, 97, 256, 257])
 def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
     """Steps of up to `small.max_rows` rows go through the C++ panel kernels (their own copy of the
     weight), larger ones through oneDNN: both within bf16 rounding of the float64 product, bias added."""
@@ -45,7 +45,8 @@ def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     lin = nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
     small = ops.small_matmul_for(lin.weight.detach())
-    assert small is not None and small.max_rows == (96 if amx_brgemm_available() else 4)
+    dot = not amx_brgemm_available() and ops.k.panel_dot_available()  # type: ignore[attr-defined]
+    assert small is not None and small.max_rows == (96 if amx_brgemm_available() else 256 if dot else 4)
     with_small, onednn_only = PackedLinear(lin, small), PackedLinear(lin)
     x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
     exact = x.double() @ lin.weight.double().t() + lin.bias.double()

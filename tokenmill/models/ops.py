@@ -101,21 +101,27 @@ class TorchOps:
 
 class PanelMatmul:
     """x @ W^T for up to `max_rows` rows by the C++ panel kernels (kernels/csrc/panel_matmul.cpp), W
-    held as their panels: vector loops up to `vector_rows` rows, oneDNN's brgemm on AMX above.
+    held as their panels. Which loops, by CPU:
 
-    All of SmolLM2-135M's linears, same process (Intel Xeon with AMX, 2 cores), against oneDNN's packed
-    matmul: the vector loops 1.5x at 1-3 rows, 1.3x at 4 (in the model at one stream, 1.41x a token);
-    brgemm per panel 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.11-1.18x at 64-96, 0.96x at 128 (32 streams
-    offline in the model, 1.15-1.16x tokens/s). At one row the vector loops beat brgemm in the model (69.7
-    against 64.7 tok/s)."""
+    - AMX (Intel Xeon): vector loops up to 2 rows, oneDNN's brgemm per panel up to 96. All of
+      SmolLM2-135M's linears against oneDNN's packed matmul, same process: the vector loops 1.5x at 1-2
+      rows; brgemm 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.11-1.18x at 64-96, 0.96x at 128 (in the
+      model 1 stream 1.41x a token, 32 streams offline 1.15-1.16x tokens/s).
+    - AVX512-BF16 without AMX (AMD Zen 4): the dot loops (vdpbf16ps) for every step up to 256 rows:
+      1.8-2.0x oneDNN at 1-8 rows, 1.3-1.6x at 16-32, 1.2-1.3x at 64, 1.08x at 256. Each row is summed in
+      the same order whatever the step's size, so a row's output does not depend on its neighbours.
+    - otherwise (AVX-512 without BF16, AVX2): vector loops up to 4 rows."""
 
     def __init__(self, k: object, weight: torch.Tensor, brgemm: bool) -> None:
         self.k, self.n = k, weight.shape[0]
         self.panels = k.panel_pack(weight)  # type: ignore[attr-defined]
+        self.dot = not brgemm and bool(k.panel_dot_available())  # type: ignore[attr-defined]
         self.vector_rows = 2 if brgemm else 4
-        self.max_rows = 96 if brgemm else 4
+        self.max_rows = 256 if self.dot else 96 if brgemm else 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dot and x.dtype == torch.bfloat16:
+            return self.k.panel_matmul_dot(x, self.panels, self.n)  # type: ignore[attr-defined]
         return self.k.panel_matmul(x, self.panels, self.n, self.vector_rows)  # type: ignore[attr-defined]
 
 

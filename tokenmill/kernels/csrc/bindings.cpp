@@ -27,6 +27,8 @@ void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor 
                               torch::Tensor block_tables, double scale, int64_t kv_format);
 torch::Tensor panel_pack(torch::Tensor weight);
 torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
+bool panel_dot_available();
+torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -58,6 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
   m.def("panel_pack", &panel_pack, "[N, K] bfloat16 weight as [N/32, K/2, 32, 2] panels for panel_matmul");
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
+  m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 dot loops");
+  m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for 1-256 bfloat16 rows by vdpbf16ps (AVX512-BF16)");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");

@@ -1,11 +1,13 @@
-// bfloat16 matmuls of decode steps, y[M, N] = x[M, K] @ W^T, for the few to a few dozen rows where a
-// step is bound by reading the weights once, not by arithmetic.
+// bfloat16 matmuls of decode steps, y[M, N] = x[M, K] @ W^T, for the few to a few hundred rows where a
+// step is bound by reading the weights once, or where oneDNN's matmul leaves speed on the table.
 //
 // W is stored once, as panels of 32 output columns in the VNNI-2 layout oneDNN's brgemm micro-kernel
 // takes ([N/32][K/2][32][2]: the two weights of a k pair side by side), so a thread's share of the
-// panels is one contiguous stream read front to back. Two ways through it:
+// panels is one contiguous stream read front to back. Three ways through it:
 // - up to 4 rows, vector loops (any x86 level): each weight widened to float32 once for all rows, with a
 //   software prefetch 8 KB ahead into L2;
+// - on CPUs with AVX512-BF16 but no AMX (AMD Zen 4), up to 256 rows, dot loops: vdpbf16ps takes a k
+//   pair of the panel as it is and the row's bf16 pair, 32 multiply-adds an instruction, nothing widened;
 // - more rows (up to 96), on CPUs with AMX: oneDNN's brgemm micro-kernel (at::native::cpublas) on one
 //   panel at a time, faster at these sizes than oneDNN's own matmul over its packed weights (below).
 //
@@ -19,10 +21,16 @@
 // 16.0-19.2; 64-column panels 12.0-16.9, 128: 14.3-17.7, 16: 12.8-17.0; a prefetch of the next panel
 // before each brgemm call did not help (12.2-15.3). Against oneDNN at more rows: 1.18x at 80, 1.11x at
 // 96, 1.05-1.08x at 104-120, 0.96x at 128, 0.87x at 256 (hence at most 96).
+// AMD EPYC Zen 4 (no AMX), all 121 linears against oneDNN's avx512_core_bf16 matmul: the dot loops
+// 1.8-2.0x at 1-8 rows, 1.3-1.6x at 16-32, 1.2-1.3x at 64, 1.1-1.2x at 96-128, 1.08x at 256; oneDNN's
+// brgemm per panel 1.05-1.6x (less at every size); the float32 vector loops in groups of 4 rows lose
+// from 16 rows on (0.7x), as they widen every weight once per group.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vec_math.h"
@@ -34,6 +42,7 @@ constexpr int64_t kPairRow = kCols * 2;  // bf16 values of one k pair across a p
 constexpr int64_t kAheadBytes = 8192;  // how far ahead of the loads the prefetch runs
 constexpr int64_t kMaxVectorRows = 4;
 constexpr int64_t kMaxBrgemmRows = 96;
+constexpr int64_t kMaxDotRows = 256;  // x's rows (256 x 1536 bf16: 768 KB) stay in a 1 MB L2
 
 using bf16 = at::BFloat16;
 
@@ -118,6 +127,62 @@ void panels_plain(const float* xf, int64_t xs, const bf16* w, T* y, int64_t pair
   }
 }
 
+#if defined(TM_AVX512_BF16)
+// One pass of the dot loops over a panel for M <= 8 rows: 16 accumulators, 2 per row (the panel's two
+// halves of 16 columns), each row summed over k in the same order whatever M is, so a row's result does
+// not depend on the rows beside it (seeded sampling stays reproducible in any batch up to 256 rows).
+// Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the stack,
+// 16 stores every k pair, and the loops ran 2.6x slower.
+template <int M>
+__attribute__((always_inline)) inline void dot_pass(const bf16* x, int64_t xs, const bf16* wp, int64_t pairs, float* c, const char* ahead) {
+  __m512 acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    if (ahead) {
+      prefetch_l2(ahead + kp * kPairRow * 2);
+      prefetch_l2(ahead + kp * kPairRow * 2 + 64);
+    }
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
+    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;  // the row's k pair, paired as the panel pairs k
+      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, acc[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, acc[m][1]);
+  }
+}
+
+// All M rows against one panel, 8 at a time: the first pass streams the panel from memory (with the
+// prefetch), the later ones find it in L2.
+inline void dot_rows(const bf16* x, int64_t xs, const bf16* wp, int64_t pairs, float* c, int64_t M,
+                     const char* ahead) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const char* a = m0 == 0 ? ahead : nullptr;
+    const bf16* xm = x + m0 * xs;
+    float* cm = c + m0 * kCols;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: dot_pass<1>(xm, xs, wp, pairs, cm, a); break;
+      case 2: dot_pass<2>(xm, xs, wp, pairs, cm, a); break;
+      case 3: dot_pass<3>(xm, xs, wp, pairs, cm, a); break;
+      case 4: dot_pass<4>(xm, xs, wp, pairs, cm, a); break;
+      case 5: dot_pass<5>(xm, xs, wp, pairs, cm, a); break;
+      case 6: dot_pass<6>(xm, xs, wp, pairs, cm, a); break;
+      case 7: dot_pass<7>(xm, xs, wp, pairs, cm, a); break;
+      default: dot_pass<8>(xm, xs, wp, pairs, cm, a); break;
+    }
+  }
+}
+#endif
+
 // ~64 KB of weights a task at least: small enough to share the threads fairly, large enough that a
 // thread's stream outlasts the prefetch's start-up.
 int64_t panel_grain(int64_t pairs) { return std::max<int64_t>(1, 1024 / std::max<int64_t>(pairs, 1)); }
@@ -158,6 +223,23 @@ void brgemm_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M
   });
 }
 
+
+#if defined(TM_AVX512_BF16)
+void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t panels = (N + kCols - 1) / kCols, pairs = K / 2;
+  at::parallel_for(0, panels, panel_grain(pairs), [&](int64_t begin, int64_t end) {
+    std::vector<float> c(M * kCols + 16);
+    float* c64 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t{63});
+    for (int64_t p = begin; p < end; ++p) {
+      const bf16* wp = w + p * pairs * kPairRow;
+      dot_rows(x, lda, wp, pairs, c64, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
+      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
+      for (int64_t m = 0; m < M; ++m) store_f32(c64 + m * kCols, y + m * N + n0, cols);
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // [N, K] bfloat16 weight (K even) -> [ceil(N/32), K/2, 32, 2] panels (columns past N are zero).
@@ -193,5 +275,30 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
     for (int64_t m = 0; m < M; ++m) load_f32(x.data_ptr<scalar_t>() + m * x.stride(0), &xf[m * K], K);
     vector_matmul<scalar_t>(xf.data(), K, w, y.data_ptr<scalar_t>(), M, K / 2, n);
   });
+  return y;
+}
+
+bool panel_dot_available() {
+#if defined(TM_AVX512_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The dot loops for any 1-256 rows (bfloat16 x); only in builds for AVX512-BF16 (panel_dot_available).
+torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n) {
+  TORCH_CHECK(panel_dot_available(), "the dot loops need a build for AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kCols && panels.size(3) == 2 && panels.is_contiguous(),
+              "panels: panel_pack's");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1), "K mismatch");
+  TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxDotRows, "dot loops: up to 256 bfloat16 rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, n}, x.options());
+#if defined(TM_AVX512_BF16)
+  if (M > 0) dot_matmul(x.data_ptr<bf16>(), x.stride(0), panels.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, n);
+#endif
   return y;
 }
