@@ -61,7 +61,11 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
         if id(m) in twins:
             continue
         if isinstance(m, QuantizedLinear):
-            if rows <= m.max_rows:
+            if rows <= m.max_rows and m.small is not None:  # the panels: codes, and scales (and minima)
+                total += m.small.panels.numel() * m.small.panels.element_size()
+                scales = getattr(m.small, "scales", None)
+                total += 0 if scales is None else scales.numel() * scales.element_size()
+            elif rows <= m.max_rows:
                 total += (
                     m.qweight.numel() * m.qweight.element_size() + m.scales.numel() * m.scales.element_size()
                 )

@@ -406,3 +406,51 @@ def test_panel_matmul_dot_loops(kernels, rows: int) -> None:
         assert torch.equal(kernels.panel_matmul_dot(x[r : r + 1], panels, n)[0], out[r])
     with pytest.raises(RuntimeError, match="up to 256"):
         kernels.panel_matmul_dot(torch.zeros(257, k, dtype=torch.bfloat16), panels, n)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
+    """4-bit panels (quantization="int4" on AVX512-BF16 without AMX) against float64 with the same codes,
+    scales and minima (both rounded to bf16 as the panels hold them); rows strided as a fused slice."""
+    if not kernels.q4_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import q4_pack
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    lo = -8 * scale * (torch.rand(n, k // 32, generator=g) + 0.5)
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    out = kernels.q4_matmul(x, q4_pack(q, scale, lo), n)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    s64, lo64 = (v.to(torch.bfloat16).double().repeat_interleave(32, dim=1) for v in (scale, lo))
+    w = q.double() * s64 + lo64
+    # float32 sums of the group's products, then scale and minimum terms: bounded by the magnitudes summed.
+    atol = k * 2**-23 * float((x.double().abs() @ (q.double() * s64 + lo64.abs()).T).max())
+    check(out, x.double() @ w.T, atol=atol)
+    with pytest.raises(RuntimeError, match="up to 4 rows"):
+        kernels.q4_matmul(torch.zeros(5, k, dtype=torch.bfloat16), q4_pack(q, scale, lo), n)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(49152 // 16, 576), (37, 64)])
+def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
+    """8-bit weight-only panels (the int4 model's output head, AVX512-BF16 without AMX) against float64:
+    exact products, float32 sums, the column's scale, one rounding."""
+    if not kernels.q8_available():
+        pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import Q8Panels
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    kernel = Q8Panels(kernels, q, scale)
+    out = kernel(x)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    w = q.double() * scale.double()[:, None]
+    atol = k * 2**-23 * float((x.double().abs() @ w.abs().T).max())
+    check(out, x.double() @ w.T, atol=atol)
+    with pytest.raises(RuntimeError, match="up to 4 rows"):
+        kernel(torch.zeros(5, k, dtype=torch.bfloat16))

@@ -31,6 +31,27 @@ def test_small_and_large_batch_paths_agree(bits: int, dtype: torch.dtype) -> Non
     assert err < (0.05 if bits == 8 else 0.3)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_panel_kernels_agree_with_pytorchs_quantized_matmuls(bits: int) -> None:
+    """Where the ops give quantized layers their panel kernels (AVX512-BF16 without AMX), they answer as
+    PyTorch's int4/int8 matmuls over the same codes do, and as the layer's dequantized twin, within bf16."""
+    from tokenmill.models.ops import get_ops
+
+    ops = get_ops("cpu", "cpu")
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    fast = QuantizedLinear(lin, bits=bits, max_rows=4, quant_for=ops.quantized_matmul_for)
+    if fast.small is None:
+        pytest.skip("no panel kernel for quantized layers on this CPU (needs AVX512-BF16, used without AMX)")
+    ref = QuantizedLinear(lin, bits=bits, max_rows=4)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        a, b, wide = fast(x).float(), ref(x).float(), ref.wide(x).float()
+        scale = float(wide.abs().max())
+        gaps = float((a - wide).abs().max()) / scale, float((a - b).abs().max()) / scale
+        assert max(gaps) <= 2**-6, (rows, gaps)
+
+
 def test_q4_1_tensor_is_recovered_exactly(model_path: Path) -> None:
     w = torch.from_numpy(GGUFFile(model_path).tensor("blk.0.ffn_up.weight"))  # a Q4_1 tensor
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)

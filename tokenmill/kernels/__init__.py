@@ -30,6 +30,8 @@ _SOURCES = [
     "kv_write.cpp",
     "prefill_attention.cpp",
     "panel_matmul.cpp",
+    "panel_q4.cpp",
+    "panel_q8.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

@@ -107,6 +107,8 @@ class SmallMatmul(Protocol):
 # this keep only oneDNN's (the copy would cost more memory than a small model's speed is worth).
 SMALL_COPY_LIMIT_BYTES = 1 << 30
 SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
+# ops.quantized_matmul_for: (bits, codes, scales, minima or None) -> a kernel, or None.
+QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], SmallMatmul | None]
 
 
 def pack_linears(model: nn.Module, small_for: SmallFor | None = None) -> int:
@@ -143,7 +145,10 @@ class QuantizedLinear(LinearBase):
 
     GROUP = 32
 
-    def __init__(self, linear: nn.Linear, bits: int, max_rows: int) -> None:
+    def __init__(
+        self, linear: nn.Linear, bits: int, max_rows: int, quant_for: QuantFor | None = None
+    ) -> None:
+        """`quant_for(bits, q, scale, lo)`: a faster kernel for the codes (ops.quantized_matmul_for)."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -159,17 +164,23 @@ class QuantizedLinear(LinearBase):
             q = torch.round((groups - lo) / scale).clamp(0, 15)
             # A Q4_0/Q4_1 GGUF tensor comes back as it was: its blocks are 32 wide and span q = 0..15.
             dequant = (q * scale + lo).view(n, k)
-            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
-            zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-            self.scales = (
-                torch.stack([scale.view(n, -1).t(), zero.view(n, -1).t()], -1).contiguous().to(dtype)
-            )
+            self.small = quant_for(4, q.view(n, k), scale.view(n, -1), lo.view(n, -1)) if quant_for else None
+            if self.small is None:
+                self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    q.view(n, k).to(torch.int32), 1
+                )
+                zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+                self.scales = (
+                    torch.stack([scale.view(n, -1).t(), zero.view(n, -1).t()], -1).contiguous().to(dtype)
+                )
         elif bits == 8:
             scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
             q = torch.round(w / scale[:, None]).clamp(-127, 127)
             dequant = q * scale[:, None]
-            self.qweight = q.to(torch.int8).contiguous()
-            self.scales = scale.to(dtype)
+            self.small = quant_for(8, q.to(torch.int8), scale.to(dtype).float(), None) if quant_for else None
+            if self.small is None:
+                self.qweight = q.to(torch.int8).contiguous()
+                self.scales = scale.to(dtype)
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         wide = nn.Linear(k, n, bias=linear.bias is not None)
@@ -184,7 +195,9 @@ class QuantizedLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return self._wide(x)
-        if self.bits == 4:
+        if self.small is not None:
+            y = self.small(x.to(torch.bfloat16)).to(x.dtype)
+        elif self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.GROUP, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -353,14 +366,22 @@ def quantized_kernels_available(weight: torch.Tensor) -> bool:
     )
 
 
-def quantize_linears(model: nn.Module, max_rows: int, bits_for: dict[str, int], default_bits: int) -> int:
-    """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count."""
+def quantize_linears(
+    model: nn.Module,
+    max_rows: int,
+    bits_for: dict[str, int],
+    default_bits: int,
+    quant_for: QuantFor | None = None,
+) -> int:
+    """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count.
+    `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for)."""
     count = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if _plain_linear(child) and quantized_kernels_available(child.weight):
-                setattr(parent, name, QuantizedLinear(child, bits_for.get(full, default_bits), max_rows))
+                bits = bits_for.get(full, default_bits)
+                setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for))
                 count += 1
     return count
 

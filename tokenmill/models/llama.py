@@ -310,7 +310,13 @@ def build_model(
     if quantization == "int4":
         # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
         # logit depends on it.
-        quantize_linears(model, max_rows=QUANT_MAX_ROWS, bits_for={"lm_head": 8}, default_bits=4)
+        quantize_linears(
+            model,
+            QUANT_MAX_ROWS,
+            bits_for={"lm_head": 8},
+            default_bits=4,
+            quant_for=model.ops.quantized_matmul_for,
+        )
     elif quantization == "int8":
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).

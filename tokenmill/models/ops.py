@@ -98,6 +98,14 @@ class TorchOps:
         path has none)."""
         return None
 
+    def quantized_matmul_for(
+        self, bits: int, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
+    ) -> Q4Panels | Q8Panels | None:
+        """A kernel for decode steps of up to 4 rows with weight-only quantized weights, or None (PyTorch's
+        int4/int8 matmuls are used): 4 bits, w = q * scale + lo (q [N, K] in 0..15, scale and lo [N, K/32]);
+        8 bits, w = q * scale (q [N, K] int8, scale [N])."""
+        return None
+
 
 class PanelMatmul:
     """x @ W^T for up to `max_rows` rows by the C++ panel kernels (kernels/csrc/panel_matmul.cpp), W
@@ -123,6 +131,58 @@ class PanelMatmul:
         if self.dot and x.dtype == torch.bfloat16:
             return self.k.panel_matmul_dot(x, self.panels, self.n)  # type: ignore[attr-defined]
         return self.k.panel_matmul(x, self.panels, self.n, self.vector_rows)  # type: ignore[attr-defined]
+
+
+def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """4-bit codes q [N, K] (0..15) with their per-32-k scales and minima [N, K/32] as the panels of
+    kernels/csrc/panel_q4.cpp: [ceil(N/32), K/32, 640] bytes, per panel and group 16 k pairs of 32 bytes
+    (column j's even-k code in byte j's low nibble, odd-k in its high one), then 32 bf16 scales and 32
+    bf16 minima. Columns past N are zero."""
+    n, k = q.shape
+    panels, groups, pad = -(-n // 32), k // 32, -n % 32
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
+    pairs = q.view(panels, 32, k // 2, 2)
+    codes = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).reshape(panels, groups, 512)
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:
+        v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(panels, 32, groups).permute(0, 2, 1)
+        return v.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+    return torch.cat([codes, per_group(scale), per_group(lo)], -1).contiguous()
+
+
+class Q4Panels:
+    """x @ W^T for up to 4 bfloat16 rows with W in 4 bits (groups of 32, scale and minimum: a Q4 GGUF
+    block), by kernels/csrc/panel_q4.cpp: the codes in 32-column panels read as one stream, looked up as
+    bf16 and multiplied by vdpbf16ps (AVX512-BF16 builds only). AMD Zen 4, SmolLM2-135M's layer linears
+    at one row: see the kernel's header and docs/benchmarks.md."""
+
+    max_rows = 4
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        self.panels = q4_pack(q, scale, lo)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.q4_matmul(x, self.panels, self.n)  # type: ignore[attr-defined]
+
+
+class Q8Panels:
+    """x @ W^T for up to 4 bfloat16 rows with W as int8 codes and a scale per output column (weight-only,
+    the int4 model's output head), by kernels/csrc/panel_q8.cpp over the codes in the bf16 panel layout
+    (AVX512-BF16 builds only)."""
+
+    max_rows = 4
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        pad = -self.n % 32
+        codes = torch.nn.functional.pad(q.to(torch.int8), (0, 0, 0, pad))
+        self.panels = codes.view(-1, 32, q.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.scales = torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.q8_matmul(x, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
 
 
 class CpuFusedOps(TorchOps):
@@ -188,6 +248,18 @@ class CpuFusedOps(TorchOps):
         from tokenmill.models.linear import amx_brgemm_available
 
         return PanelMatmul(self.k, weight, amx_brgemm_available())
+
+    def quantized_matmul_for(
+        self, bits: int, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
+    ) -> Q4Panels | Q8Panels | None:
+        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only.
+        from tokenmill.models.linear import amx_brgemm_available
+
+        if q.device.type != "cpu" or q.shape[1] % 32 or amx_brgemm_available() or not self.k.q4_available():
+            return None
+        if bits == 4 and lo is not None:
+            return Q4Panels(self.k, q, scale, lo)
+        return Q8Panels(self.k, q, scale) if bits == 8 else None
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:
