@@ -10,10 +10,11 @@ from tokenmill.models.attention.backend import PrefillSegment
 from tokenmill.models.attention.cpu_paged import CACHED_MIN_QUERIES
 from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
 from tokenmill.models.attention.registry import get_backend
-from tokenmill.models.linear import amx_brgemm_available
+from tokenmill.models.linear import bf16_brgemm_available
 
 needs_kernel = pytest.mark.skipif(
-    not amx_brgemm_available(), reason="the whole-prompt kernel is used only on CPUs with AMX"
+    not bf16_brgemm_available(),
+    reason="the whole-prompt kernel needs oneDNN's bf16 brgemm: AMX or AVX512-BF16 (this CPU has neither)",
 )
 
 
@@ -132,11 +133,17 @@ def test_chunks_after_a_cached_context_read_it_through_their_block_tables(fmt: s
 
 
 @pytest.mark.parametrize("var", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
-def test_a_limit_on_onednn_below_amx_turns_the_kernel_off(monkeypatch, var: str) -> None:
-    """PyTorch refuses the kernel's packed layout below AVX-512, and it is slower than SDPA without AMX:
-    an ISA limit set on oneDNN (as tests/isa_paths.py sets to play a laptop) must be obeyed."""
-    for limit in ("AVX2", "avx512_core_bf16"):
+def test_a_limit_on_onednn_is_obeyed(monkeypatch, var: str) -> None:
+    """PyTorch refuses the kernel's packed layout below AVX512-BF16: an ISA limit set on oneDNN (as
+    tests/isa_paths.py sets to play a laptop) turns the kernel off; a limit that still allows bf16
+    pairs leaves it to the CPU's own features."""
+    has_bf16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    for limit in ("AVX2", "avx512_core", "AVX512_CORE_VNNI"):
         monkeypatch.setenv(var, limit)
-        assert not amx_brgemm_available()
+        assert not bf16_brgemm_available()
+    monkeypatch.setenv(var, "avx512_core_bf16")
+    assert bf16_brgemm_available() == bool(torch.cpu._is_avx512_bf16_supported())
     monkeypatch.setenv(var, "AVX512_CORE_AMX")
-    assert amx_brgemm_available() == bool(torch.cpu._is_amx_tile_supported())
+    assert bf16_brgemm_available() == has_bf16
+    monkeypatch.delenv(var)
+    assert bf16_brgemm_available() == has_bf16

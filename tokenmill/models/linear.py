@@ -303,18 +303,33 @@ def _onednn_limit() -> str:
 
 
 def amx_brgemm_available() -> bool:
-    """Whether the C++ kernels built on oneDNN's brgemm micro-kernel (prompt attention, the panel
-    matmul of 3-96 rows) are used here: CPUs with AMX, with oneDNN allowed to use it. The micro-kernel
-    also runs (correctly) on AVX512-BF16 without AMX, but there the prompt attention was slower than
-    SDPA: 0.44-0.75x on the Intel machine with oneDNN held to AVX512_CORE_BF16, Zen 4's instruction set
-    (`benchmarks/prefill_attention.py`). Below AVX-512 PyTorch refuses the packed layout, so a limit set
-    on oneDNN counts as the CPU."""
+    """Whether the panel matmul of 3-96 rows runs on oneDNN's brgemm micro-kernel here: CPUs with AMX,
+    with oneDNN allowed to use it. Without AMX the panel matmul's own dot loops are faster (ops.py)."""
     limit = _onednn_limit()
     return (
         bool(torch.cpu._is_amx_tile_supported())
         and torch.backends.mkldnn.is_available()
         and (limit == "ALL" or "AMX" in limit)
     )
+
+
+def bf16_brgemm_available() -> bool:
+    """Whether the whole-prompt attention kernel (oneDNN's brgemm micro-kernel on bf16 pairs) runs here:
+    CPUs with AMX tiles or with AVX512-BF16 (vdpbf16ps), with oneDNN allowed to use them. Below that
+    PyTorch refuses the packed layout, so a limit set on oneDNN counts as the CPU.
+
+    On AMD Zen 4 (AVX512-BF16, no AMX) the kernel is 3.3x PyTorch's SDPA on the offline mix
+    (`benchmarks/prefill_attention.py`): SDPA's bf16 products go through MKL, which on AMD CPUs runs
+    its generic code path (`perf`: mkl_blas_def_xgemm_bf16bf16f32 into mkl_blas_def_sgemm_kernel_0_zen,
+    ~60 GFLOP/s). An earlier figure of 0.44-0.75x came from the Intel AMX machine with only oneDNN held
+    to AVX512_CORE_BF16, where MKL (not bound by that limit) presumably kept SDPA on its fast path."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    limit = _onednn_limit()
+    if torch.cpu._is_amx_tile_supported() and (limit == "ALL" or "AMX" in limit):
+        return True
+    allowed = limit == "ALL" or "BF16" in limit or "AMX" in limit
+    return bool(torch.cpu._is_avx512_bf16_supported()) and allowed
 
 
 def _onednn_vnni() -> bool:

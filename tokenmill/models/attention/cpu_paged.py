@@ -16,7 +16,7 @@ import torch
 from tokenmill.kernels import cpu_kernels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.torch_ref import TorchReferenceBackend
-from tokenmill.models.linear import amx_brgemm_available
+from tokenmill.models.linear import bf16_brgemm_available
 
 _FORMAT_CODES = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_format argument
 CACHED_MIN_QUERIES = 192  # shortest chunk after a cached context that the prompt kernel takes (below)
@@ -30,7 +30,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         super().__init__(kv_format)
         self.kernels = cpu_kernels(level)
         self._format_code = _FORMAT_CODES[kv_format]
-        self.prompt_kernel = amx_brgemm_available()
+        self.prompt_kernel = bf16_brgemm_available()
 
     def _write(
         self,
