@@ -4,9 +4,9 @@ The reference backend copies every decode row's KV out of the paged cache each l
 with a few hundred tokens of context that copy was most of the step. This backend reads the cache
 where it lies instead, 8-bit rows included (converted as they are read), and writes 8-bit rows with
 one kernel call per layer. Prompt segments (bf16 queries) go to a causal attention kernel on oneDNN's
-brgemm micro-kernel where the CPU has AMX: whole prompts read their own keys and values, chunks that
-continue a cached context read it through their block tables; other dtypes and CPUs take the
-reference path's SDPA.
+brgemm micro-kernel where the CPU has AMX or AVX512-BF16 (linear.bf16_brgemm_available): whole prompts
+read their own keys and values, chunks that continue a cached context read it through their block
+tables; other dtypes and CPUs take the reference path's SDPA.
 """
 
 from __future__ import annotations
