@@ -413,7 +413,7 @@ def test_panel_matmul_dot_loops(kernels, rows: int) -> None:
 def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
     """4-bit panels (quantization="int4" on AVX512-BF16 without AMX) against float64 with the same codes,
     scales and minima (both rounded to bf16 as the panels hold them); rows strided as a fused slice."""
-    if not kernels.q4_available():
+    if not kernels.panel_dot_available():
         pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
     from tokenmill.models.ops import q4_pack
 
@@ -438,7 +438,7 @@ def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
 def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
     """8-bit weight-only panels (the int4 model's output head, AVX512-BF16 without AMX) against float64:
     exact products, float32 sums, the column's scale, one rounding."""
-    if not kernels.q8_available():
+    if not kernels.panel_dot_available():
         pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
     from tokenmill.models.ops import Q8Panels
 

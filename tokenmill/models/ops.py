@@ -176,10 +176,8 @@ class Q8Panels:
 
     def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, q.shape[0]
-        pad = -self.n % 32
-        codes = torch.nn.functional.pad(q.to(torch.int8), (0, 0, 0, pad))
-        self.panels = codes.view(-1, 32, q.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.scales = torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
+        self.panels = k.panel_pack(q.to(torch.int8).contiguous())  # type: ignore[attr-defined]
+        self.scales = torch.nn.functional.pad(scale.float(), (0, -self.n % 32)).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.q8_matmul(x, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
@@ -255,7 +253,9 @@ class CpuFusedOps(TorchOps):
         # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only.
         from tokenmill.models.linear import amx_brgemm_available
 
-        if q.device.type != "cpu" or q.shape[1] % 32 or amx_brgemm_available() or not self.k.q4_available():
+        if q.device.type != "cpu" or q.shape[1] % 32 or amx_brgemm_available():
+            return None
+        if not self.k.panel_dot_available():  # the AVX512-BF16 build's loops
             return None
         if bits == 4 and lo is not None:
             return Q4Panels(self.k, q, scale, lo)

@@ -28,9 +28,7 @@ void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor 
 torch::Tensor panel_pack(torch::Tensor weight);
 torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
 bool panel_dot_available();
-bool q4_available();
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n);
-bool q8_available();
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n);
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
 
@@ -64,11 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
   m.def("panel_pack", &panel_pack, "[N, K] bfloat16 weight as [N/32, K/2, 32, 2] panels for panel_matmul");
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
-  m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 dot loops");
+  m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops, 4-bit and 8-bit panels)");
   m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for 1-256 bfloat16 rows by vdpbf16ps (AVX512-BF16)");
-  m.def("q4_available", &q4_available, "whether this build has the 4-bit panel loops (AVX512-BF16)");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for up to 4 bfloat16 rows, W in 4-bit panels (Q4Panels)");
-  m.def("q8_available", &q8_available, "whether this build has the 8-bit panel loops (AVX512-BF16)");
   m.def("q8_matmul", &q8_matmul, "x @ W^T * scale for up to 4 bfloat16 rows, W in int8 panels (Q8Panels)");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,

@@ -33,21 +33,20 @@
 #include <cstring>
 #include <vector>
 
-#include "vec_math.h"
+#include "panels.h"
 
 namespace {
 
-constexpr int64_t kCols = 32;          // output columns a panel holds
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
+
 constexpr int64_t kPairRow = kCols * 2;  // bf16 values of one k pair across a panel (128 bytes)
-constexpr int64_t kAheadBytes = 8192;  // how far ahead of the loads the prefetch runs
 constexpr int64_t kMaxVectorRows = 4;
 constexpr int64_t kMaxBrgemmRows = 96;
 constexpr int64_t kMaxDotRows = 256;  // x's rows (256 x 1536 bf16: 768 KB) stay in a 1 MB L2
 
 using bf16 = at::BFloat16;
-
-// Into L2 (GCC's locality 2 is prefetcht1 on x86; other targets take their nearest equivalent).
-static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #if defined(__AVX512F__)
 // Per row four accumulators (two column halves x the pair's two weights), so consecutive FMAs do not
@@ -211,40 +210,32 @@ void vector_matmul(const float* xf, int64_t xs, const bf16* w, T* y, int64_t M, 
 }
 
 void brgemm_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t panels = (N + kCols - 1) / kCols;
-  at::parallel_for(0, panels, panel_grain(K / 2), [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kMaxBrgemmRows * kCols];
-    for (int64_t p = begin; p < end; ++p) {
-      at::native::cpublas::brgemm(M, kCols, K, lda, kCols, kCols, false, x, w + p * K * kCols, c);
-      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_f32(c + m * kCols, y + m * N + n0, cols);
-    }
-    at::native::cpublas::brgemm_release();
-  });
+  panels::for_each_panel(
+      N, M, panel_grain(K / 2), y,
+      [&](int64_t p, float* c) {
+        at::native::cpublas::brgemm(M, kCols, K, lda, kCols, kCols, false, x, w + p * K * kCols, c);
+      },
+      [] { at::native::cpublas::brgemm_release(); });
 }
 
 
 #if defined(TM_AVX512_BF16)
 void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t panels = (N + kCols - 1) / kCols, pairs = K / 2;
-  at::parallel_for(0, panels, panel_grain(pairs), [&](int64_t begin, int64_t end) {
-    std::vector<float> c(M * kCols + 16);
-    float* c64 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t{63});
-    for (int64_t p = begin; p < end; ++p) {
-      const bf16* wp = w + p * pairs * kPairRow;
-      dot_rows(x, lda, wp, pairs, c64, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
-      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_f32(c64 + m * kCols, y + m * N + n0, cols);
-    }
+  const int64_t pairs = K / 2;
+  panels::for_each_panel(N, M, panel_grain(pairs), y, [&](int64_t p, float* c) {
+    const bf16* wp = w + p * pairs * kPairRow;
+    dot_rows(x, lda, wp, pairs, c, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
   });
 }
 #endif
 
 }  // namespace
 
-// [N, K] bfloat16 weight (K even) -> [ceil(N/32), K/2, 32, 2] panels (columns past N are zero).
+// [N, K] weight (K even) -> [ceil(N/32), K/2, 32, 2] panels (columns past N are zero): bfloat16 weights
+// for the panel matmul, int8 codes for panel_q8.cpp.
 torch::Tensor panel_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight must be [N, K] bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar),
+              "weight must be [N, K] bfloat16 (or int8 codes)");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kCols - 1) / kCols;
   TORCH_CHECK(K % 2 == 0, "K must be even (the layout pairs k)");
   auto padded = torch::zeros({panels * kCols, K}, weight.options());
@@ -278,13 +269,7 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
   return y;
 }
 
-bool panel_dot_available() {
-#if defined(TM_AVX512_BF16)
-  return true;
-#else
-  return false;
-#endif
-}
+bool panel_dot_available() { return panels::kBf16Loops; }
 
 // The dot loops for any 1-256 rows (bfloat16 x); only in builds for AVX512-BF16 (panel_dot_available).
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n) {

@@ -13,26 +13,25 @@
 // then y += scale * sum(x q) + lo * sum(x). PyTorch's _weight_int4pack_mm, which this replaces where it
 // is used, took 8.3 ms a token for the whole int4 model on AMD Zen 4 (23% of the bandwidth limit).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "vec_math.h"
+#include "panels.h"
 
 namespace {
 
-constexpr int64_t kCols = 32;                                     // output columns a panel holds
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
+
 constexpr int64_t kGroup = 32;                                    // k per scale
 constexpr int64_t kPairBytes = kCols;                             // one k pair of a panel's codes
 constexpr int64_t kGroupBytes = kGroup / 2 * kPairBytes + 2 * kCols * 2;  // codes, scales, minima
-constexpr int64_t kAheadBytes = 8192;
 constexpr int64_t kMaxRows = 4;
 
 using bf16 = at::BFloat16;
-
-static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #if defined(TM_AVX512_BF16)
 // The codes of 16 columns' k pair (16 bytes) as the bf16 pairs vdpbf16ps takes: each byte widened to a
 // 32-bit lane, its two nibbles moved to the lane's two 16-bit halves, each looked up as bf16(0..15).
@@ -101,43 +100,30 @@ __attribute__((always_inline)) inline void q4_panel(const bf16* x, int64_t xs, c
 
 template <int M>
 void q4_rows(const bf16* x, int64_t xs, const float* xsum, const uint8_t* w, bf16* y, int64_t K, int64_t N) {
-  const int64_t panels = (N + kCols - 1) / kCols, groups = K / kGroup, panel_bytes = groups * kGroupBytes;
+  const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes;
   alignas(64) uint16_t words[32] = {};
   for (int i = 0; i < 16; ++i) words[i] = c10::BFloat16(static_cast<float>(i)).x;
   const __m512i table = _mm512_load_si512(words);
-  at::parallel_for(0, panels, std::max<int64_t>(1, 65536 / panel_bytes), [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kMaxRows * kCols];
-    for (int64_t p = begin; p < end; ++p) {
-      q4_panel<M>(x, xs, xsum, groups, w + p * panel_bytes, c, table);
-      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_f32(c + m * kCols, y + m * N + n0, cols);
-    }
+  panels::for_each_panel(N, M, std::max<int64_t>(1, 65536 / panel_bytes), y, [&](int64_t p, float* c) {
+    q4_panel<M>(x, xs, xsum, groups, w + p * panel_bytes, c, table);
   });
 }
 #endif
 
 }  // namespace
 
-bool q4_available() {
-#if defined(TM_AVX512_BF16)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // x: [M <= 4, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 640] uint8 (Q4Panels), n: N.
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n) {
-  TORCH_CHECK(q4_available(), "the 4-bit panel loops need a build for AVX512-BF16");
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(panels::kBf16Loops, "the 4-bit panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
   TORCH_CHECK(x.size(0) <= kMaxRows, "4-bit panel loops: up to 4 rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
-                  panels.size(2) == kGroupBytes,
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kGroupBytes,
               "panels: Q4Panels' [N/32, K/32, 640] uint8");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K == panels.size(1) * kGroup, "K mismatch");
-  TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
+  TORCH_CHECK(K == packed.size(1) * kGroup, "K mismatch");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
@@ -151,7 +137,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n) {
       xsum[m * groups + g] = s;
     }
   const bf16* xp = x.data_ptr<bf16>();
-  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   bf16* yp = y.data_ptr<bf16>();
   switch (M) {
     case 1: q4_rows<1>(xp, x.stride(0), xsum.data(), w, yp, K, n); break;

@@ -9,21 +9,20 @@
 // PyTorch's _weight_int8pack_mm took 1.56 ms for SmolLM2-135M's 49152 x 576 head at one row there, the
 // bf16 dot loops 1.27 ms for twice the bytes.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "vec_math.h"
+#include "panels.h"
 
 namespace {
 
-constexpr int64_t kCols = 32;
-constexpr int64_t kPairBytes = kCols * 2;  // one k pair of a panel's codes
-constexpr int64_t kAheadBytes = 8192;
-constexpr int64_t kMaxRows = 4;
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
 
-static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+constexpr int64_t kPairBytes = kCols * 2;  // one k pair of a panel's codes
+constexpr int64_t kMaxRows = 4;
 
 #if defined(TM_AVX512_BF16)
 // 16 columns' k pair (32 bytes: column j's two codes at 2j, 2j+1) as float32 even-k and odd-k vectors.
@@ -65,48 +64,35 @@ __attribute__((always_inline)) inline void q8_panel(const float* xf, int64_t K, 
 
 template <int M>
 void q8_rows(const float* xf, const int8_t* w, const float* scale, at::BFloat16* y, int64_t K, int64_t N) {
-  const int64_t panels = (N + kCols - 1) / kCols, panel_bytes = K * kCols;
-  at::parallel_for(0, panels, std::max<int64_t>(1, 65536 / panel_bytes), [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kMaxRows * kCols];
-    for (int64_t p = begin; p < end; ++p) {
-      q8_panel<M>(xf, K, w + p * panel_bytes, scale + p * kCols, c);
-      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_f32(c + m * kCols, y + m * N + n0, cols);
-    }
+  const int64_t panel_bytes = K * kCols;
+  panels::for_each_panel(N, M, std::max<int64_t>(1, 65536 / panel_bytes), y, [&](int64_t p, float* c) {
+    q8_panel<M>(xf, K, w + p * panel_bytes, scale + p * kCols, c);
   });
 }
 #endif
 
 }  // namespace
 
-bool q8_available() {
-#if defined(TM_AVX512_BF16)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// x: [M <= 4, K] bfloat16 (rows may be strided); panels: [ceil(N/32), K/2, 32, 2] int8 (Q8Panels);
+// x: [M <= 4, K] bfloat16 (rows may be strided); panels: panel_pack of the [N, K] int8 codes;
 // scales: [ceil(N/32) * 32] float32; n: N.
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n) {
-  TORCH_CHECK(q8_available(), "the 8-bit panel loops need a build for AVX512-BF16");
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n) {
+  TORCH_CHECK(panels::kBf16Loops, "the 8-bit panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
   TORCH_CHECK(x.size(0) <= kMaxRows, "8-bit panel loops: up to 4 rows");
-  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kChar && panels.is_contiguous() &&
-                  panels.size(2) == kCols && panels.size(3) == 2 && panels.size(1) * 2 == x.size(1),
-              "panels: Q8Panels' [N/32, K/2, 32, 2] int8 with K as x's");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == panels.size(0) * kCols,
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              "panels: panel_pack's [N/32, K/2, 32, 2] of int8 codes, K as x's");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == packed.size(0) * kCols,
               "scales: float32, one per panel column");
-  TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   std::vector<float> xf(M * K);
   for (int64_t m = 0; m < M; ++m) load_f32(x.data_ptr<at::BFloat16>() + m * x.stride(0), &xf[m * K], K);
-  const int8_t* w = panels.data_ptr<int8_t>();
+  const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   switch (M) {
