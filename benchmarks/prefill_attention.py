@@ -49,7 +49,8 @@ def main() -> None:
     cases = [("offline mix", offline_lengths(rng)), ("offline mix", offline_lengths(rng))]
     cases += [(f"1 x {n}", [n]) for n in (128, 256, 512, 1024)]
     backends = {"ref": get_backend("torch"), "cpu": get_backend("cpu")}
-    # Chunks under CACHED_MIN_QUERIES (64 here) stay with SDPA: that case shows the routing, about 1.0.
+    # Chunks under the backend's cached_min_queries (192 with AMX, 32 without) stay with SDPA: with AMX
+    # the last case shows that routing, about 1.0.
     later = ((512, 512), (2048, 2048), (3000, 256), (3000, 64))
     cases += [(f"{n} after {past} cached", [(past, n)]) for past, n in later]
     print("| prompts | tokens | SDPA ms | kernel ms | SDPA GFLOPS | kernel GFLOPS | speed-up |")

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.attention.backend import PrefillSegment
-from tokenmill.models.attention.cpu_paged import CACHED_MIN_QUERIES
 from tokenmill.models.attention.kv_quant import dequantize_rows, quantize_rows
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.linear import bf16_brgemm_available
@@ -125,7 +124,7 @@ def test_chunks_after_a_cached_context_read_it_through_their_block_tables(fmt: s
         torch.testing.assert_close(outs["cpu"][rows].double(), exact, atol=2e-2, rtol=1e-2)
         # Routing: long chunks went to the kernel (other roundings), the short one stayed with SDPA.
         same = torch.equal(outs["cpu"][rows], outs["torch"][rows])
-        assert same == (seg.q_len < CACHED_MIN_QUERIES), seg
+        assert same == (seg.q_len < get_backend("cpu").cached_min_queries), seg
         assert err.mean() <= 1.25 * sdpa_err.mean() + 1e-4, (seg, err.mean().item(), sdpa_err.mean().item())
     torch.testing.assert_close(
         outs["cpu"][:whole_len].float(), outs["torch"][:whole_len].float(), atol=2e-2, rtol=1e-2
