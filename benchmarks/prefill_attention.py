@@ -8,11 +8,15 @@ cache of 16-token blocks in shuffled order. Both paths
 run in the same process, alternated, best of three rounds; GFLOPS counts the causal products only
 (2 * 2 * D flops for each query-key pair a query sees).
 
-    python benchmarks/prefill_attention.py
+    python benchmarks/prefill_attention.py [--cached 300:8,3000:16] [--cached-min-queries 1]
+
+--cached replaces the cached-chunk cases (cached tokens:new tokens); --cached-min-queries overrides the
+backend's threshold under which such chunks stay with SDPA, to measure where it should be.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -41,6 +45,10 @@ def offline_lengths(rng: random.Random) -> list[int]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cached", help="cached-chunk cases as cached:new pairs, e.g. 300:8,3000:16")
+    ap.add_argument("--cached-min-queries", type=int, help="override the backend's threshold")
+    args = ap.parse_args()
     print(cpu_description(), f"threads: {torch.get_num_threads()}")
     if not bf16_brgemm_available():
         print("the whole-prompt kernel needs AMX or AVX512-BF16, which this CPU lacks; nothing to compare")
@@ -49,9 +57,15 @@ def main() -> None:
     cases = [("offline mix", offline_lengths(rng)), ("offline mix", offline_lengths(rng))]
     cases += [(f"1 x {n}", [n]) for n in (128, 256, 512, 1024)]
     backends = {"ref": get_backend("torch"), "cpu": get_backend("cpu")}
-    # Chunks under the backend's cached_min_queries (192 with AMX, 32 without) stay with SDPA: with AMX
+    # Chunks under the backend's cached_min_queries (192 with AMX, 16 without) stay with SDPA: with AMX
     # the last case shows that routing, about 1.0.
     later = ((512, 512), (2048, 2048), (3000, 256), (3000, 64))
+    if args.cached:
+        cases = []
+        later = tuple(tuple(int(v) for v in c.split(":")) for c in args.cached.split(","))
+    if args.cached_min_queries is not None:
+        backends["cpu"].cached_min_queries = args.cached_min_queries  # type: ignore[attr-defined]
+    print(f"cached chunks from {backends['cpu'].cached_min_queries} queries on the kernel")  # type: ignore[attr-defined]
     cases += [(f"{n} after {past} cached", [(past, n)]) for past, n in later]
     print("| prompts | tokens | SDPA ms | kernel ms | SDPA GFLOPS | kernel GFLOPS | speed-up |")
     print("|---|---|---|---|---|---|---|")

@@ -21,12 +21,12 @@ BOUND = 2 * 2**-8 * 1.02  # two bf16 roundings
 
 
 def exact(lin: nn.Linear, layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The same integers and scales, multiplied exactly."""
-    w = lin.weight.detach().double()
-    ws = layer.w_scales.double()
-    wq = torch.round(w / ws[:, None]).clamp(-127, 127)
+    """The same integers and scales, multiplied exactly. The weight codes are divided out in float32 as
+    the layer does (in float64 a few codes fall on the other side of a rounding)."""
+    ws = layer.w_scales
+    wq = torch.round(lin.weight.detach().float() / ws[:, None]).clamp(-127, 127).double()
     xq, xs = TorchOps().quantize_rows_u8(x)
-    return ((xq.double() - 128) @ wq.t()) * xs.double() * ws
+    return ((xq.double() - 128) @ wq.t()) * xs.double() * ws.double()
 
 
 @pytest.mark.parametrize("ops_name", ["torch", "auto"])
@@ -66,3 +66,27 @@ def test_bias_is_added_after_the_scales() -> None:
     x = torch.randn(3, 64).bfloat16()
     ref = exact(lin, layer, x) + lin.bias.double()
     assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 256, 257])
+def test_int8_panel_kernel_is_the_exact_integer_product_rounded_once(rows: int) -> None:
+    """Where the ops give a few-row int8 kernel (AVX512-BF16 without AMX: kernels/csrc/panel_i8.cpp), steps
+    of up to its 256 rows take it and round once; 257 rows take oneDNN (two roundings)."""
+    ops = get_ops("auto", "cpu")
+    torch.manual_seed(rows)
+    lin = nn.Linear(576, 960, bias=False)
+    lin.weight.data = (lin.weight.data * 3).bfloat16()
+    layer = Int8Linear(lin, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for)
+    if layer.small is None:
+        pytest.skip("no few-row int8 kernel on this CPU (it needs an AVX512-BF16 build and no AMX)")
+    assert layer.small_rows == 256
+    x = (torch.randn(rows, 576) * torch.rand(rows, 1) * 4).bfloat16()
+    y = layer(x)
+    assert y.shape == (rows, 960) and y.dtype == torch.bfloat16
+    ref = exact(lin, layer, x)
+    err = (y.double() - ref).abs()
+    rowmax = ref.abs().amax(1, keepdim=True)
+    if rows <= layer.small_rows:
+        assert bool((err <= 2**-8 * 1.02 * ref.abs()).all()), float((err / ref.abs()).max())
+    else:
+        assert bool((err <= BOUND * ref.abs() + 2**-10 * rowmax).all()), float((err / rowmax).max())

@@ -454,3 +454,33 @@ def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
     check(out, x.double() @ w.T, atol=atol)
     with pytest.raises(RuntimeError, match="up to 4 rows"):
         kernel(torch.zeros(5, k, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 256])
+@pytest.mark.parametrize(("n", "k"), [(70, 576), (37, 1540)])
+def test_i8_panels(kernels, rows: int, n: int, k: int) -> None:
+    """W8A8 int8 panels (quantization="int8" on AVX512-BF16 without AMX; vpdpbusd) against float64: the
+    integer products exact (x as q + 128, the offset taken off per column), both scales, one rounding;
+    each row's result the same bits whatever rows share its step; rows strided as a fused slice."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the int8 panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import I8Panels
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0] = 127  # a column of extreme codes, and extreme activations below: the offset at its largest
+    w_scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    xq = torch.randint(1, 256, (rows, k + 8), generator=g, dtype=torch.uint8)[:, 4 : 4 + k]
+    xq[0, :] = 255
+    x_scale = torch.rand(rows, 1, generator=g) * 0.05 + 1e-3
+    kernel = I8Panels(kernels, q, w_scale)
+    out = kernel(xq, x_scale)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    exact = ((xq.double() - 128) @ q.double().T) * x_scale.double() * w_scale.double()
+    check(out, exact, atol=0.0)
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(kernel(xq[r : r + 1], x_scale[r : r + 1])[0], out[r])
+    with pytest.raises(RuntimeError, match="up to 256 rows"):
+        kernel(torch.full((257, k), 128, dtype=torch.uint8), torch.ones(257, 1))
+    with pytest.raises(RuntimeError, match="group 4|K/4"):  # bf16-style pairs are not the vpdpbusd layout
+        kernels.i8_matmul(xq, x_scale, kernels.panel_pack(q), kernel.offsets, kernel.scales, n)

@@ -32,6 +32,7 @@ _SOURCES = [
     "panel_matmul.cpp",
     "panel_q4.cpp",
     "panel_q8.cpp",
+    "panel_i8.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

@@ -30,7 +30,9 @@ class IsaLevel:
 # element-wise ops were within noise (docs/benchmarks.md). Explicit AVX-512 intrinsics still use 512.
 X86_LEVELS = (
     IsaLevel(
-        "avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-DTM_AVX512_BF16=1"), ("avx512", "avx512_bf16")
+        "avx512_bf16",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-DTM_AVX512_BF16=1"),
+        ("avx512", "avx512_bf16", "vnni"),  # every AVX512-BF16 CPU has VNNI (Cooper Lake, SPR, Zen 4)
     ),
     IsaLevel("avx512", ("-march=x86-64-v4",), ("avx512",)),
     IsaLevel("avx2", ("-march=x86-64-v3",), ("avx2",)),

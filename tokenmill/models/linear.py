@@ -111,6 +111,18 @@ SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
 QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], SmallMatmul | None]
 
 
+class Int8Matmul(Protocol):
+    """W8A8 for up to `max_rows` rows: (uint8 codes q + 128 [M, K], float32 row scales) -> [M, N] bf16."""
+
+    max_rows: int
+
+    def __call__(self, xq: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
+
+
+# ops.int8_matmul_for: (int8 codes [N, K], float32 column scales [N]) -> a kernel, or None.
+Int8For = Callable[[torch.Tensor, torch.Tensor], Int8Matmul | None]
+
+
 def pack_linears(model: nn.Module, small_for: SmallFor | None = None) -> int:
     """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
     few-row kernel for a weight (ops.small_matmul_for), used when the model's linears fit
@@ -146,9 +158,16 @@ class QuantizedLinear(LinearBase):
     GROUP = 32
 
     def __init__(
-        self, linear: nn.Linear, bits: int, max_rows: int, quant_for: QuantFor | None = None
+        self,
+        linear: nn.Linear,
+        bits: int,
+        max_rows: int,
+        quant_for: QuantFor | None = None,
+        small_for: SmallFor | None = None,
     ) -> None:
-        """`quant_for(bits, q, scale, lo)`: a faster kernel for the codes (ops.quantized_matmul_for)."""
+        """`quant_for(bits, q, scale, lo)`: a faster kernel for the codes (ops.quantized_matmul_for);
+        `small_for(weight)`: the bf16 copy's few-row kernel (ops.small_matmul_for), as a packed bf16
+        linear has, for the steps above max_rows."""
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -189,7 +208,11 @@ class QuantizedLinear(LinearBase):
         if linear.bias is not None:
             wide.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
             self.bias = linear.bias.detach()
-        self.wide: nn.Module = PackedLinear(wide) if onednn_packing_available(wide.weight) else wide
+        if onednn_packing_available(wide.weight):
+            wide_small = small_for(wide.weight.detach()) if small_for is not None else None
+            self.wide: nn.Module = PackedLinear(wide, wide_small)
+        else:
+            self.wide = wide
         self._wide = self.wide.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,11 +238,14 @@ class Int8Linear(LinearBase):
     The int32 sums are exact; the output is sum * row scale * column scale. On a CPU the matmul is
     oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI on Zen 4, AVX2 elsewhere): half the weight
     bytes of bf16, which is the time of a decode step's matmuls, and twice the bf16 rate where they
-    compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers."""
+    compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers. `small`
+    (ops.int8_matmul_for): a kernel for steps of up to its max_rows rows, where it beats oneDNN's."""
 
     prepared = True
 
-    def __init__(self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows) -> None:
+    def __init__(
+        self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows, small_for: Int8For | None = None
+    ) -> None:
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
@@ -236,6 +262,10 @@ class Int8Linear(LinearBase):
         # reference code (rounded after the row scales instead).
         dtype = linear.weight.dtype
         self.out_dtype = torch.float32 if dtype == torch.bfloat16 and not _onednn_bf16_output() else dtype
+        # The few-row kernel writes bfloat16 (the scales applied in float32, rounded once).
+        wants_small = small_for is not None and dtype == torch.bfloat16
+        self.small = small_for(self.qweight, scale) if wants_small else None  # type: ignore[misc]
+        self.small_rows = self.small.max_rows if self.small is not None else 0
         if self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [PackedLinear.PACK_HINT, k])
             self.w_zero_points = torch.zeros(n, dtype=torch.long)
@@ -244,7 +274,9 @@ class Int8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         xq, xs = self.quantize(x)  # uint8 q + 128, float32 row scales
-        if self.onednn:
+        if m <= self.small_rows:
+            y = self.small(xq, xs)  # type: ignore[misc]
+        elif self.onednn:
             # Rows bucketed as PackedLinear's are (oneDNN keeps state per shape); padding rows are 0.
             padded = row_bucket(m)
             if padded != m:
@@ -356,20 +388,27 @@ def _onednn_bf16_output() -> bool:
     return _bf16_out
 
 
-def quantize_linears_int8(model: nn.Module, quantize: Quantize, scale_rows: ScaleRows) -> int:
+def quantize_linears_int8(
+    model: nn.Module, quantize: Quantize, scale_rows: ScaleRows, small_for: Int8For | None = None
+) -> int:
     """Replace every plain linear by an Int8Linear; return the count. A CPU whose int8 kernels lack
-    VNNI or AMX keeps its bf16 weights (int8 would be slower there, or inexact), saying so."""
-    first = next((m for m in model.modules() if _plain_linear(m)), None)
-    if first is not None and first.weight.device.type == "cpu" and not _onednn_vnni():
+    VNNI or AMX keeps its bf16 weights (int8 would be slower there, or inexact), saying so.
+    `small_for` (ops.int8_matmul_for): a few-row kernel, a second copy of the codes, used when they fit
+    SMALL_COPY_LIMIT_BYTES."""
+    todo = [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in list(parent.named_children())
+        if _plain_linear(child)
+    ]
+    if todo and todo[0][2].weight.device.type == "cpu" and not _onednn_vnni():
         log.warning("quantization int8 needs VNNI or AMX for its int8 matmuls; keeping bf16 weights")
         return 0
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _plain_linear(child):
-                setattr(parent, name, Int8Linear(child, quantize, scale_rows))
-                count += 1
-    return count
+    if small_for is not None and sum(c.weight.numel() for _, _, c in todo) > SMALL_COPY_LIMIT_BYTES:
+        small_for = None
+    for parent, name, child in todo:
+        setattr(parent, name, Int8Linear(child, quantize, scale_rows, small_for))
+    return len(todo)
 
 
 def quantized_kernels_available(weight: torch.Tensor) -> bool:
@@ -387,18 +426,25 @@ def quantize_linears(
     bits_for: dict[str, int],
     default_bits: int,
     quant_for: QuantFor | None = None,
+    small_for: SmallFor | None = None,
 ) -> int:
     """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count.
-    `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for)."""
-    count = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if _plain_linear(child) and quantized_kernels_available(child.weight):
-                bits = bits_for.get(full, default_bits)
-                setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for))
-                count += 1
-    return count
+    `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for); `small_for`: the few-row
+    kernel of the bf16 copies (ops.small_matmul_for), when those fit SMALL_COPY_LIMIT_BYTES."""
+    todo = [
+        (parent_name, parent, name, child)
+        for parent_name, parent in list(model.named_modules())
+        for name, child in list(parent.named_children())
+        if _plain_linear(child) and quantized_kernels_available(child.weight)
+    ]
+    total = sum(c.weight.numel() * c.weight.element_size() for *_, c in todo)
+    if small_for is not None and total > SMALL_COPY_LIMIT_BYTES:
+        small_for = None
+    for parent_name, parent, name, child in todo:
+        full = f"{parent_name}.{name}" if parent_name else name
+        bits = bits_for.get(full, default_bits)
+        setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for))
+    return len(todo)
 
 
 def _plain_linear(m: nn.Module) -> bool:

@@ -316,11 +316,13 @@ def build_model(
             bits_for={"lm_head": 8},
             default_bits=4,
             quant_for=model.ops.quantized_matmul_for,
+            small_for=model.ops.small_matmul_for,
         )
     elif quantization == "int8":
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).
-        quantize_linears_int8(model, model.ops.quantize_rows_u8, model.ops.scale_rows_)
+        ops_ = model.ops
+        quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)
     elif quantization == "fp8":
         quantize_linears_fp8(model, model.ops.e4m3_rows, model.ops.scale_rows_cols)
     elif quantization is not None:

@@ -106,6 +106,11 @@ class TorchOps:
         8 bits, w = q * scale (q [N, K] int8, scale [N])."""
         return None
 
+    def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
+        """A kernel for W8A8 steps of up to `max_rows` rows with these int8 weight codes (q [N, K], scale
+        [N] float32), or None (oneDNN's int8 matmul, or the float path, is used)."""
+        return None
+
 
 class PanelMatmul:
     """x @ W^T for up to `max_rows` rows by the C++ panel kernels (kernels/csrc/panel_matmul.cpp), W
@@ -181,6 +186,27 @@ class Q8Panels:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.q8_matmul(x, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
+
+
+class I8Panels:
+    """W8A8 x @ W^T for up to 256 rows by kernels/csrc/panel_i8.cpp: uint8 activation codes (q + 128, as
+    quantize_rows_u8 leaves them) times the int8 weight codes by vpdpbusd, the exact integer products
+    scaled by each row's and each column's scale in float32 and rounded once to bfloat16 (AVX512-BF16
+    builds, which have VNNI). Used where oneDNN's int8 matmul was measured slower (AMD Zen 4, no AMX)."""
+
+    max_rows = 256
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        q = q.to(torch.int8).contiguous()
+        pad = -self.n % 32
+        self.panels = k.panel_pack(q, 4)  # type: ignore[attr-defined]
+        # The activations arrive as q + 128: 128 x a column's code sum comes off its integer sum.
+        self.offsets = torch.nn.functional.pad(128 * q.sum(1, dtype=torch.int32), (0, pad)).contiguous()
+        self.scales = torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
+
+    def __call__(self, xq: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
+        return self.k.i8_matmul(xq, x_scales, self.panels, self.offsets, self.scales, self.n)  # type: ignore[attr-defined]
 
 
 class CpuFusedOps(TorchOps):
@@ -260,6 +286,17 @@ class CpuFusedOps(TorchOps):
         if bits == 4 and lo is not None:
             return Q4Panels(self.k, q, scale, lo)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
+
+    def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
+        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only; with
+        # AMX oneDNN's int8 matmul uses its tiles, and this kernel is unmeasured against them.
+        from tokenmill.models.linear import amx_brgemm_available
+
+        if q.device.type != "cpu" or q.dim() != 2 or q.shape[1] % 4 or amx_brgemm_available():
+            return None
+        if not self.k.panel_dot_available():  # the AVX512-BF16 build (with VNNI)
+            return None
+        return I8Panels(self.k, q, scale)
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:

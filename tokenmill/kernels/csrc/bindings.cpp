@@ -25,12 +25,14 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor starts, torch::Tensor lens, torch::Tensor past,
                               torch::Tensor block_tables, double scale, int64_t kv_format);
-torch::Tensor panel_pack(torch::Tensor weight);
+torch::Tensor panel_pack(torch::Tensor weight, int64_t group);
 torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
 bool panel_dot_available();
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n);
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor offsets,
+                        torch::Tensor w_scales, int64_t n);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -60,12 +62,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("e4m3_rows_bf16", &e4m3_rows_bf16, "rows as float8 e4m3 codes (held in bf16) and a float32 scale each");
   m.def("scale_rows_cols", &scale_rows_cols, "y * row scale * column scale, in float32, rounded once");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
-  m.def("panel_pack", &panel_pack, "[N, K] bfloat16 weight as [N/32, K/2, 32, 2] panels for panel_matmul");
+  m.def("panel_pack", &panel_pack,
+        "[N, K] bfloat16 weight or int8 codes as [N/32, K/g, 32, g] panels (g = 2: panel_matmul, q8_matmul; "
+        "g = 4: i8_matmul)",
+        py::arg("weight"), py::arg("group") = 2);
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
   m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops, 4-bit and 8-bit panels)");
   m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for 1-256 bfloat16 rows by vdpbf16ps (AVX512-BF16)");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for up to 4 bfloat16 rows, W in 4-bit panels (Q4Panels)");
   m.def("q8_matmul", &q8_matmul, "x @ W^T * scale for up to 4 bfloat16 rows, W in int8 panels (Q8Panels)");
+  m.def("i8_matmul", &i8_matmul,
+        "W8A8: uint8 rows (q + 128) x int8 panels (group 4) for up to 256 rows, scaled per row and column, "
+        "as bfloat16");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");

@@ -49,9 +49,9 @@ constexpr int64_t kMaxDotRows = 256;  // x's rows (256 x 1536 bf16: 768 KB) stay
 using bf16 = at::BFloat16;
 
 #if defined(__AVX512F__)
-// Per row four accumulators (two column halves x the pair's two weights), so consecutive FMAs do not
-// wait on each other (one chain per row ran at the FMA latency rather than at the memory's pace). In
-// registers: GCC kept the plain loops' accumulators in memory (11 GB/s at one row).
+// Per row four accumulators (two column halves x the pair's two weights, panels::fma_pair): one chain per
+// row ran at the FMA latency rather than at the memory's pace. In registers: GCC kept the plain loops'
+// accumulators in memory (11 GB/s at one row).
 template <typename T, int M>
 void panels_avx512(const float* xf, int64_t xs, const bf16* w, T* y, int64_t pairs, int64_t N, int64_t ys,
                    int64_t begin, int64_t end) {
@@ -75,13 +75,7 @@ void panels_avx512(const float* xf, int64_t xs, const bf16* w, T* y, int64_t pai
       const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
       const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
       const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
-      for (int m = 0; m < M; ++m) {
-        const __m512 x0 = _mm512_set1_ps(xf[m * xs + 2 * kp]), x1 = _mm512_set1_ps(xf[m * xs + 2 * kp + 1]);
-        acc[m][0] = _mm512_fmadd_ps(x0, e0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(x1, o0, acc[m][1]);
-        acc[m][2] = _mm512_fmadd_ps(x0, e1, acc[m][2]);
-        acc[m][3] = _mm512_fmadd_ps(x1, o1, acc[m][3]);
-      }
+      panels::fma_pair<M>(xf, xs, kp, e0, o0, e1, o1, acc);
     }
     const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
     for (int m = 0; m < M; ++m) {
@@ -231,16 +225,18 @@ void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, i
 
 }  // namespace
 
-// [N, K] weight (K even) -> [ceil(N/32), K/2, 32, 2] panels (columns past N are zero): bfloat16 weights
-// for the panel matmul, int8 codes for panel_q8.cpp.
-torch::Tensor panel_pack(torch::Tensor weight) {
+// [N, K] weight -> [ceil(N/32), K/g, 32, g] panels, g consecutive k of a column side by side (columns past
+// N are zero): bfloat16 weights in pairs (g = 2) for the panel matmul, int8 codes in pairs for
+// panel_q8.cpp, int8 codes in fours (g = 4, the layout of vpdpbusd) for panel_i8.cpp.
+torch::Tensor panel_pack(torch::Tensor weight, int64_t group) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar),
               "weight must be [N, K] bfloat16 (or int8 codes)");
+  TORCH_CHECK(group == 2 || group == 4, "group: 2 (k pairs) or 4 (k quads)");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kCols - 1) / kCols;
-  TORCH_CHECK(K % 2 == 0, "K must be even (the layout pairs k)");
+  TORCH_CHECK(K % group == 0, "K must be a multiple of the group (the layout groups k)");
   auto padded = torch::zeros({panels * kCols, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({panels, kCols, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  return padded.view({panels, kCols, K / group, group}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // x: [M, K] (bfloat16 or float32, rows may be strided), panels from panel_pack, n: output columns.

@@ -45,14 +45,7 @@ __attribute__((always_inline)) inline void q8_panel(const float* xf, int64_t K, 
     __m512 e0, o0, e1, o1;
     q8_pairs(_mm512_castsi512_si256(codes), e0, o0);
     q8_pairs(_mm512_extracti64x4_epi64(codes, 1), e1, o1);
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const __m512 x0 = _mm512_set1_ps(xf[m * K + 2 * kp]), x1 = _mm512_set1_ps(xf[m * K + 2 * kp + 1]);
-      acc[m][0] = _mm512_fmadd_ps(x0, e0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(x1, o0, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(x0, e1, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(x1, o1, acc[m][3]);
-    }
+    panels::fma_pair<M>(xf, K, kp, e0, o0, e1, o1, acc);
   }
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
 #pragma GCC unroll 4

@@ -27,6 +27,25 @@ constexpr bool kBf16Loops = false;
 // rather than L1 it leaves L1 to the loads of the moment (measured in panel_matmul.cpp's header).
 static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+#if defined(__AVX512F__)
+// One k pair of a panel into M rows' float32 sums: the pair's weights as float32 vectors (e0/o0: the even
+// and odd k of columns 0-15, e1/o1: of columns 16-31), each row's two x values broadcast, four FMAs a row
+// into four accumulators (one chain per accumulator, so consecutive FMAs do not wait on each other). The
+// bf16 vector loops and the 8-bit panels differ only in how they widen the weights before this.
+template <int M>
+__attribute__((always_inline)) inline void fma_pair(const float* xf, int64_t xs, int64_t kp, __m512 e0, __m512 o0,
+                                                    __m512 e1, __m512 o1, __m512 (&acc)[M][4]) {
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    const __m512 x0 = _mm512_set1_ps(xf[m * xs + 2 * kp]), x1 = _mm512_set1_ps(xf[m * xs + 2 * kp + 1]);
+    acc[m][0] = _mm512_fmadd_ps(x0, e0, acc[m][0]);
+    acc[m][1] = _mm512_fmadd_ps(x1, o0, acc[m][1]);
+    acc[m][2] = _mm512_fmadd_ps(x0, e1, acc[m][2]);
+    acc[m][3] = _mm512_fmadd_ps(x1, o1, acc[m][3]);
+  }
+}
+#endif
+
 struct NoFinish {
   void operator()() const {}
 };

@@ -20,8 +20,10 @@ from tokenmill.models.linear import amx_brgemm_available, bf16_brgemm_available
 
 _FORMAT_CODES = {None: 0, "int8": 1, "fp8": 2}  # the kernel's kv_format argument
 # Shortest chunk after a cached context that the prompt kernel takes (see _prefill): with AMX, where
-# SDPA is fast, 192; without it (AVX512-BF16: AMD Zen 4), where SDPA runs at ~100 GFLOP/s, 32.
-CACHED_MIN_QUERIES = {"amx": 192, "avx512_bf16": 32}
+# SDPA is fast, 192; without it (AVX512-BF16: AMD Zen 4), where SDPA runs at ~100 GFLOP/s, 16. On Zen 4
+# the kernel was 1.13-1.29x SDPA at 16 queries after 300-3000 cached tokens, 1.01-1.14x at 8, 0.94-1.09x
+# at 4 (`python benchmarks/prefill_attention.py --cached ... --cached-min-queries 1`).
+CACHED_MIN_QUERIES = {"amx": 192, "avx512_bf16": 16}
 
 
 class CpuPagedBackend(TorchReferenceBackend):

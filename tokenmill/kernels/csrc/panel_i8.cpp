@@ -1,0 +1,139 @@
+// int8 x int8 matmuls of `quantization="int8"` (W8A8: weights per output column, activations per row,
+// quantized as the step runs) for decode steps of up to 256 rows, on AVX512-VNNI:
+// y[M, N] = (sum_k q_x[m, k] q_w[n, k]) * x_scale[m] * w_scale[n], rounded once to bfloat16.
+//
+// The codes are in 32-column panels with four k side by side ([N/32][K/4][32][4], panel_pack with group
+// 4), the layout of vpdpbusd, which multiplies four unsigned bytes of x by four signed bytes of a column
+// and adds the four products to the column's 32-bit sum: 64 multiply-adds an instruction, twice
+// vdpbf16ps's. x comes as quantize_rows_u8 leaves it (q + 128, unsigned); the 128 x the column's code sum
+// is taken off at the end, so the sums are the exact integer products whatever the order, and every row's
+// result is the same in any batch. A thread's panels are one stream with the software prefetch 8 KB ahead
+// into L2, as in the bf16 panel matmul; up to 8 rows a pass (16 accumulators), later passes over a panel
+// find it in L2.
+//
+// Why: oneDNN's u8 x s8 matmul on AMD Zen 4 (avx512_core_vnni) took longer at one row than the bf16 dot
+// loops over twice the bytes (docs/benchmarks.md, eleventh sitting); measured there only, so models/ops.py
+// uses it only on CPUs without AMX.
+#include <torch/extension.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "panels.h"
+
+namespace {
+
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
+
+constexpr int64_t kQuadRow = kCols * 4;  // one k quad across a panel: 128 bytes, two cache lines
+constexpr int64_t kMaxRows = 256;        // x's rows (256 x 1536 bytes) stay in L2
+
+#if defined(TM_AVX512_BF16)
+// One pass over a panel for M <= 8 rows, each row's sums in two accumulators (columns 0-15, 16-31), then
+// the exact integer products scaled into c. Inlined and unrolled for the reason dot_pass in
+// panel_matmul.cpp is: as a call of its own GCC kept the accumulators on the stack.
+template <int M>
+__attribute__((always_inline)) inline void i8_pass(const uint8_t* x, int64_t xs, const float* x_scale,
+                                                   const int8_t* wp, int64_t quads, const int32_t* offset,
+                                                   const float* w_scale, float* c, const char* ahead) {
+  __m512i acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  for (int64_t kq = 0; kq < quads; ++kq) {
+    if (ahead) {
+      prefetch_l2(ahead + kq * kQuadRow);
+      prefetch_l2(ahead + kq * kQuadRow + 64);
+    }
+    const __m512i v0 = _mm512_loadu_si512(wp + kq * kQuadRow);
+    const __m512i v1 = _mm512_loadu_si512(wp + kq * kQuadRow + 64);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      int32_t quad;  // the row's four codes, grouped as the panel groups k
+      std::memcpy(&quad, x + m * xs + 4 * kq, sizeof(quad));
+      const __m512i xm = _mm512_set1_epi32(quad);
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xm, v0);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xm, v1);
+    }
+  }
+  const __m512i off0 = _mm512_loadu_si512(offset), off1 = _mm512_loadu_si512(offset + 16);
+  const __m512 s0 = _mm512_loadu_ps(w_scale), s1 = _mm512_loadu_ps(w_scale + 16);
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    // The sums less 128 x the column's code sum are the signed products; as float32 exact up to 2^24
+    // (a 1536-long dot of codes up to 127 in magnitude stays below it unless nearly all are extreme).
+    const __m512 r = _mm512_set1_ps(x_scale[m]);
+    const __m512 a0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], off0));
+    const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], off1));
+    _mm512_store_ps(c + m * kCols, _mm512_mul_ps(_mm512_mul_ps(a0, r), s0));
+    _mm512_store_ps(c + m * kCols + 16, _mm512_mul_ps(_mm512_mul_ps(a1, r), s1));
+  }
+}
+
+// All M rows against one panel, 8 at a time; only the first pass prefetches (it streams the panel).
+inline void i8_rows(const uint8_t* x, int64_t xs, const float* x_scale, const int8_t* wp, int64_t quads,
+                    const int32_t* offset, const float* w_scale, float* c, int64_t M, const char* ahead) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const char* a = m0 == 0 ? ahead : nullptr;
+    const uint8_t* xm = x + m0 * xs;
+    const float* sm = x_scale + m0;
+    float* cm = c + m0 * kCols;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: i8_pass<1>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 2: i8_pass<2>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 3: i8_pass<3>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 4: i8_pass<4>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 5: i8_pass<5>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 6: i8_pass<6>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      case 7: i8_pass<7>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+      default: i8_pass<8>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// xq: [M <= 256, K] uint8 (q + 128, quantize_rows_u8's; rows may be strided); x_scales: float32 [M] (or
+// [M, 1]); panels: panel_pack(codes, 4) of the [N, K] int8 weight codes; offsets: int32 [ceil(N/32) * 32],
+// 128 x each column's code sum (0 past N); w_scales: float32, one per panel column; n: N.
+// Returns [M, N] bfloat16.
+torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor packed, torch::Tensor offsets,
+                        torch::Tensor w_scales, int64_t n) {
+  TORCH_CHECK(panels::kBf16Loops, "the int8 panel loops need a build for AVX512-BF16 (which has VNNI)");
+  TORCH_CHECK(xq.dim() == 2 && xq.stride(1) == 1 && xq.scalar_type() == at::kByte,
+              "xq must be [M, K] uint8 with contiguous rows");
+  TORCH_CHECK(xq.size(0) <= kMaxRows, "int8 panel loops: up to 256 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kCols && packed.size(3) == 4 && packed.size(1) * 4 == xq.size(1),
+              "panels: panel_pack's [N/32, K/4, 32, 4] of int8 codes, K as x's");
+  const int64_t cols = packed.size(0) * kCols;
+  TORCH_CHECK(x_scales.scalar_type() == at::kFloat && x_scales.is_contiguous() && x_scales.numel() == xq.size(0),
+              "x_scales: float32, one per row");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() && offsets.numel() == cols,
+              "offsets: int32, one per panel column");
+  TORCH_CHECK(w_scales.scalar_type() == at::kFloat && w_scales.is_contiguous() && w_scales.numel() == cols,
+              "w_scales: float32, one per panel column");
+  TORCH_CHECK(n > 0 && n <= cols, "n out of range");
+  const int64_t M = xq.size(0), K = xq.size(1);
+  auto y = torch::empty({M, n}, xq.options().dtype(at::kBFloat16));
+  if (M == 0) return y;
+#if defined(TM_AVX512_BF16)
+  const int64_t quads = K / 4, panel_bytes = K * kCols;
+  const uint8_t* x = xq.data_ptr<uint8_t>();
+  const int64_t xs = xq.stride(0);
+  const float* rs = x_scales.data_ptr<float>();
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  const float* cs = w_scales.data_ptr<float>();
+  // ~64 KB of codes a task at least, as the other panel kernels.
+  panels::for_each_panel(n, M, std::max<int64_t>(1, 65536 / panel_bytes), y.data_ptr<at::BFloat16>(),
+                         [&](int64_t p, float* c) {
+                           const int8_t* wp = w + p * panel_bytes;
+                           i8_rows(x, xs, rs, wp, quads, off + p * kCols, cs + p * kCols, c, M,
+                                   reinterpret_cast<const char*>(wp) + kAheadBytes);
+                         });
+#endif
+  return y;
+}
