@@ -52,6 +52,32 @@ def test_linear_computes_the_product_of_the_e4m3_numbers(ops: str, rows: int, bi
     assert 1e-3 < rel < 0.1, rel
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 257])
+def test_fp8_panel_kernel_computes_the_product_of_the_e4m3_numbers_rounded_once(rows: int) -> None:
+    """Where the ops give an fp8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_f8.cpp), steps
+    of up to its 256 rows read the one-byte codes and round once; 257 rows take the bf16 copy (twice)."""
+    o = get_ops("auto", "cpu")
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(576, 96, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 576, generator=g) * 0.05)
+    layer = Fp8Linear(lin, o.e4m3_rows, o.scale_rows_cols, o.fp8_matmul_for)
+    if layer.small is None:
+        pytest.skip("no fp8 panel kernel on this CPU (it needs an AVX512-BF16 build and no AMX)")
+    x = (torch.randn(rows, 576, generator=g) * 3).to(torch.bfloat16)
+    y = layer(x)
+    w_codes, w_scale = to_e4m3(lin.weight.detach(), dim=1)
+    x_codes, x_scale = to_e4m3(x, dim=-1)
+    scales = x_scale.double() * w_scale.double().t()
+    exact = (x_codes.double() @ w_codes.double().t()) * scales
+    err = (y.double() - exact).abs()
+    if rows <= layer.small_rows:  # float32 sums of exact products (error ~K * 2^-24 of the magnitudes)
+        magnitude = (x_codes.double().abs() @ w_codes.double().abs().t()) * scales
+        assert bool((err <= 2**-8 * 1.02 * exact.abs() + 576 * 2**-24 * magnitude).all())
+    else:
+        torch.testing.assert_close(y.double(), exact, atol=2e-3 * exact.abs().max().item(), rtol=2**-7)
+
+
 def test_config_names_fp8_among_the_choices() -> None:
     assert EngineConfig(quantization="fp8").quantization == "fp8"
     with pytest.raises(ValueError, match='"int4", "int8" or "fp8"'):

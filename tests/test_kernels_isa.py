@@ -484,3 +484,43 @@ def test_i8_panels(kernels, rows: int, n: int, k: int) -> None:
         kernel(torch.full((257, k), 128, dtype=torch.uint8), torch.ones(257, 1))
     with pytest.raises(RuntimeError, match="group 4|K/4"):  # bf16-style pairs are not the vpdpbusd layout
         kernels.i8_matmul(xq, x_scale, kernels.panel_pack(q), kernel.offsets, kernel.scales, n)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 256])
+def test_f8_panels(kernels, rows: int) -> None:
+    """fp8 panels (quantization="fp8" on AVX512-BF16 without AMX): every e4m3 code widened to bf16
+    exactly, then the products of the codes summed in float32 and scaled by the row and column scales,
+    one rounding; each row's result the same bits whatever rows share its step."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the fp8 panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.fp8_linear import E4M3
+    from tokenmill.models.ops import F8Panels
+
+    every = torch.arange(256, dtype=torch.uint8).view(E4M3)
+    every = every[every.float().isfinite()]  # the 254 codes that are numbers (rounding never makes NaN)
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 578
+    pick = torch.randint(0, every.numel(), (n, k), generator=g)
+    codes = every[pick]
+    codes[:, : every.numel() // 2] = every[: every.numel() // 2]  # every code at least once in each row
+    codes[1, :] = every[-1]
+    w_scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randint(0, every.numel(), (rows, k + 6), generator=g)
+    x_codes = every[x].float().to(torch.bfloat16)[:, 3 : 3 + k]  # e4m3 values, exact in bf16
+    x_scale = torch.rand(rows, 1, generator=g) * 0.05 + 1e-3
+    kernel = F8Panels(kernels, codes, w_scale)
+    out = kernel(x_codes, x_scale)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    w64 = codes.double()
+    exact = (x_codes.double() @ w64.T) * x_scale.double() * w_scale.double()
+    magnitude = (x_codes.double().abs() @ w64.abs().T) * x_scale.double() * w_scale.double()
+    err = (out.double() - exact).abs()
+    assert bool((err <= BF16_RTOL * exact.abs() + k * 2**-24 * magnitude).all())
+    one_hot = torch.zeros(1, k, dtype=torch.bfloat16)
+    one_hot[0, 0] = 1.0
+    unit = F8Panels(kernels, every.view(-1, 1).repeat(1, 2), torch.ones(every.numel()))
+    assert torch.equal(unit(one_hot[:, :2], torch.ones(1, 1))[0].float(), every.float())  # widened exactly
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(kernel(x_codes[r : r + 1], x_scale[r : r + 1])[0], out[r])
+    with pytest.raises(RuntimeError, match="up to 256 rows"):
+        kernel(torch.zeros(257, k, dtype=torch.bfloat16), torch.ones(257, 1))

@@ -33,6 +33,7 @@ _SOURCES = [
     "panel_q4.cpp",
     "panel_q8.cpp",
     "panel_i8.cpp",
+    "panel_f8.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

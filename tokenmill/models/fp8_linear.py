@@ -7,19 +7,27 @@ in float32 and scaled back. On CUDA that is one `torch._scaled_mm`. On a CPU the
 emulated: every e4m3 number is exact in bf16 (4 significant bits of 8), so the weight codes live as
 bf16 in oneDNN's packed layout, each step's activation codes are cast to bf16, the bf16 matmul sums
 their products in float32, and the row and column scales multiply its output. That output is rounded to
-bf16 once before the scales and once after (fp8 hardware rounds once): about 2^-9 relative more. The
-speed and memory are bf16's (a CPU without fp8 arithmetic reads no fewer bytes for it): the option is
-there for fp8's accuracy, not its speed, on this hardware.
+bf16 once before the scales and once after (fp8 hardware rounds once): about 2^-9 relative more.
+Where the ops give an fp8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_f8.cpp), steps of up
+to its 256 rows read the weight codes one byte each instead, widened to bf16 in cache, and round once;
+larger steps (prompts) take the bf16 copy through oneDNN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from tokenmill.models.linear import LinearBase, PackedLinear, _plain_linear, onednn_packing_available
+from tokenmill.models.linear import (
+    SMALL_COPY_LIMIT_BYTES,
+    LinearBase,
+    PackedLinear,
+    _plain_linear,
+    onednn_packing_available,
+)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
@@ -37,13 +45,32 @@ E4m3Rows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ScaleRowsCols = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
+class Fp8Matmul(Protocol):
+    """fp8 for up to `max_rows` rows: (e4m3 codes in bf16 [M, K], float32 row scales) -> [M, N] bf16."""
+
+    max_rows: int
+
+    def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
+
+
+# ops.fp8_matmul_for: (e4m3 codes [N, K], float32 column scales [N]) -> a kernel, or None.
+Fp8For = Callable[[torch.Tensor, torch.Tensor], Fp8Matmul | None]
+
+
 class Fp8Linear(LinearBase):
     """A linear computing what an fp8 (e4m3) weight-and-activation matmul computes (module doc)."""
 
     prepared = True
 
-    def __init__(self, linear: nn.Linear, e4m3_rows: E4m3Rows, scale_rows_cols: ScaleRowsCols) -> None:
-        """`e4m3_rows`, `scale_rows_cols`: the model's ops (models/ops.py), C++ kernels on a CPU."""
+    def __init__(
+        self,
+        linear: nn.Linear,
+        e4m3_rows: E4m3Rows,
+        scale_rows_cols: ScaleRowsCols,
+        small_for: Fp8For | None = None,
+    ) -> None:
+        """`e4m3_rows`, `scale_rows_cols`: the model's ops (models/ops.py), C++ kernels on a CPU;
+        `small_for` (ops.fp8_matmul_for): a kernel over one-byte codes for steps of up to its max_rows."""
         super().__init__()
         self.e4m3_rows, self.scale_rows_cols = e4m3_rows, scale_rows_cols
         w = linear.weight.detach()
@@ -59,6 +86,8 @@ class Fp8Linear(LinearBase):
         wide.weight = nn.Parameter(codes.to(torch.bfloat16), requires_grad=False)
         self.wide: nn.Module = PackedLinear(wide) if onednn_packing_available(wide.weight) else wide
         self.w_scales = scale.view(1, -1)  # float32 [1, N]
+        self.small = small_for(codes, scale.flatten()) if small_for is not None else None
+        self.small_rows = self.small.max_rows if self.small is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
@@ -67,7 +96,10 @@ class Fp8Linear(LinearBase):
             y = torch._scaled_mm(codes, w, scale_a=scale, scale_b=ws, out_dtype=x.dtype)
         else:
             codes, scale = self.e4m3_rows(x)
-            y = self.scale_rows_cols(self.wide(codes), scale, self.w_scales, x.dtype)
+            if x.shape[0] <= self.small_rows and x.dtype == torch.bfloat16:
+                y = self.small(codes, scale)  # type: ignore[misc]
+            else:
+                y = self.scale_rows_cols(self.wide(codes), scale, self.w_scales, x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -76,14 +108,20 @@ def quantize_linears_fp8(
     e4m3_rows: E4m3Rows,
     scale_rows_cols: ScaleRowsCols,
     skip: tuple[str, ...] = ("lm_head",),
+    small_for: Fp8For | None = None,
 ) -> int:
     """Replace every plain linear but those named in `skip` by an Fp8Linear; return the count. The output
-    head stays in the model dtype, as FP8 checkpoints keep it (every logit depends on it)."""
-    count = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if _plain_linear(child) and full not in skip:
-                setattr(parent, name, Fp8Linear(child, e4m3_rows, scale_rows_cols))
-                count += 1
-    return count
+    head stays in the model dtype, as FP8 checkpoints keep it (every logit depends on it). `small_for`
+    (ops.fp8_matmul_for): a few-row kernel, a second copy of the codes, used when the linears' bf16
+    weights fit SMALL_COPY_LIMIT_BYTES."""
+    todo = [
+        (parent, name, child)
+        for parent_name, parent in list(model.named_modules())
+        for name, child in list(parent.named_children())
+        if _plain_linear(child) and (f"{parent_name}.{name}" if parent_name else name) not in skip
+    ]
+    if small_for is not None and sum(2 * c.weight.numel() for *_, c in todo) > SMALL_COPY_LIMIT_BYTES:
+        small_for = None
+    for parent, name, child in todo:
+        setattr(parent, name, Fp8Linear(child, e4m3_rows, scale_rows_cols, small_for))
+    return len(todo)

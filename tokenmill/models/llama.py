@@ -324,7 +324,9 @@ def build_model(
         ops_ = model.ops
         quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)
     elif quantization == "fp8":
-        quantize_linears_fp8(model, model.ops.e4m3_rows, model.ops.scale_rows_cols)
+        quantize_linears_fp8(
+            model, model.ops.e4m3_rows, model.ops.scale_rows_cols, small_for=model.ops.fp8_matmul_for
+        )
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
     pack_linears(model, model.ops.small_matmul_for)

@@ -106,6 +106,11 @@ class TorchOps:
         8 bits, w = q * scale (q [N, K] int8, scale [N])."""
         return None
 
+    def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
+        """A kernel for fp8 steps of up to `max_rows` rows with these e4m3 weight codes (codes [N, K]
+        float8_e4m3fn, scale [N] float32), or None (the bf16 matmul of the codes is used)."""
+        return None
+
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         """A kernel for W8A8 steps of up to `max_rows` rows with these int8 weight codes (q [N, K], scale
         [N] float32), or None (oneDNN's int8 matmul, or the float path, is used)."""
@@ -209,6 +214,25 @@ class I8Panels:
         return self.k.i8_matmul(xq, x_scales, self.panels, self.offsets, self.scales, self.n)  # type: ignore[attr-defined]
 
 
+class F8Panels:
+    """fp8 x @ W^T for up to 256 rows by kernels/csrc/panel_f8.cpp: the activations' e4m3 codes (held in
+    bf16, as e4m3_rows leaves them) times the weights' e4m3 codes kept one byte each, widened to bf16 a
+    panel at a time and multiplied by the bf16 dot loops (exact products, float32 sums), scaled by each
+    row's and each column's scale and rounded once (AVX512-BF16 builds). Half the bytes of the emulated
+    bf16 path; used where the dot loops are (AVX512-BF16 without AMX)."""
+
+    max_rows = 256
+
+    def __init__(self, k: object, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.k, self.n = k, codes.shape[0]
+        self.panels = k.panel_pack(codes.contiguous().view(torch.int8))  # type: ignore[attr-defined]
+        self.scales = torch.nn.functional.pad(scale.float().flatten(), (0, -self.n % 32)).contiguous()
+
+    def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
+        k = self.k
+        return k.f8_matmul(x_codes, x_scales, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
+
+
 class CpuFusedOps(TorchOps):
     name = "cpu"
 
@@ -286,6 +310,16 @@ class CpuFusedOps(TorchOps):
         if bits == 4 and lo is not None:
             return Q4Panels(self.k, q, scale, lo)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
+
+    def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
+        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX), which this kernel runs.
+        from tokenmill.models.linear import amx_brgemm_available
+
+        if codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % 2 or amx_brgemm_available():
+            return None
+        if not self.k.panel_dot_available():
+            return None
+        return F8Panels(self.k, codes, scale)
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only; with

@@ -31,6 +31,8 @@ bool panel_dot_available();
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n);
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor w_scales,
+                        int64_t n);
 torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor offsets,
                         torch::Tensor w_scales, int64_t n);
 
@@ -63,8 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows_cols", &scale_rows_cols, "y * row scale * column scale, in float32, rounded once");
   m.def("scale_rows_", &scale_rows_, "y[r, :] *= scales[r] in place, in float32, rounded once");
   m.def("panel_pack", &panel_pack,
-        "[N, K] bfloat16 weight or int8 codes as [N/32, K/g, 32, g] panels (g = 2: panel_matmul, q8_matmul; "
-        "g = 4: i8_matmul)",
+        "[N, K] bfloat16 weight or int8 codes as [N/32, K/g, 32, g] panels (g = 2: panel_matmul, q8_matmul, "
+        "f8_matmul; g = 4: i8_matmul)",
         py::arg("weight"), py::arg("group") = 2);
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
   m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops, 4-bit and 8-bit panels)");
@@ -74,6 +76,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_matmul", &i8_matmul,
         "W8A8: uint8 rows (q + 128) x int8 panels (group 4) for up to 256 rows, scaled per row and column, "
         "as bfloat16");
+  m.def("f8_matmul", &f8_matmul,
+        "fp8: e4m3 codes (in bf16) x e4m3 panels (bytes, group 2) for up to 256 rows, scaled per row and "
+        "column, as bfloat16");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts (segments from position 0) on oneDNN's brgemm micro-kernel");

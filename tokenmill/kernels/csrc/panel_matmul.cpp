@@ -41,7 +41,7 @@ using panels::kAheadBytes;
 using panels::kCols;
 using panels::prefetch_l2;
 
-constexpr int64_t kPairRow = kCols * 2;  // bf16 values of one k pair across a panel (128 bytes)
+using panels::kPairRow;  // bf16 values of one k pair across a panel (128 bytes)
 constexpr int64_t kMaxVectorRows = 4;
 constexpr int64_t kMaxBrgemmRows = 96;
 constexpr int64_t kMaxDotRows = 256;  // x's rows (256 x 1536 bf16: 768 KB) stay in a 1 MB L2
@@ -120,62 +120,6 @@ void panels_plain(const float* xf, int64_t xs, const bf16* w, T* y, int64_t pair
   }
 }
 
-#if defined(TM_AVX512_BF16)
-// One pass of the dot loops over a panel for M <= 8 rows: 16 accumulators, 2 per row (the panel's two
-// halves of 16 columns), each row summed over k in the same order whatever M is, so a row's result does
-// not depend on the rows beside it (seeded sampling stays reproducible in any batch up to 256 rows).
-// Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the stack,
-// 16 stores every k pair, and the loops ran 2.6x slower.
-template <int M>
-__attribute__((always_inline)) inline void dot_pass(const bf16* x, int64_t xs, const bf16* wp, int64_t pairs, float* c, const char* ahead) {
-  __m512 acc[M][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    if (ahead) {
-      prefetch_l2(ahead + kp * kPairRow * 2);
-      prefetch_l2(ahead + kp * kPairRow * 2 + 64);
-    }
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;  // the row's k pair, paired as the panel pairs k
-      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
-      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-    _mm512_store_ps(c + m * kCols, acc[m][0]);
-    _mm512_store_ps(c + m * kCols + 16, acc[m][1]);
-  }
-}
-
-// All M rows against one panel, 8 at a time: the first pass streams the panel from memory (with the
-// prefetch), the later ones find it in L2.
-inline void dot_rows(const bf16* x, int64_t xs, const bf16* wp, int64_t pairs, float* c, int64_t M,
-                     const char* ahead) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const char* a = m0 == 0 ? ahead : nullptr;
-    const bf16* xm = x + m0 * xs;
-    float* cm = c + m0 * kCols;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: dot_pass<1>(xm, xs, wp, pairs, cm, a); break;
-      case 2: dot_pass<2>(xm, xs, wp, pairs, cm, a); break;
-      case 3: dot_pass<3>(xm, xs, wp, pairs, cm, a); break;
-      case 4: dot_pass<4>(xm, xs, wp, pairs, cm, a); break;
-      case 5: dot_pass<5>(xm, xs, wp, pairs, cm, a); break;
-      case 6: dot_pass<6>(xm, xs, wp, pairs, cm, a); break;
-      case 7: dot_pass<7>(xm, xs, wp, pairs, cm, a); break;
-      default: dot_pass<8>(xm, xs, wp, pairs, cm, a); break;
-    }
-  }
-}
-#endif
-
 // ~64 KB of weights a task at least: small enough to share the threads fairly, large enough that a
 // thread's stream outlasts the prefetch's start-up.
 int64_t panel_grain(int64_t pairs) { return std::max<int64_t>(1, 1024 / std::max<int64_t>(pairs, 1)); }
@@ -218,7 +162,7 @@ void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, i
   const int64_t pairs = K / 2;
   panels::for_each_panel(N, M, panel_grain(pairs), y, [&](int64_t p, float* c) {
     const bf16* wp = w + p * pairs * kPairRow;
-    dot_rows(x, lda, wp, pairs, c, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
+    panels::dot_rows(x, lda, wp, pairs, c, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
   });
 }
 #endif
@@ -227,7 +171,8 @@ void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, i
 
 // [N, K] weight -> [ceil(N/32), K/g, 32, g] panels, g consecutive k of a column side by side (columns past
 // N are zero): bfloat16 weights in pairs (g = 2) for the panel matmul, int8 codes in pairs for
-// panel_q8.cpp, int8 codes in fours (g = 4, the layout of vpdpbusd) for panel_i8.cpp.
+// panel_q8.cpp, e4m3 codes (as int8) in pairs for panel_f8.cpp, int8 codes in fours (g = 4, the layout of
+// vpdpbusd) for panel_i8.cpp.
 torch::Tensor panel_pack(torch::Tensor weight, int64_t group) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar),
               "weight must be [N, K] bfloat16 (or int8 codes)");

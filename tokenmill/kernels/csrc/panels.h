@@ -1,12 +1,15 @@
-// What the panel matmuls share (panel_matmul.cpp: bf16 weights; panel_q4.cpp: 4-bit; panel_q8.cpp: 8-bit):
-// weights stored as panels of 32 output columns, so that a thread's share of a matmul is one contiguous
-// stream read front to back, with a software prefetch a few pages ahead into L2.
+// What the panel matmuls share (panel_matmul.cpp: bf16 weights; panel_q4.cpp: 4-bit; panel_q8.cpp: 8-bit
+// weight-only; panel_i8.cpp: W8A8; panel_f8.cpp: fp8 e4m3): weights stored as panels of 32 output columns,
+// so that a thread's share of a matmul is one contiguous stream read front to back, with a software
+// prefetch a few pages ahead into L2.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vec_math.h"
@@ -15,8 +18,9 @@ namespace panels {
 
 constexpr int64_t kCols = 32;          // output columns a panel holds
 constexpr int64_t kAheadBytes = 8192;  // how far ahead of the loads the prefetch runs
+constexpr int64_t kPairRow = kCols * 2;  // values of one k pair across a panel
 
-// Whether this build has the AVX512-BF16 loops: the bf16 dot loops and the 4-bit and 8-bit panels.
+// Whether this build has the AVX512-BF16 loops: the bf16 dot loops and the 4-bit, 8-bit and fp8 panels.
 #if defined(TM_AVX512_BF16)
 constexpr bool kBf16Loops = true;
 #else
@@ -42,6 +46,63 @@ __attribute__((always_inline)) inline void fma_pair(const float* xf, int64_t xs,
     acc[m][1] = _mm512_fmadd_ps(x1, o0, acc[m][1]);
     acc[m][2] = _mm512_fmadd_ps(x0, e1, acc[m][2]);
     acc[m][3] = _mm512_fmadd_ps(x1, o1, acc[m][3]);
+  }
+}
+#endif
+
+#if defined(TM_AVX512_BF16)
+// One pass of the dot loops over a panel for M <= 8 rows: 16 accumulators, 2 per row (the panel's two
+// halves of 16 columns), each row summed over k in the same order whatever M is, so a row's result does
+// not depend on the rows beside it (seeded sampling stays reproducible in any batch up to 256 rows).
+// Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the stack,
+// 16 stores every k pair, and the loops ran 2.6x slower.
+template <int M>
+__attribute__((always_inline)) inline void dot_pass(const at::BFloat16* x, int64_t xs, const at::BFloat16* wp,
+                                                    int64_t pairs, float* c, const char* ahead) {
+  __m512 acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    if (ahead) {
+      prefetch_l2(ahead + kp * kPairRow * 2);
+      prefetch_l2(ahead + kp * kPairRow * 2 + 64);
+    }
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
+    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;  // the row's k pair, paired as the panel pairs k
+      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, acc[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, acc[m][1]);
+  }
+}
+
+// All M rows against one panel, 8 at a time: the first pass streams the panel from memory (with the
+// prefetch; none when `ahead` is null, for a panel already in cache), the later ones find it in L2.
+inline void dot_rows(const at::BFloat16* x, int64_t xs, const at::BFloat16* wp, int64_t pairs, float* c, int64_t M,
+                     const char* ahead) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const char* a = m0 == 0 ? ahead : nullptr;
+    const at::BFloat16* xm = x + m0 * xs;
+    float* cm = c + m0 * kCols;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: dot_pass<1>(xm, xs, wp, pairs, cm, a); break;
+      case 2: dot_pass<2>(xm, xs, wp, pairs, cm, a); break;
+      case 3: dot_pass<3>(xm, xs, wp, pairs, cm, a); break;
+      case 4: dot_pass<4>(xm, xs, wp, pairs, cm, a); break;
+      case 5: dot_pass<5>(xm, xs, wp, pairs, cm, a); break;
+      case 6: dot_pass<6>(xm, xs, wp, pairs, cm, a); break;
+      case 7: dot_pass<7>(xm, xs, wp, pairs, cm, a); break;
+      default: dot_pass<8>(xm, xs, wp, pairs, cm, a); break;
+    }
   }
 }
 #endif

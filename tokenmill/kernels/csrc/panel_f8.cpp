@@ -1,0 +1,108 @@
+// fp8 matmuls of `quantization="fp8"` (e4m3 weights per output column, e4m3 activations per row, the
+// FP8_DYNAMIC scheme) for decode steps of up to 256 rows, on AVX512-BF16:
+// y[M, N] = (sum_k x_code[m, k] w_code[n, k]) * x_scale[m] * w_scale[n], rounded once to bfloat16.
+//
+// The weights stay one byte each (e4m3 codes in the 32-column panels of the bf16 panel matmul, a k pair
+// side by side), so a step reads half of bf16's bytes. Each panel is widened to bf16 in a buffer of the
+// thread's (every e4m3 value is exact in bf16: 4 significant bits of 8), which the bf16 dot loops
+// (vdpbf16ps) then multiply by the activations' codes, also held in bf16: the products are exact in
+// float32 and summed there, as fp8 hardware sums them. The widening streams the panel from memory with
+// the software prefetch; the dot loops find the buffer in L1/L2.
+//
+// e4m3 byte s eeee mmm -> bf16: for exponent field e > 0 the same bits moved into place with the
+// exponent rebiased (7 -> 127: + 120), sign apart; e = 0 (zero, and m x 2^-9) from an 8-entry table.
+// The codes come from rounding (models/fp8_linear.py clamps to +-448), never the NaN code 0x7F.
+//
+// Why: the emulated path multiplied bf16 copies of the codes through oneDNN, reading bf16's bytes: on
+// AMD Zen 4 it ran at 0.63x the bf16 model at one stream (docs/benchmarks.md). Measured there only, so
+// models/ops.py uses it only on CPUs without AMX, as the bf16 dot loops.
+#include <torch/extension.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "panels.h"
+
+namespace {
+
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
+
+constexpr int64_t kMaxRows = 256;  // as the bf16 dot loops
+
+#if defined(TM_AVX512_BF16)
+// 32 e4m3 codes -> 32 bf16 values (exact).
+static inline __m512i e4m3_to_bf16(__m256i codes) {
+  const __m512i w = _mm512_cvtepu8_epi16(codes);
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  // Exponent field 0: m x 2^-9 for m = 0..7 (bf16 bits), indexed by the code itself (< 8).
+  const __m512i small = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  return _mm512_or_si512(_mm512_mask_permutexvar_epi16(normal, sub, mag, small), sign);
+}
+
+// A panel's K x 32 codes (bytes in the pair layout) into `out` as the bf16 panel of the same layout.
+static inline void widen_panel(const uint8_t* wp, int64_t bytes, at::BFloat16* out) {
+  const char* ahead = reinterpret_cast<const char*>(wp) + kAheadBytes;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    prefetch_l2(ahead + i);
+    const __m512i v = _mm512_loadu_si512(wp + i);
+    _mm512_storeu_si512(out + i, e4m3_to_bf16(_mm512_castsi512_si256(v)));
+    _mm512_storeu_si512(out + i + 32, e4m3_to_bf16(_mm512_extracti64x4_epi64(v, 1)));
+  }
+}
+#endif
+
+}  // namespace
+
+// x: [M <= 256, K] e4m3 activation codes held in bfloat16 (e4m3_rows_bf16's; rows may be strided);
+// x_scales: float32 [M] (or [M, 1]); panels: panel_pack of the [N, K] e4m3 codes viewed as int8;
+// w_scales: float32, one per panel column; n: N. Returns [M, N] bfloat16.
+torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor packed, torch::Tensor w_scales,
+                        int64_t n) {
+  TORCH_CHECK(panels::kBf16Loops, "the fp8 panel loops need a build for AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "x must be [M, K] bfloat16 (e4m3 codes) with contiguous rows");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "fp8 panel loops: up to 256 rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              "panels: panel_pack's [N/32, K/2, 32, 2] of e4m3 codes (as int8), K as x's");
+  const int64_t cols = packed.size(0) * kCols;
+  TORCH_CHECK(x_scales.scalar_type() == at::kFloat && x_scales.is_contiguous() && x_scales.numel() == x.size(0),
+              "x_scales: float32, one per row");
+  TORCH_CHECK(w_scales.scalar_type() == at::kFloat && w_scales.is_contiguous() && w_scales.numel() == cols,
+              "w_scales: float32, one per panel column");
+  TORCH_CHECK(n > 0 && n <= cols, "n out of range");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+#if defined(TM_AVX512_BF16)
+  const int64_t pairs = K / 2, panel_bytes = K * kCols;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t xs = x.stride(0);
+  const float* rs = x_scales.data_ptr<float>();
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+  const float* cs = w_scales.data_ptr<float>();
+  panels::for_each_panel(n, M, std::max<int64_t>(1, 65536 / panel_bytes), y.data_ptr<at::BFloat16>(),
+                         [&](int64_t p, float* c) {
+                           // The thread's widened panel (K x 32 bf16: 36-96 KB for SmolLM2's linears).
+                           thread_local std::vector<at::BFloat16> wide;
+                           if (static_cast<int64_t>(wide.size()) < panel_bytes) wide.resize(panel_bytes);
+                           widen_panel(w + p * panel_bytes, panel_bytes, wide.data());
+                           panels::dot_rows(xp, xs, wide.data(), pairs, c, M, nullptr);
+                           const __m512 s0 = _mm512_loadu_ps(cs + p * kCols);
+                           const __m512 s1 = _mm512_loadu_ps(cs + p * kCols + 16);
+                           for (int64_t m = 0; m < M; ++m) {
+                             const __m512 r = _mm512_set1_ps(rs[m]);
+                             float* cm = c + m * kCols;
+                             _mm512_store_ps(cm, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm), r), s0));
+                             _mm512_store_ps(cm + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm + 16), r), s1));
+                           }
+                         });
+#endif
+  return y;
+}
