@@ -3,11 +3,11 @@
 // y[M, N] = (sum_k x_code[m, k] w_code[n, k]) * x_scale[m] * w_scale[n], rounded once to bfloat16.
 //
 // The weights stay one byte each (e4m3 codes in the 32-column panels of the bf16 panel matmul, a k pair
-// side by side), so a step reads half of bf16's bytes. Each panel is widened to bf16 in a buffer of the
-// thread's (every e4m3 value is exact in bf16: 4 significant bits of 8), which the bf16 dot loops
-// (vdpbf16ps) then multiply by the activations' codes, also held in bf16: the products are exact in
-// float32 and summed there, as fp8 hardware sums them. The widening streams the panel from memory with
-// the software prefetch; the dot loops find the buffer in L1/L2.
+// side by side), so a step reads half of bf16's bytes. The codes are widened to bf16 (every e4m3 value is
+// exact in bf16: 4 significant bits of 8) and multiplied by vdpbf16ps with the activations' codes, also
+// held in bf16: the products are exact in float32 and summed there, as fp8 hardware sums them. Up to 8
+// rows widen in registers as the panel streams in; more rows widen the panel once into a buffer of the
+// thread's, which the bf16 dot loops then read from L1/L2 a pass of 8 rows at a time.
 //
 // e4m3 byte s eeee mmm -> bf16: for exponent field e > 0 the same bits moved into place with the
 // exponent rebiased (7 -> 127: + 120), sign apart; e = 0 (zero, and m x 2^-9) from an 8-entry table.
@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "panels.h"
@@ -55,6 +56,58 @@ static inline void widen_panel(const uint8_t* wp, int64_t bytes, at::BFloat16* o
     _mm512_storeu_si512(out + i + 32, e4m3_to_bf16(_mm512_extracti64x4_epi64(v, 1)));
   }
 }
+
+// Up to 8 rows: the panel widened in registers as it streams in, straight into the dot products (no
+// buffer); the same products and the same order of sums as the dot loops over a widened panel, so a
+// row's result is the same bits in a step of any size.
+template <int M>
+__attribute__((always_inline)) inline void f8_pass(const at::BFloat16* x, int64_t xs, const uint8_t* wp,
+                                                   int64_t pairs, float* c) {
+  __m512 acc[M][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(wp) + kAheadBytes;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    prefetch_l2(ahead + kp * 64);
+    const __m512i v = _mm512_loadu_si512(wp + kp * 64);
+    const __m512bh v0 = (__m512bh)e4m3_to_bf16(_mm512_castsi512_si256(v));
+    const __m512bh v1 = (__m512bh)e4m3_to_bf16(_mm512_extracti64x4_epi64(v, 1));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, acc[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, acc[m][1]);
+  }
+}
+
+// All M rows against one panel: up to 8 straight from the codes, more against the panel widened once.
+inline void f8_rows(const at::BFloat16* x, int64_t xs, const uint8_t* wp, int64_t pairs, float* c, int64_t M) {
+  switch (M) {
+    case 1: return f8_pass<1>(x, xs, wp, pairs, c);
+    case 2: return f8_pass<2>(x, xs, wp, pairs, c);
+    case 3: return f8_pass<3>(x, xs, wp, pairs, c);
+    case 4: return f8_pass<4>(x, xs, wp, pairs, c);
+    case 5: return f8_pass<5>(x, xs, wp, pairs, c);
+    case 6: return f8_pass<6>(x, xs, wp, pairs, c);
+    case 7: return f8_pass<7>(x, xs, wp, pairs, c);
+    case 8: return f8_pass<8>(x, xs, wp, pairs, c);
+    default: break;
+  }
+  // The thread's widened panel (K x 32 bf16: 36-96 KB for SmolLM2's linears).
+  thread_local std::vector<at::BFloat16> wide;
+  const int64_t bytes = pairs * 64;
+  if (static_cast<int64_t>(wide.size()) < bytes) wide.resize(bytes);
+  widen_panel(wp, bytes, wide.data());
+  panels::dot_rows(x, xs, wide.data(), pairs, c, M, nullptr);
+}
 #endif
 
 }  // namespace
@@ -89,11 +142,7 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
   const float* cs = w_scales.data_ptr<float>();
   panels::for_each_panel(n, M, std::max<int64_t>(1, 65536 / panel_bytes), y.data_ptr<at::BFloat16>(),
                          [&](int64_t p, float* c) {
-                           // The thread's widened panel (K x 32 bf16: 36-96 KB for SmolLM2's linears).
-                           thread_local std::vector<at::BFloat16> wide;
-                           if (static_cast<int64_t>(wide.size()) < panel_bytes) wide.resize(panel_bytes);
-                           widen_panel(w + p * panel_bytes, panel_bytes, wide.data());
-                           panels::dot_rows(xp, xs, wide.data(), pairs, c, M, nullptr);
+                           f8_rows(xp, xs, w + p * panel_bytes, pairs, c, M);
                            const __m512 s0 = _mm512_loadu_ps(cs + p * kCols);
                            const __m512 s1 = _mm512_loadu_ps(cs + p * kCols + 16);
                            for (int64_t m = 0; m < M; ++m) {
