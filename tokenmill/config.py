@@ -205,7 +205,8 @@ class EngineConfig:
         None,
         help='"int4": 4-bit weights for small batches (Q4 GGUF precision); "int8": int8 weights and '
         'activations (dynamic per-row scales) at every batch size; "fp8": e4m3 weights (per channel) and '
-        "activations (per row), emulated on CPU in bf16 (fp8's accuracy, bf16's speed)",
+        "activations (per row), emulated on CPU in bf16 (fp8's accuracy; decode steps read one byte a "
+        "weight on AVX512-BF16 CPUs without AMX, bf16's bytes elsewhere)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
