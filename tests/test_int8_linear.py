@@ -2,10 +2,11 @@
 as the step runs, stored as uint8 with zero point 128). The matmul's integer sums are exact, so the
 reference is exact too: the same integers and scales multiplied in float64. The layer may differ from
 it by rounding its output to bfloat16 (twice: after the matmul's column scales, and after the rows'
-scales) and by float32's share of the zero point's correction, on every path:
-oneDNN's int8 kernels on a CPU, a float matmul elsewhere. Run under ONEDNN_MAX_CPU_ISA=AVX2 (as
-tests/test_isa_paths.py does) the oneDNN cases are skipped: without VNNI the layer takes the exact
-float path, and the model keeps bf16 weights (its AVX2 int8 kernels were not exact)."""
+scales) and by float32's share of the zero point's correction, on every path: oneDNN's int8 kernels on
+a CPU, a float matmul elsewhere; the panel kernel (AVX512-BF16 without AMX, up to 256 rows) rounds
+once. Run under ONEDNN_MAX_CPU_ISA=AVX2 (as tests/test_isa_paths.py does) the oneDNN cases are skipped:
+without VNNI the layer takes the exact float path, and the model keeps bf16 weights (its AVX2 int8
+kernels were not exact)."""
 
 from __future__ import annotations
 

@@ -502,7 +502,7 @@ def test_f8_panels(kernels, rows: int) -> None:
     n, k = 70, 578
     pick = torch.randint(0, every.numel(), (n, k), generator=g)
     codes = every[pick]
-    codes[:, : every.numel() // 2] = every[: every.numel() // 2]  # every code at least once in each row
+    codes[:, : every.numel() // 2] = every[: every.numel() // 2]  # half the codes in every row, in order
     codes[1, :] = every[-1]
     w_scale = torch.rand(n, generator=g) * 0.01 + 1e-4
     x = torch.randint(0, every.numel(), (rows, k + 6), generator=g)

@@ -52,6 +52,33 @@ def test_panel_kernels_agree_with_pytorchs_quantized_matmuls(bits: int) -> None:
         assert max(gaps) <= 2**-6, (rows, gaps)
 
 
+@pytest.mark.parametrize("rows", [5, 32, 256])
+def test_the_bf16_copy_takes_the_few_row_kernel_above_max_rows(rows: int) -> None:
+    """Above max_rows a quantized layer runs its dequantized bf16 copy; given `small_for`, that copy has
+    the bf16 model's few-row kernel (panel matmul) too, and answers as its plain matmul does within bf16
+    rounding of float64."""
+    from tokenmill.models.linear import PackedLinear
+    from tokenmill.models.ops import get_ops
+
+    ops = get_ops("cpu", "cpu")
+    torch.manual_seed(rows)
+    lin = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    q = QuantizedLinear(lin, bits=4, max_rows=4, small_for=ops.small_matmul_for)
+    if not isinstance(q.wide, PackedLinear):
+        pytest.skip("no oneDNN packing here: the copy is a plain linear")
+    kernel = q.wide.small
+    if kernel is None or rows > kernel.max_rows:
+        pytest.skip(f"no few-row kernel for {rows} rows on this CPU")
+    # The copy's weights, read back through oneDNN with an identity (576 rows: above the kernel's limit).
+    w = q.wide(torch.eye(576, dtype=torch.bfloat16)).t().double()
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    exact = x.double() @ w.t()
+    y = q(x)
+    assert torch.equal(y, kernel(x))  # the copy's kernel, not oneDNN, computed it
+    magnitude = x.double().abs() @ w.abs().t()
+    assert bool(((y.double() - exact).abs() <= 2**-8 * 1.02 * exact.abs() + 576 * 2**-23 * magnitude).all())
+
+
 def test_q4_1_tensor_is_recovered_exactly(model_path: Path) -> None:
     w = torch.from_numpy(GGUFFile(model_path).tensor("blk.0.ffn_up.weight"))  # a Q4_1 tensor
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)

@@ -16,17 +16,17 @@ larger steps (prompts) take the bf16 copy through oneDNN.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from tokenmill.models.linear import (
-    SMALL_COPY_LIMIT_BYTES,
+    CodesFor,
     LinearBase,
     PackedLinear,
-    _plain_linear,
     onednn_packing_available,
+    plain_linears,
+    small_copy_allowed,
 )
 
 E4M3 = torch.float8_e4m3fn
@@ -45,18 +45,6 @@ E4m3Rows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ScaleRowsCols = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
-class Fp8Matmul(Protocol):
-    """fp8 for up to `max_rows` rows: (e4m3 codes in bf16 [M, K], float32 row scales) -> [M, N] bf16."""
-
-    max_rows: int
-
-    def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
-
-
-# ops.fp8_matmul_for: (e4m3 codes [N, K], float32 column scales [N]) -> a kernel, or None.
-Fp8For = Callable[[torch.Tensor, torch.Tensor], Fp8Matmul | None]
-
-
 class Fp8Linear(LinearBase):
     """A linear computing what an fp8 (e4m3) weight-and-activation matmul computes (module doc)."""
 
@@ -67,7 +55,7 @@ class Fp8Linear(LinearBase):
         linear: nn.Linear,
         e4m3_rows: E4m3Rows,
         scale_rows_cols: ScaleRowsCols,
-        small_for: Fp8For | None = None,
+        small_for: CodesFor | None = None,
     ) -> None:
         """`e4m3_rows`, `scale_rows_cols`: the model's ops (models/ops.py), C++ kernels on a CPU;
         `small_for` (ops.fp8_matmul_for): a kernel over one-byte codes for steps of up to its max_rows."""
@@ -86,7 +74,9 @@ class Fp8Linear(LinearBase):
         wide.weight = nn.Parameter(codes.to(torch.bfloat16), requires_grad=False)
         self.wide: nn.Module = PackedLinear(wide) if onednn_packing_available(wide.weight) else wide
         self.w_scales = scale.view(1, -1)  # float32 [1, N]
-        self.small = small_for(codes, scale.flatten()) if small_for is not None else None
+        # The few-row kernel writes bf16: only for bf16 models (a float32 one would never call it).
+        wants_small = small_for is not None and linear.weight.dtype == torch.bfloat16
+        self.small = small_for(codes, scale.flatten()) if wants_small else None  # type: ignore[misc]
         self.small_rows = self.small.max_rows if self.small is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,20 +98,15 @@ def quantize_linears_fp8(
     e4m3_rows: E4m3Rows,
     scale_rows_cols: ScaleRowsCols,
     skip: tuple[str, ...] = ("lm_head",),
-    small_for: Fp8For | None = None,
+    small_for: CodesFor | None = None,
 ) -> int:
     """Replace every plain linear but those named in `skip` by an Fp8Linear; return the count. The output
     head stays in the model dtype, as FP8 checkpoints keep it (every logit depends on it). `small_for`
     (ops.fp8_matmul_for): a few-row kernel, a second copy of the codes, used when the linears' bf16
     weights fit SMALL_COPY_LIMIT_BYTES."""
-    todo = [
-        (parent, name, child)
-        for parent_name, parent in list(model.named_modules())
-        for name, child in list(parent.named_children())
-        if _plain_linear(child) and (f"{parent_name}.{name}" if parent_name else name) not in skip
-    ]
-    if small_for is not None and sum(2 * c.weight.numel() for *_, c in todo) > SMALL_COPY_LIMIT_BYTES:
+    sites = plain_linears(model, lambda full, _: full not in skip)
+    if small_for is not None and not small_copy_allowed(sites, 1):
         small_for = None
-    for parent, name, child in todo:
+    for parent, name, _, child in sites:
         setattr(parent, name, Fp8Linear(child, e4m3_rows, scale_rows_cols, small_for))
-    return len(todo)
+    return len(sites)

@@ -111,36 +111,57 @@ SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
 QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], SmallMatmul | None]
 
 
-class Int8Matmul(Protocol):
-    """W8A8 for up to `max_rows` rows: (uint8 codes q + 128 [M, K], float32 row scales) -> [M, N] bf16."""
+class CodesMatmul(Protocol):
+    """A matmul of quantized activations for up to `max_rows` rows: (the rows' codes [M, K], their float32
+    scales [M, 1]) -> [M, N] bf16, the weights' codes and scales held by the kernel. W8A8: uint8 codes
+    q + 128 (ops.int8_matmul_for); fp8: e4m3 codes held in bf16 (ops.fp8_matmul_for)."""
 
     max_rows: int
 
-    def __call__(self, xq: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
 
 
-# ops.int8_matmul_for: (int8 codes [N, K], float32 column scales [N]) -> a kernel, or None.
-Int8For = Callable[[torch.Tensor, torch.Tensor], Int8Matmul | None]
+# ops.int8_matmul_for / ops.fp8_matmul_for: (weight codes [N, K], float32 column scales [N]) -> a kernel.
+CodesFor = Callable[[torch.Tensor, torch.Tensor], CodesMatmul | None]
+
+
+LinearSite = tuple[nn.Module, str, str, nn.Linear]  # (parent, attribute name, full name, the linear)
+
+
+def plain_linears(model: nn.Module, keep: Callable[[str, nn.Linear], bool] | None = None) -> list[LinearSite]:
+    """Every linear still computed by a plain matmul of its weight (and that `keep(full_name, linear)`
+    accepts), listed before any is replaced."""
+    sites: list[LinearSite] = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if _plain_linear(child) and (keep is None or keep(full, child)):
+                sites.append((parent, name, full, child))
+    return sites
+
+
+def small_copy_allowed(sites: list[LinearSite], bytes_per_weight: int | None = None) -> bool:
+    """Whether a few-row kernel's second copy of these linears' weights (`bytes_per_weight` each, default
+    their own dtype's) fits SMALL_COPY_LIMIT_BYTES: above it the copy would cost more memory than a small
+    model's speed is worth."""
+    total = sum(c.weight.numel() * (bytes_per_weight or c.weight.element_size()) for *_, c in sites)
+    if total > SMALL_COPY_LIMIT_BYTES:
+        log.info("linears take %.1f GB: no few-row copy of the weights", total / 1e9)
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module, small_for: SmallFor | None = None) -> int:
     """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
     few-row kernel for a weight (ops.small_matmul_for), used when the model's linears fit
     SMALL_COPY_LIMIT_BYTES."""
-    todo = [
-        (parent, name, child)
-        for parent in list(model.modules())
-        for name, child in list(parent.named_children())
-        if _plain_linear(child) and onednn_packing_available(child.weight)
-    ]
-    total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in todo)
-    if small_for is not None and total > SMALL_COPY_LIMIT_BYTES:
-        log.info("linears take %.1f GB: no few-row copy of the weights", total / 1e9)
+    sites = plain_linears(model, lambda _, child: onednn_packing_available(child.weight))
+    if small_for is not None and not small_copy_allowed(sites):
         small_for = None
-    for parent, name, child in todo:
+    for parent, name, _, child in sites:
         small = small_for(child.weight.detach()) if small_for is not None else None
         setattr(parent, name, PackedLinear(child, small))
-    return len(todo)
+    return len(sites)
 
 
 class QuantizedLinear(LinearBase):
@@ -244,7 +265,7 @@ class Int8Linear(LinearBase):
     prepared = True
 
     def __init__(
-        self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows, small_for: Int8For | None = None
+        self, linear: nn.Linear, quantize: Quantize, scale_rows: ScaleRows, small_for: CodesFor | None = None
     ) -> None:
         super().__init__()
         w = linear.weight.detach().float()
@@ -274,7 +295,7 @@ class Int8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         xq, xs = self.quantize(x)  # uint8 q + 128, float32 row scales
-        if m <= self.small_rows:
+        if m <= self.small_rows and x.dtype == torch.bfloat16:  # the kernel writes bf16
             y = self.small(xq, xs)  # type: ignore[misc]
         elif self.onednn:
             # Rows bucketed as PackedLinear's are (oneDNN keeps state per shape); padding rows are 0.
@@ -389,26 +410,21 @@ def _onednn_bf16_output() -> bool:
 
 
 def quantize_linears_int8(
-    model: nn.Module, quantize: Quantize, scale_rows: ScaleRows, small_for: Int8For | None = None
+    model: nn.Module, quantize: Quantize, scale_rows: ScaleRows, small_for: CodesFor | None = None
 ) -> int:
     """Replace every plain linear by an Int8Linear; return the count. A CPU whose int8 kernels lack
     VNNI or AMX keeps its bf16 weights (int8 would be slower there, or inexact), saying so.
     `small_for` (ops.int8_matmul_for): a few-row kernel, a second copy of the codes, used when they fit
     SMALL_COPY_LIMIT_BYTES."""
-    todo = [
-        (parent, name, child)
-        for parent in list(model.modules())
-        for name, child in list(parent.named_children())
-        if _plain_linear(child)
-    ]
-    if todo and todo[0][2].weight.device.type == "cpu" and not _onednn_vnni():
+    sites = plain_linears(model)
+    if sites and sites[0][3].weight.device.type == "cpu" and not _onednn_vnni():
         log.warning("quantization int8 needs VNNI or AMX for its int8 matmuls; keeping bf16 weights")
         return 0
-    if small_for is not None and sum(c.weight.numel() for _, _, c in todo) > SMALL_COPY_LIMIT_BYTES:
+    if small_for is not None and not small_copy_allowed(sites, 1):
         small_for = None
-    for parent, name, child in todo:
+    for parent, name, _, child in sites:
         setattr(parent, name, Int8Linear(child, quantize, scale_rows, small_for))
-    return len(todo)
+    return len(sites)
 
 
 def quantized_kernels_available(weight: torch.Tensor) -> bool:
@@ -431,20 +447,13 @@ def quantize_linears(
     """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count.
     `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for); `small_for`: the few-row
     kernel of the bf16 copies (ops.small_matmul_for), when those fit SMALL_COPY_LIMIT_BYTES."""
-    todo = [
-        (parent_name, parent, name, child)
-        for parent_name, parent in list(model.named_modules())
-        for name, child in list(parent.named_children())
-        if _plain_linear(child) and quantized_kernels_available(child.weight)
-    ]
-    total = sum(c.weight.numel() * c.weight.element_size() for *_, c in todo)
-    if small_for is not None and total > SMALL_COPY_LIMIT_BYTES:
+    sites = plain_linears(model, lambda _, child: quantized_kernels_available(child.weight))
+    if small_for is not None and not small_copy_allowed(sites):
         small_for = None
-    for parent_name, parent, name, child in todo:
-        full = f"{parent_name}.{name}" if parent_name else name
+    for parent, name, full, child in sites:
         bits = bits_for.get(full, default_bits)
         setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for))
-    return len(todo)
+    return len(sites)
 
 
 def _plain_linear(m: nn.Module) -> bool:

@@ -161,6 +161,12 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Ten
     return torch.cat([codes, per_group(scale), per_group(lo)], -1).contiguous()
 
 
+def column_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Per-column float32 scales [N] padded to whole 32-column panels (0 past N), as the kernels read them."""
+    scale = scale.float().flatten()
+    return torch.nn.functional.pad(scale, (0, -scale.numel() % 32)).contiguous()
+
+
 class Q4Panels:
     """x @ W^T for up to 4 bfloat16 rows with W in 4 bits (groups of 32, scale and minimum: a Q4 GGUF
     block), by kernels/csrc/panel_q4.cpp: the codes in 32-column panels read as one stream, looked up as
@@ -187,7 +193,7 @@ class Q8Panels:
     def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, q.shape[0]
         self.panels = k.panel_pack(q.to(torch.int8).contiguous())  # type: ignore[attr-defined]
-        self.scales = torch.nn.functional.pad(scale.float(), (0, -self.n % 32)).contiguous()
+        self.scales = column_scales(scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.q8_matmul(x, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
@@ -195,7 +201,7 @@ class Q8Panels:
 
 class I8Panels:
     """W8A8 x @ W^T for up to 256 rows by kernels/csrc/panel_i8.cpp: uint8 activation codes (q + 128, as
-    quantize_rows_u8 leaves them) times the int8 weight codes by vpdpbusd, the exact integer products
+    quantize_rows_u8 leaves them) times the int8 weight codes by vpdpbusd, the integer sums exact in int32,
     scaled by each row's and each column's scale in float32 and rounded once to bfloat16 (AVX512-BF16
     builds, which have VNNI). Used where oneDNN's int8 matmul was measured slower (AMD Zen 4, no AMX)."""
 
@@ -204,11 +210,12 @@ class I8Panels:
     def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, q.shape[0]
         q = q.to(torch.int8).contiguous()
-        pad = -self.n % 32
         self.panels = k.panel_pack(q, 4)  # type: ignore[attr-defined]
-        # The activations arrive as q + 128: 128 x a column's code sum comes off its integer sum.
-        self.offsets = torch.nn.functional.pad(128 * q.sum(1, dtype=torch.int32), (0, pad)).contiguous()
-        self.scales = torch.nn.functional.pad(scale.float(), (0, pad)).contiguous()
+        # The activations arrive as q + 128: 128 x a column's code sum comes off its integer sum (int32:
+        # at most 128 x 127 x K).
+        offsets = 128 * q.sum(1, dtype=torch.int32)
+        self.offsets = torch.nn.functional.pad(offsets, (0, -self.n % 32)).contiguous()
+        self.scales = column_scales(scale)
 
     def __call__(self, xq: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
         return self.k.i8_matmul(xq, x_scales, self.panels, self.offsets, self.scales, self.n)  # type: ignore[attr-defined]
@@ -216,17 +223,18 @@ class I8Panels:
 
 class F8Panels:
     """fp8 x @ W^T for up to 256 rows by kernels/csrc/panel_f8.cpp: the activations' e4m3 codes (held in
-    bf16, as e4m3_rows leaves them) times the weights' e4m3 codes kept one byte each, widened to bf16 a
-    panel at a time and multiplied by the bf16 dot loops (exact products, float32 sums), scaled by each
-    row's and each column's scale and rounded once (AVX512-BF16 builds). Half the bytes of the emulated
-    bf16 path; used where the dot loops are (AVX512-BF16 without AMX)."""
+    bf16, as e4m3_rows leaves them) times the weights' e4m3 codes kept one byte each, widened to bf16 as
+    they stream in (up to 8 rows; more rows widen each panel once into a buffer) and multiplied by
+    vdpbf16ps (exact products, float32 sums), scaled by each row's and each column's scale and rounded
+    once (AVX512-BF16 builds). Half the bytes of the bf16 path; used where the dot loops are
+    (AVX512-BF16 without AMX)."""
 
     max_rows = 256
 
     def __init__(self, k: object, codes: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, codes.shape[0]
         self.panels = k.panel_pack(codes.contiguous().view(torch.int8))  # type: ignore[attr-defined]
-        self.scales = torch.nn.functional.pad(scale.float().flatten(), (0, -self.n % 32)).contiguous()
+        self.scales = column_scales(scale)
 
     def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
         k = self.k
@@ -297,40 +305,31 @@ class CpuFusedOps(TorchOps):
 
         return PanelMatmul(self.k, weight, amx_brgemm_available())
 
+    def _dot_loops_for(self, codes: torch.Tensor, k_multiple: int) -> bool:
+        """Whether the panel kernels of the dot-loop family (the bf16 dot loops, 4-bit, 8-bit, W8A8 and fp8
+        panels) take this [N, K] weight: a CPU tensor with K a multiple of the kernel's k grouping, in an
+        AVX512-BF16 build on a CPU without AMX. Measured there only (AMD Zen 4); with AMX the bf16 panels
+        take brgemm and the others are left to oneDNN and PyTorch, unmeasured against them."""
+        from tokenmill.models.linear import amx_brgemm_available
+
+        if codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % k_multiple:
+            return False
+        return bool(self.k.panel_dot_available()) and not amx_brgemm_available()
+
     def quantized_matmul_for(
         self, bits: int, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
     ) -> Q4Panels | Q8Panels | None:
-        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only.
-        from tokenmill.models.linear import amx_brgemm_available
-
-        if q.device.type != "cpu" or q.shape[1] % 32 or amx_brgemm_available():
-            return None
-        if not self.k.panel_dot_available():  # the AVX512-BF16 build's loops
+        if not self._dot_loops_for(q, 32):  # 4-bit groups of 32
             return None
         if bits == 4 and lo is not None:
             return Q4Panels(self.k, q, scale, lo)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
-        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX), which this kernel runs.
-        from tokenmill.models.linear import amx_brgemm_available
-
-        if codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % 2 or amx_brgemm_available():
-            return None
-        if not self.k.panel_dot_available():
-            return None
-        return F8Panels(self.k, codes, scale)
+        return F8Panels(self.k, codes, scale) if self._dot_loops_for(codes, 2) else None
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
-        # Where the bf16 panels take the dot loops (AVX512-BF16 without AMX): measured there only; with
-        # AMX oneDNN's int8 matmul uses its tiles, and this kernel is unmeasured against them.
-        from tokenmill.models.linear import amx_brgemm_available
-
-        if q.device.type != "cpu" or q.dim() != 2 or q.shape[1] % 4 or amx_brgemm_available():
-            return None
-        if not self.k.panel_dot_available():  # the AVX512-BF16 build (with VNNI)
-            return None
-        return I8Panels(self.k, q, scale)
+        return I8Panels(self.k, q, scale) if self._dot_loops_for(q, 4) else None  # vpdpbusd groups 4 k
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:

@@ -69,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "f8_matmul; g = 4: i8_matmul)",
         py::arg("weight"), py::arg("group") = 2);
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
-  m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops, 4-bit and 8-bit panels)");
+  m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops; 4-bit, 8-bit, W8A8 and fp8 panels)");
   m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for 1-256 bfloat16 rows by vdpbf16ps (AVX512-BF16)");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for up to 4 bfloat16 rows, W in 4-bit panels (Q4Panels)");
   m.def("q8_matmul", &q8_matmul, "x @ W^T * scale for up to 4 bfloat16 rows, W in int8 panels (Q8Panels)");

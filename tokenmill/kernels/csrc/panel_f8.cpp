@@ -28,6 +28,7 @@ namespace {
 
 using panels::kAheadBytes;
 using panels::kCols;
+using panels::kPairRow;  // one k pair of a panel: 64 one-byte codes
 using panels::prefetch_l2;
 
 constexpr int64_t kMaxRows = 256;  // as the bf16 dot loops
@@ -57,53 +58,25 @@ static inline void widen_panel(const uint8_t* wp, int64_t bytes, at::BFloat16* o
   }
 }
 
-// Up to 8 rows: the panel widened in registers as it streams in, straight into the dot products (no
-// buffer); the same products and the same order of sums as the dot loops over a widened panel, so a
-// row's result is the same bits in a step of any size.
-template <int M>
-__attribute__((always_inline)) inline void f8_pass(const at::BFloat16* x, int64_t xs, const uint8_t* wp,
-                                                   int64_t pairs, float* c) {
-  __m512 acc[M][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(wp) + kAheadBytes;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    prefetch_l2(ahead + kp * 64);
-    const __m512i v = _mm512_loadu_si512(wp + kp * 64);
-    const __m512bh v0 = (__m512bh)e4m3_to_bf16(_mm512_castsi512_si256(v));
-    const __m512bh v1 = (__m512bh)e4m3_to_bf16(_mm512_extracti64x4_epi64(v, 1));
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
-      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-    _mm512_store_ps(c + m * kCols, acc[m][0]);
-    _mm512_store_ps(c + m * kCols + 16, acc[m][1]);
-  }
-}
-
-// All M rows against one panel: up to 8 straight from the codes, more against the panel widened once.
+// All M rows against one panel of codes. Up to 8 rows: one pass widening each k pair in registers as the
+// panel streams in (no buffer). More: the panel widened once into a buffer of the thread's, which the
+// bf16 dot loops read from L1/L2 a pass of 8 rows at a time. Both run panels::dot_pass, so a row's sums
+// are the same bits in a step of any size.
 inline void f8_rows(const at::BFloat16* x, int64_t xs, const uint8_t* wp, int64_t pairs, float* c, int64_t M) {
-  switch (M) {
-    case 1: return f8_pass<1>(x, xs, wp, pairs, c);
-    case 2: return f8_pass<2>(x, xs, wp, pairs, c);
-    case 3: return f8_pass<3>(x, xs, wp, pairs, c);
-    case 4: return f8_pass<4>(x, xs, wp, pairs, c);
-    case 5: return f8_pass<5>(x, xs, wp, pairs, c);
-    case 6: return f8_pass<6>(x, xs, wp, pairs, c);
-    case 7: return f8_pass<7>(x, xs, wp, pairs, c);
-    case 8: return f8_pass<8>(x, xs, wp, pairs, c);
-    default: break;
+  if (M <= 8) {
+    const char* ahead = reinterpret_cast<const char*>(wp) + kAheadBytes;
+    auto pair = [&](int64_t kp, __m512bh& v0, __m512bh& v1) {
+      prefetch_l2(ahead + kp * kPairRow);
+      const __m512i v = _mm512_loadu_si512(wp + kp * kPairRow);
+      v0 = (__m512bh)e4m3_to_bf16(_mm512_castsi512_si256(v));
+      v1 = (__m512bh)e4m3_to_bf16(_mm512_extracti64x4_epi64(v, 1));
+    };
+    panels::with_rows(M, [&](auto rows) { panels::dot_pass<decltype(rows)::value>(x, xs, pairs, c, pair); });
+    return;
   }
   // The thread's widened panel (K x 32 bf16: 36-96 KB for SmolLM2's linears).
   thread_local std::vector<at::BFloat16> wide;
-  const int64_t bytes = pairs * 64;
+  const int64_t bytes = pairs * kPairRow;
   if (static_cast<int64_t>(wide.size()) < bytes) wide.resize(bytes);
   widen_panel(wp, bytes, wide.data());
   panels::dot_rows(x, xs, wide.data(), pairs, c, M, nullptr);
@@ -131,6 +104,7 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
               "w_scales: float32, one per panel column");
   TORCH_CHECK(n > 0 && n <= cols, "n out of range");
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K > 0, "K must be positive");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)

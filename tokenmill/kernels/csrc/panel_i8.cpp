@@ -6,8 +6,8 @@
 // 4), the layout of vpdpbusd, which multiplies four unsigned bytes of x by four signed bytes of a column
 // and adds the four products to the column's 32-bit sum: 64 multiply-adds an instruction, twice
 // vdpbf16ps's. x comes as quantize_rows_u8 leaves it (q + 128, unsigned); the 128 x the column's code sum
-// is taken off at the end, so the sums are the exact integer products whatever the order, and every row's
-// result is the same in any batch. A thread's panels are one stream with the software prefetch 8 KB ahead
+// is taken off at the end, so the int32 sums are the exact integer products whatever the order, and every
+// row's result is the same in any batch. A thread's panels are one stream with the software prefetch 8 KB ahead
 // into L2, as in the bf16 panel matmul; up to 8 rows a pass (16 accumulators), later passes over a panel
 // find it in L2.
 //
@@ -32,8 +32,8 @@ constexpr int64_t kMaxRows = 256;        // x's rows (256 x 1536 bytes) stay in 
 
 #if defined(TM_AVX512_BF16)
 // One pass over a panel for M <= 8 rows, each row's sums in two accumulators (columns 0-15, 16-31), then
-// the exact integer products scaled into c. Inlined and unrolled for the reason dot_pass in
-// panel_matmul.cpp is: as a call of its own GCC kept the accumulators on the stack.
+// the integer products scaled into c. Inlined and unrolled for the reason panels::dot_pass is: as a call
+// of its own GCC kept the accumulators on the stack.
 template <int M>
 __attribute__((always_inline)) inline void i8_pass(const uint8_t* x, int64_t xs, const float* x_scale,
                                                    const int8_t* wp, int64_t quads, const int32_t* offset,
@@ -61,8 +61,8 @@ __attribute__((always_inline)) inline void i8_pass(const uint8_t* x, int64_t xs,
   const __m512 s0 = _mm512_loadu_ps(w_scale), s1 = _mm512_loadu_ps(w_scale + 16);
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
-    // The sums less 128 x the column's code sum are the signed products; as float32 exact up to 2^24
-    // (a 1536-long dot of codes up to 127 in magnitude stays below it unless nearly all are extreme).
+    // The sums less 128 x the column's code sum are the signed products, exact in int32 (|sum| <= 255 x
+    // 127 x K); as float32 they round only above 2^24 (2^-24 relative).
     const __m512 r = _mm512_set1_ps(x_scale[m]);
     const __m512 a0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], off0));
     const __m512 a1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], off1));
@@ -76,19 +76,9 @@ inline void i8_rows(const uint8_t* x, int64_t xs, const float* x_scale, const in
                     const int32_t* offset, const float* w_scale, float* c, int64_t M, const char* ahead) {
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const char* a = m0 == 0 ? ahead : nullptr;
-    const uint8_t* xm = x + m0 * xs;
-    const float* sm = x_scale + m0;
-    float* cm = c + m0 * kCols;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: i8_pass<1>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 2: i8_pass<2>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 3: i8_pass<3>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 4: i8_pass<4>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 5: i8_pass<5>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 6: i8_pass<6>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      case 7: i8_pass<7>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-      default: i8_pass<8>(xm, xs, sm, wp, quads, offset, w_scale, cm, a); break;
-    }
+    panels::with_rows(M - m0, [&](auto rows) {
+      i8_pass<decltype(rows)::value>(x + m0 * xs, xs, x_scale + m0, wp, quads, offset, w_scale, c + m0 * kCols, a);
+    });
   }
 }
 #endif
@@ -117,6 +107,7 @@ torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor 
               "w_scales: float32, one per panel column");
   TORCH_CHECK(n > 0 && n <= cols, "n out of range");
   const int64_t M = xq.size(0), K = xq.size(1);
+  TORCH_CHECK(K > 0, "K must be positive");
   auto y = torch::empty({M, n}, xq.options().dtype(at::kBFloat16));
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)

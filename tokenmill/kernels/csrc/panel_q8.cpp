@@ -21,7 +21,7 @@ using panels::kAheadBytes;
 using panels::kCols;
 using panels::prefetch_l2;
 
-constexpr int64_t kPairBytes = kCols * 2;  // one k pair of a panel's codes
+using panels::kPairRow;  // one k pair of a panel: 64 one-byte codes
 constexpr int64_t kMaxRows = 4;
 
 #if defined(TM_AVX512_BF16)
@@ -40,8 +40,8 @@ __attribute__((always_inline)) inline void q8_panel(const float* xf, int64_t K, 
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm512_setzero_ps();
   const char* ahead = reinterpret_cast<const char*>(wp) + kAheadBytes;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    prefetch_l2(ahead + kp * kPairBytes);
-    const __m512i codes = _mm512_loadu_si512(wp + kp * kPairBytes);
+    prefetch_l2(ahead + kp * kPairRow);
+    const __m512i codes = _mm512_loadu_si512(wp + kp * kPairRow);
     __m512 e0, o0, e1, o1;
     q8_pairs(_mm512_castsi512_si256(codes), e0, o0);
     q8_pairs(_mm512_extracti64x4_epi64(codes, 1), e1, o1);
@@ -80,6 +80,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
               "scales: float32, one per panel column");
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K > 0, "K must be positive");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)

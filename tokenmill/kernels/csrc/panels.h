@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -50,30 +51,44 @@ __attribute__((always_inline)) inline void fma_pair(const float* xf, int64_t xs,
 }
 #endif
 
+// Calls f(std::integral_constant<int, m>{}) with m = rows (1 to 8; larger counts take 8): the row count
+// of an unrolled pass as a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 #if defined(TM_AVX512_BF16)
 // One pass of the dot loops over a panel for M <= 8 rows: 16 accumulators, 2 per row (the panel's two
 // halves of 16 columns), each row summed over k in the same order whatever M is, so a row's result does
 // not depend on the rows beside it (seeded sampling stays reproducible in any batch up to 256 rows).
-// Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the stack,
-// 16 stores every k pair, and the loops ran 2.6x slower.
-template <int M>
-__attribute__((always_inline)) inline void dot_pass(const at::BFloat16* x, int64_t xs, const at::BFloat16* wp,
-                                                    int64_t pairs, float* c, const char* ahead) {
+// pair(kp, v0, v1) gives the panel's k pair kp as bf16 (columns 0-15, 16-31): loaded as stored (bf16
+// panels) or widened from one-byte codes (panel_f8.cpp), so every caller shares these sums and their
+// order. Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the
+// stack, 16 stores every k pair, and the loops ran 2.6x slower.
+template <int M, typename Pair>
+__attribute__((always_inline)) inline void dot_pass(const at::BFloat16* x, int64_t xs, int64_t pairs, float* c,
+                                                    const Pair& pair) {
   __m512 acc[M][2];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    if (ahead) {
-      prefetch_l2(ahead + kp * kPairRow * 2);
-      prefetch_l2(ahead + kp * kPairRow * 2 + 64);
-    }
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
+    __m512bh v0, v1;
+    pair(kp, v0, v1);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      int32_t pair;  // the row's k pair, paired as the panel pairs k
-      std::memcpy(&pair, x + m * xs + 2 * kp, sizeof(pair));
-      const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
+      int32_t xp;  // the row's k pair, paired as the panel pairs k
+      std::memcpy(&xp, x + m * xs + 2 * kp, sizeof(xp));
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(xp);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, v0);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, v1);
     }
@@ -85,24 +100,21 @@ __attribute__((always_inline)) inline void dot_pass(const at::BFloat16* x, int64
   }
 }
 
-// All M rows against one panel, 8 at a time: the first pass streams the panel from memory (with the
+// All M rows against one bf16 panel, 8 at a time: the first pass streams the panel from memory (with the
 // prefetch; none when `ahead` is null, for a panel already in cache), the later ones find it in L2.
 inline void dot_rows(const at::BFloat16* x, int64_t xs, const at::BFloat16* wp, int64_t pairs, float* c, int64_t M,
                      const char* ahead) {
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const char* a = m0 == 0 ? ahead : nullptr;
-    const at::BFloat16* xm = x + m0 * xs;
-    float* cm = c + m0 * kCols;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: dot_pass<1>(xm, xs, wp, pairs, cm, a); break;
-      case 2: dot_pass<2>(xm, xs, wp, pairs, cm, a); break;
-      case 3: dot_pass<3>(xm, xs, wp, pairs, cm, a); break;
-      case 4: dot_pass<4>(xm, xs, wp, pairs, cm, a); break;
-      case 5: dot_pass<5>(xm, xs, wp, pairs, cm, a); break;
-      case 6: dot_pass<6>(xm, xs, wp, pairs, cm, a); break;
-      case 7: dot_pass<7>(xm, xs, wp, pairs, cm, a); break;
-      default: dot_pass<8>(xm, xs, wp, pairs, cm, a); break;
-    }
+    auto pair = [&](int64_t kp, __m512bh& v0, __m512bh& v1) {
+      if (a) {
+        prefetch_l2(a + kp * kPairRow * 2);
+        prefetch_l2(a + kp * kPairRow * 2 + 64);
+      }
+      v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
+      v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
+    };
+    with_rows(M - m0, [&](auto rows) { dot_pass<decltype(rows)::value>(x + m0 * xs, xs, pairs, c + m0 * kCols, pair); });
   }
 }
 #endif
