@@ -54,8 +54,8 @@ def _timed(fn) -> float:  # noqa: ANN001
 def weight_bytes(model: torch.nn.Module, rows: int) -> int:
     """Bytes of the weights a decode step of `rows` rows reads through its linears."""
     total = 0
-    # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit) or its bf16 codes (the
-    # emulated fp8 layer's) are counted with the layer.
+    # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit; Fp8Linear's codes as bf16,
+    # above its panel kernel's) is counted with the layer.
     twins = {id(m.wide) for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear))}
     for m in model.modules():
         if id(m) in twins:

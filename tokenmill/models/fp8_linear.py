@@ -9,8 +9,9 @@ bf16 in oneDNN's packed layout, each step's activation codes are cast to bf16, t
 their products in float32, and the row and column scales multiply its output. That output is rounded to
 bf16 once before the scales and once after (fp8 hardware rounds once): about 2^-9 relative more.
 Where the ops give an fp8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_f8.cpp), steps of up
-to its 256 rows read the weight codes one byte each instead, widened to bf16 in cache, and round once;
-larger steps (prompts) take the bf16 copy through oneDNN.
+to its 256 rows read the weight codes one byte each instead, widened to bf16 as they stream in, and round
+once; larger steps (prompts) take the bf16 copy through oneDNN. Memory: 2 bytes a weight for the bf16
+copy, plus 1 for the kernel's codes where it is used.
 """
 
 from __future__ import annotations
