@@ -12,36 +12,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.models.linear import Int8Linear, PackedLinear
 from tokenmill.models.ops import get_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linear_kernels import SHAPES  # noqa: E402
 from machine import cpu_description  # noqa: E402
+from panel_matmul import alternate_in_model, linears_ms  # noqa: E402
 
 INT8_BYTES = sum(o * i for o, i in SHAPES)
-
-
-def linears_ms(fns: list, rows: int, reps: int = 5) -> float:  # noqa: ANN001
-    """Best of `reps` passes over all the linears at `rows` rows."""
-    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
-    for _ in range(2):
-        for f, (_, i) in zip(fns, SHAPES, strict=True):
-            f(xs[i])
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for f, (_, i) in zip(fns, SHAPES, strict=True):
-            f(xs[i])
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 class Without(nn.Module):
@@ -83,24 +68,12 @@ def in_model(streams: list[int], rounds: int) -> None:
     llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False, quantization="int8")
     layers = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, Int8Linear)]
     limits = [m.small_rows for m in layers]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    print("\nThe int8 model (greedy, 64 tokens a stream, best of 3 per round; rounds alternate the two):\n")
-    print("| streams | oneDNN int8 tok/s | int8 panels tok/s | panels / oneDNN |")
-    print("|---|---|---|---|")
-    for n in streams:
-        prompts = [f"Write a short story about a robot named R{i} who learns to paint." for i in range(n)]
-        best = {"oneDNN": 0.0, "panels": 0.0}
-        for _ in range(rounds):
-            for name in best:
-                for m, limit in zip(layers, limits, strict=True):
-                    m.small_rows = limit if name == "panels" else 0
-                llm.generate(prompts[:2], params)  # warm-up: this path's shapes
-                for _ in range(3):
-                    t = time.perf_counter()
-                    llm.generate(prompts, params)
-                    best[name] = max(best[name], n * 64 / (time.perf_counter() - t))
-        a, b = best["oneDNN"], best["panels"]
-        print(f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |", flush=True)
+
+    def use(kernel: bool) -> None:
+        for m, limit in zip(layers, limits, strict=True):
+            m.small_rows = limit if kernel else 0
+
+    alternate_in_model(llm, streams, rounds, use, ("oneDNN int8", "int8 panels"))
 
 
 def main() -> None:

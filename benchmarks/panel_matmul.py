@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,28 +66,41 @@ def microbenchmark(rows_list: list[int]) -> None:
         print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {path} |", flush=True)
 
 
-def in_model(streams: list[int], rounds: int) -> None:
-    llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False)
-    packed = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, PackedLinear)]
-    kernels = [m.small for m in packed]
+def alternate_in_model(
+    llm: LLM, streams: list[int], rounds: int, use: Callable[[bool], None], names: tuple[str, str]
+) -> None:
+    """The model at each stream count with a kernel off and on (`use(False)`, `use(True)`), alternated:
+    greedy, 64 tokens a stream, best of 3 per round; one table row per stream count."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    off, on = names
     print("\nIn the model (greedy, 64 tokens a stream, best of 3 per round; rounds alternate the two):\n")
-    print("| streams | oneDNN tok/s | panel tok/s | panel / oneDNN |")
+    print(f"| streams | {off} tok/s | {on} tok/s | {on} / {off} |")
     print("|---|---|---|---|")
     for n in streams:
         prompts = [f"Write a short story about a robot named R{i} who learns to paint." for i in range(n)]
-        best = {"oneDNN": 0.0, "panel": 0.0}
+        best = {False: 0.0, True: 0.0}
         for _ in range(rounds):
-            for name in best:
-                for m, k in zip(packed, kernels, strict=True):
-                    m.small = k if name == "panel" else None
+            for kernel in best:
+                use(kernel)
                 llm.generate(prompts[:2], params)  # warm-up: this path's shapes
                 for _ in range(3):
                     t = time.perf_counter()
                     llm.generate(prompts, params)
-                    best[name] = max(best[name], n * 64 / (time.perf_counter() - t))
-        a, b = best["oneDNN"], best["panel"]
+                    best[kernel] = max(best[kernel], n * 64 / (time.perf_counter() - t))
+        a, b = best[False], best[True]
         print(f"| {n} | {a:.1f} | {b:.1f} | {b / a:.2f}x |", flush=True)
+
+
+def in_model(streams: list[int], rounds: int) -> None:
+    llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False)
+    packed = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, PackedLinear)]
+    kernels = [m.small for m in packed]
+
+    def use(kernel: bool) -> None:
+        for m, k in zip(packed, kernels, strict=True):
+            m.small = k if kernel else None
+
+    alternate_in_model(llm, streams, rounds, use, ("oneDNN", "panel"))
 
 
 def main() -> None:
