@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 import threading
 from typing import Any
 
@@ -20,12 +19,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineDeadError
 
 NAMESPACE = "tokenmill"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EngineActor:
@@ -38,21 +31,35 @@ class EngineActor:
         from tokenmill.engine.engine_server import serve_engine
 
         host = host or ray.util.get_node_ip_address()
+        # Every port is taken by its own bind ("*": any free one), never picked first and bound later:
+        # actors starting together raced for picked ports (one lost, "Address already in use"). The KV
+        # event endpoints reach the router in the engine's own description, the engine's in address().
         ev = dataclasses.replace(
             config.kv_events,
             enable_kv_events=True,
-            kv_events_endpoint=f"tcp://{host}:{_free_port(host)}",
-            kv_events_replay_endpoint=f"tcp://{host}:{_free_port(host)}",
+            kv_events_endpoint=f"tcp://{host}:*",
+            kv_events_replay_endpoint=f"tcp://{host}:*",
         )
         self.config = dataclasses.replace(config, kv_events=ev)
-        self.url = f"tcp://{host}:{_free_port(host)}"
+        self.url: str | None = None
+        listening = threading.Event()
+
+        def bound(endpoint: str) -> None:
+            self.url = endpoint
+            listening.set()
+
         self.thread = threading.Thread(
-            target=serve_engine, args=(self.config, self.url), name="tokenmill-engine", daemon=True
+            target=serve_engine,
+            args=(self.config, f"tcp://{host}:*"),
+            kwargs={"bound": bound},
+            name="tokenmill-engine",
+            daemon=True,
         )
         self.thread.start()
+        listening.wait(timeout=60)  # the bind comes first, before the model loads
 
     def address(self) -> str:
-        if not self.thread.is_alive():
+        if self.url is None or not self.thread.is_alive():
             raise RuntimeError("the engine in this actor has stopped")
         return self.url
 

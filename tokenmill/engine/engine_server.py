@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -45,10 +46,18 @@ HEARTBEAT_S = 1.0
 FAILED_START_GRACE_S = 3.0  # how long an engine that failed to load stays to tell frontends why
 
 
-def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool = False) -> int:
+def serve_engine(
+    config: EngineConfig,
+    address: str,
+    *,
+    launched_by_parent: bool = False,
+    bound: Callable[[str], None] | None = None,
+) -> int:
     """Load the engine, serve it at `address` until told to stop; return an exit code.
 
     `launched_by_parent`: the engine belongs to the process that started it and stops with it.
+    `bound(endpoint)`: called once the socket listens, with the endpoint it took (`tcp://host:*` asks
+    for any free port, chosen by the bind itself, so two engines starting at once cannot race for one).
     """
     if launched_by_parent:
         die_with_parent()
@@ -56,6 +65,8 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(address)
+    if bound is not None:
+        bound(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     from tokenmill.engine.engine_core import EngineCore  # torch and the model: only in this process
 
     try:
@@ -70,7 +81,13 @@ def serve_engine(config: EngineConfig, address: str, *, launched_by_parent: bool
     if config.kv_events.enable_kv_events:
         from tokenmill.engine.kv_publisher import KVEventPublisher
 
-        publisher = KVEventPublisher(config.kv_events, ctx)
+        try:
+            publisher = KVEventPublisher(config.kv_events, ctx)
+        except zmq.ZMQError as e:  # e.g. its port taken: tell the frontends rather than leave them waiting
+            log.exception("the KV event publisher failed to start")
+            _refuse(sock, f"engine failed to start: KV events at {config.kv_events.kv_events_endpoint}: {e}")
+            sock.close(linger=500)
+            return 1
         info["kv_events"] = publisher.describe()
     server = _Server(engine, sock, info, parent, publisher)
     try:
