@@ -22,7 +22,11 @@ CONFIGS = [
     ("float32, plain PyTorch (the reference)", {"dtype": "float32", "kernels": "torch"}),
     ("bf16, plain PyTorch", {"kernels": "torch"}),
     ("bf16 (default)", {}),
-    ("int8 weights and activations (quantization=int8)", {"quantization": "int8"}),
+    ("int8 weights and activations (quantization=int8, smoothed)", {"quantization": "int8"}),
+    (
+        "int8 weights and activations, unsmoothed (int8_smoothing=0)",
+        {"quantization": "int8", "int8_smoothing": 0},
+    ),
     ("int4 weights (quantization=int4)", {"quantization": "int4"}),
     ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),
     ("bf16, int8 KV cache (kv_cache_dtype=int8)", {"kv_cache_dtype": "int8"}),

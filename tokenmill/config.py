@@ -208,6 +208,12 @@ class EngineConfig:
         "activations (per row), emulated on CPU in bf16 (fp8's accuracy; decode steps read one byte a "
         "weight on AVX512-BF16 CPUs without AMX, bf16's bytes elsewhere)",
     )
+    int8_smoothing: float = setting(
+        0.7,
+        help="with quantization int8: SmoothQuant's migration strength alpha (0-1), the share of each "
+        "activation channel's range moved into the weights, calibrated at load on a text shipped with "
+        "Python; 0 quantizes unsmoothed",
+    )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -221,3 +227,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int4", "int8", "fp8"):
             raise ValueError(f'quantization must be "int4", "int8" or "fp8", got {self.quantization!r}')
+        if not 0 <= self.int8_smoothing < 1:
+            raise ValueError(f"int8_smoothing must be in [0, 1), got {self.int8_smoothing}")

@@ -20,6 +20,7 @@ from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
+from tokenmill.models.smoothing import smooth_model
 
 
 class RMSNorm(nn.Module):
@@ -288,9 +289,13 @@ def build_model(
     quantization: str | None = None,
     shard: Shard | None = None,
     comm: Collectives | None = None,
+    calibration: list[list[int]] | None = None,
+    smoothing_alpha: float = 0.7,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
-    the given ones, cut to the shard."""
+    the given ones, cut to the shard. `calibration`: token chunks to smooth the activations on before
+    quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
+    int8); None leaves the weights as loaded."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -307,6 +312,9 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
+    if calibration:
+        # Before any weight is quantized or packed: the factors are folded into plain weights.
+        smooth_model(model, calibration, smoothing_alpha)
     if quantization == "int4":
         # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
         # logit depends on it.

@@ -17,6 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
+from tokenmill.models.smoothing import calibration_chunks
 from tokenmill.weights import catalog
 from tokenmill.worker.allocator import keep_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
@@ -78,10 +79,18 @@ class Worker:
             config.quantization,
             shard=self.shard,
             comm=ps,
+            calibration=self._calibration(config),
+            smoothing_alpha=config.int8_smoothing,
         )
         del loaded
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
+
+    def _calibration(self, config: EngineConfig) -> list[list[int]] | None:
+        """The token chunks int8's smoothing calibrates on (models/smoothing.py), when it is asked for."""
+        if config.quantization != "int8" or not config.int8_smoothing:
+            return None
+        return calibration_chunks(self.tokenizer.encode_text)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         """What one KV block of `block_size` tokens is for this worker (its layers, its kv heads)."""

@@ -1,0 +1,187 @@
+"""SmoothQuant for `--quantization int8`: move the activations' outlier channels into the weights
+before both are quantized to 8 bits.
+
+A linear's input has a few channels far larger than the rest (in a Llama, after the norms and in the
+MLP's product). One int8 scale per row must cover the largest, so the small channels keep few levels:
+that, not the weights, is most of what W8A8 costs in perplexity. Dividing input channel j by s_j and
+multiplying the weight's column j by s_j leaves the product unchanged and evens out the activations;
+s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) (Xiao et al., SmoothQuant, 2023) splits the range between
+the two. The division is folded into whatever makes the input, so a step does no extra work:
+
+    input norm -> q/k/v        post-attention norm -> gate/up        final norm -> output head
+    v rows -> o_proj (per kv head, shared by its query heads)        up rows -> down_proj
+
+Each s_j is rounded to a power of two: then both folds are exact in bf16 (only exponents change), the
+smoothed bf16 model computes what the original does, and a last-bit difference in the calibration
+maxima between two CPUs rarely changes a factor.
+
+The maxima come from the model's own forward over a calibration text that ships with Python: the
+docstrings of standard-library modules, a different text from the one perplexity is scored on
+(tokenmill/quality/perplexity.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
+from tokenmill.models.attention.torch_ref import TorchReferenceBackend
+
+log = logging.getLogger(__name__)
+
+# Standard-library modules whose docstrings make the calibration text (English prose with some code).
+CALIBRATION_MODULES = (
+    "argparse asyncio collections contextlib csv dataclasses datetime decimal email functools heapq http "
+    "inspect itertools json logging os pathlib pickle random re shutil socket sqlite3 statistics string "
+    "subprocess tempfile textwrap threading typing unittest urllib uuid zipfile abc ast bisect calendar "
+    "codecs difflib enum fractions glob gzip hashlib io ipaddress locale math numbers operator pprint "
+    "queue secrets selectors shlex signal ssl struct tarfile timeit tokenize traceback types warnings"
+)
+CALIBRATION_CHUNKS = 8
+CALIBRATION_TOKENS = 256  # per chunk: 2048 tokens in all, ~1 s of prefill for a 135M model on 2 cores
+FACTOR_RANGE = 16  # factors are kept within 2^-16 .. 2^16 (a channel that never fires gets the bound)
+
+
+def calibration_text() -> str:
+    docs = (inspect.getdoc(importlib.import_module(name)) or "" for name in CALIBRATION_MODULES.split())
+    return "\n\n".join(d.strip() for d in docs if d.strip())
+
+
+def calibration_chunks(encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """CALIBRATION_CHUNKS runs of CALIBRATION_TOKENS tokens, spread evenly over the calibration text."""
+    ids = encode(calibration_text())
+    size, n = CALIBRATION_TOKENS, CALIBRATION_CHUNKS
+    if len(ids) < size:
+        raise ValueError(f"the calibration text has only {len(ids)} tokens")
+    stride = max(1, (len(ids) - size) // max(1, n - 1))
+    starts = sorted({min(i * stride, len(ids) - size) for i in range(n)})
+    return [ids[s : s + size] for s in starts]
+
+
+@torch.inference_mode()
+def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, torch.Tensor]:
+    """max |x_j| over every token of the chunks, per input channel j of each linear (float32), keyed
+    "layers.{i}.qkv" / ".o" / ".gate_up" / ".down" and "lm_head": from the model's own forward (its
+    ops and weights, before quantization), one chunk at a time as a prompt, attention by the reference
+    backend over a scratch cache."""
+    maxima: dict[str, torch.Tensor] = {}
+
+    def record(
+        name: str, fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def recorded(x: torch.Tensor) -> torch.Tensor:
+            m = x.detach().abs().amax(0).float()
+            maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
+            return fn(x)
+
+        return recorded
+
+    model.finalize()  # the forward's per-layer calls, which are wrapped here and reset by the next finalize
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn._qkv, attn._o = record(f"layers.{i}.qkv", attn._qkv), record(f"layers.{i}.o", attn._o)
+        mlp._gate_up, mlp._down = (
+            record(f"layers.{i}.gate_up", mlp._gate_up),
+            record(f"layers.{i}.down", mlp._down),
+        )
+    # The head's input is all that is needed of it: its logits (a fifth of a small model's FLOPs) are
+    # not computed.
+    model._lm_head = record("lm_head", lambda x: x)
+
+    cfg, device = model.config, model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    block = 16
+    backend = TorchReferenceBackend()
+    longest = max(len(c) for c in chunks)
+    blocks = -(-longest // block)
+    kv = torch.zeros(len(model.layers), 2, blocks, block, model.num_local_kv_heads, cfg.head_dim, dtype=dtype)
+    kv = kv.to(device)
+    for ids in chunks:
+        t = len(ids)
+        seg = PrefillSegment(0, t, 0, torch.arange(-(-t // block), device=device), first_block=0)
+        meta = AttentionMetadata.of(list(range(t)), [], [], [seg], block, device)
+        tokens = torch.tensor(ids, device=device)
+        positions = torch.arange(t, device=device)
+        model(tokens, positions, kv, meta, backend, positions)
+    return maxima
+
+
+def factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per input channel: max|x|^alpha / max|W|^(1 - alpha), rounded to a power of two (float32)."""
+    a = act_max.float().clamp(min=1e-5)
+    w = weight_max.float().clamp(min=1e-5)
+    s = a.pow(alpha) / w.pow(1 - alpha)
+    return torch.exp2(torch.round(torch.log2(s)).clamp(-FACTOR_RANGE, FACTOR_RANGE))
+
+
+def _scaled(t: torch.Tensor, by: torch.Tensor) -> nn.Parameter:
+    # A new tensor, not an in-place edit: loaded weights may share memory with a cached checkpoint.
+    return nn.Parameter((t.float() * by).to(t.dtype), requires_grad=False)
+
+
+def _column_max(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().abs().amax(0).float()
+
+
+def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> None:
+    """Fold the factors into the model's weights (see the module doc). The bf16 model's outputs are
+    unchanged up to the order of its roundings; only the int8 quantization that follows sees the
+    difference."""
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, o = attn.qkv_proj, attn.o_proj
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+
+        s = factors(maxima[f"layers.{i}.qkv"], _column_max(qkv.weight), alpha)
+        layer.input_layernorm.weight = _scaled(layer.input_layernorm.weight, 1 / s)
+        qkv.weight = _scaled(qkv.weight, s[None, :])
+
+        s = factors(maxima[f"layers.{i}.gate_up"], _column_max(gate_up.weight), alpha)
+        layer.post_attention_layernorm.weight = _scaled(layer.post_attention_layernorm.weight, 1 / s)
+        gate_up.weight = _scaled(gate_up.weight, s[None, :])
+
+        # down_proj's input is silu(gate) * up: dividing the up rows divides it.
+        inter = down.in_features
+        s = factors(maxima[f"layers.{i}.down"], _column_max(down.weight), alpha)
+        row_s = torch.cat([torch.ones(gate_up.out_features - inter, device=s.device), s])
+        gate_up.weight = _scaled(gate_up.weight, 1 / row_s[:, None])
+        down.weight = _scaled(down.weight, s[None, :])
+
+        # o_proj's input is each query head's mix of its kv head's v rows: one factor per v row,
+        # shared by the query heads of that kv head (the maxima taken over them).
+        h, kvh, d = attn.num_heads, attn.num_kv, attn.head_dim
+        group = h // kvh
+        a = maxima[f"layers.{i}.o"].view(kvh, group, d).amax(1)
+        w = _column_max(o.weight).view(kvh, group, d).amax(1)
+        s_kv = factors(a, w, alpha).reshape(-1)  # [kv heads * head_dim]
+        row_s = torch.cat([torch.ones(attn.q_size + attn.kv_size, device=s_kv.device), s_kv])
+        qkv.weight = _scaled(qkv.weight, 1 / row_s[:, None])
+        if qkv.bias is not None:
+            qkv.bias = _scaled(qkv.bias, 1 / row_s)
+        o.weight = _scaled(o.weight, s_kv.view(kvh, 1, d).expand(kvh, group, d).reshape(1, -1))
+
+    # The head: a copy of its weight is scaled, so a tied embedding keeps its own values.
+    s = factors(maxima["lm_head"], _column_max(model.lm_head.weight), alpha)
+    model.norm.weight = _scaled(model.norm.weight, 1 / s)
+    model.lm_head.weight = _scaled(model.lm_head.weight, s[None, :])
+
+
+def smooth_model(model: nn.Module, chunks: list[list[int]], alpha: float) -> None:
+    """Calibrate on `chunks` and fold the factors, before the weights are quantized or packed (a whole
+    model: one rank, every layer)."""
+    if not (model.shard.first_stage and model.shard.last_stage and model.comm.tp_size == 1):
+        log.warning("smoothing needs the whole model on one worker (no TP/PP); weights left unsmoothed")
+        return
+    if not 0 < alpha < 1:
+        raise ValueError(f"smoothing alpha must be in (0, 1), got {alpha}")
+    maxima = activation_maxima(model, chunks)
+    smooth(model, maxima, alpha)
+    spread = [math.log2(float(m.max() / m.clamp(min=1e-5).median())) for m in maxima.values()]
+    log.info("smoothed %d linears, activation range max/median up to 2^%.1f", len(maxima), max(spread))
