@@ -1,7 +1,7 @@
 """What each quantization costs in accuracy, against the bf16 model on the same text (perplexity on
 Python's own documentation topics, tokenmill/quality/perplexity.py), decoded as the engine decodes
 (batched steps). Bounds from benchmarks/perplexity.py's measurement with room for other CPUs' rounding:
-int4 reproduces the Q4_1 file's weights (+0.06% there), int8 quantizes activations per row (+1.1% here
+int4 reproduces the Q4_1 file's weights (+0.06% there), int8 quantizes activations per row (+0.8% here
 with its default smoothing, +5.3% without: tokenmill/models/smoothing.py), fp8 rounds weights and
 activations to e4m3 (+2.5%); the 8-bit KV caches measured +0.25% (int8) and +1.0% (fp8 e4m3, three
 mantissa bits). Figures from AMD Zen 4; the bounds leave room for other CPUs' rounding."""

@@ -409,6 +409,12 @@ def _onednn_bf16_output() -> bool:
     return _bf16_out
 
 
+def int8_matmuls_available(device: torch.device) -> bool:
+    """Whether `--quantization int8` runs int8 matmuls on this device: CUDA, or a CPU whose int8
+    kernels sum in 32 bits (VNNI or AMX). Elsewhere the model keeps its bf16 weights."""
+    return device.type != "cpu" or _onednn_vnni()
+
+
 def quantize_linears_int8(
     model: nn.Module, quantize: Quantize, scale_rows: ScaleRows, small_for: CodesFor | None = None
 ) -> int:
@@ -417,7 +423,7 @@ def quantize_linears_int8(
     `small_for` (ops.int8_matmul_for): a few-row kernel, a second copy of the codes, used when they fit
     SMALL_COPY_LIMIT_BYTES."""
     sites = plain_linears(model)
-    if sites and sites[0][3].weight.device.type == "cpu" and not _onednn_vnni():
+    if sites and not int8_matmuls_available(sites[0][3].weight.device):
         log.warning("quantization int8 needs VNNI or AMX for its int8 matmuls; keeping bf16 weights")
         return 0
     if small_for is not None and not small_copy_allowed(sites, 1):

@@ -7,6 +7,7 @@ kernel launches, not FLOPs, dominates the step time.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -15,12 +16,19 @@ from torch import nn
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.fp8_linear import quantize_linears_fp8
-from tokenmill.models.linear import pack_linears, quantize_linears, quantize_linears_int8
+from tokenmill.models.linear import (
+    int8_matmuls_available,
+    pack_linears,
+    quantize_linears,
+    quantize_linears_int8,
+)
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
-from tokenmill.models.smoothing import smooth_model
+from tokenmill.models.smoothing import smooth_model, why_not_smoothable
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -133,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, len(shard.vocab), bias=False)
         self.rope = rope
         self.ops: TorchOps = TorchOps()
+        # The strength its weights were smoothed with for int8 (models/smoothing.py), or None.
+        self.smoothed_alpha: float | None = None
 
     @property
     def num_local_layers(self) -> int:
@@ -314,7 +324,13 @@ def build_model(
     model.ops = get_ops(ops, device.type)
     if calibration:
         # Before any weight is quantized or packed: the factors are folded into plain weights.
-        smooth_model(model, calibration, smoothing_alpha)
+        reason = why_not_smoothable(model)
+        if quantization == "int8" and not int8_matmuls_available(device):
+            pass  # int8 keeps bf16 weights here (quantize_linears_int8 says so): nothing to smooth for
+        elif reason is not None:
+            log.warning("weights not smoothed: %s", reason)
+        else:
+            smooth_model(model, calibration, smoothing_alpha)
     if quantization == "int4":
         # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
         # logit depends on it.

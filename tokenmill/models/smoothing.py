@@ -9,21 +9,26 @@ s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) (Xiao et al., SmoothQuant, 2023) spl
 the two. The division is folded into whatever makes the input, so a step does no extra work:
 
     input norm -> q/k/v        post-attention norm -> gate/up        final norm -> output head
-    v rows -> o_proj (per kv head, shared by its query heads)        up rows -> down_proj
+    up rows -> down_proj
+
+o_proj is left as it is: its fold would go into the v rows, so the KV cache would hold values scaled per
+channel (blocks offloaded, transferred or 8-bit-quantized by another configuration would then mean
+something else), and it measured no gain (perplexity +0.83% without it, +0.76% with it).
 
 Each s_j is rounded to a power of two: then both folds are exact in bf16 (only exponents change), the
 smoothed bf16 model computes what the original does, and a last-bit difference in the calibration
 maxima between two CPUs rarely changes a factor.
 
 The maxima come from the model's own forward over a calibration text that ships with Python: the
-docstrings of standard-library modules, a different text from the one perplexity is scored on
-(tokenmill/quality/perplexity.py).
+docstrings of standard-library modules, read from their source files (so `python -OO`, which drops
+docstrings from loaded modules, reads the same text), a different text from the one perplexity is scored
+on (tokenmill/quality/perplexity.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import ast
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -49,17 +54,32 @@ CALIBRATION_TOKENS = 256  # per chunk: 2048 tokens in all, ~1 s of prefill for a
 FACTOR_RANGE = 16  # factors are kept within 2^-16 .. 2^16 (a channel that never fires gets the bound)
 
 
+def _module_docstring(name: str) -> str:
+    """A module's docstring from its source file, without importing it; "" where the source is absent
+    (a trimmed Python) or unreadable."""
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return ""
+        with open(spec.origin, encoding="utf-8") as f:
+            return ast.get_docstring(ast.parse(f.read())) or ""
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return ""
+
+
 def calibration_text() -> str:
-    docs = (inspect.getdoc(importlib.import_module(name)) or "" for name in CALIBRATION_MODULES.split())
-    return "\n\n".join(d.strip() for d in docs if d.strip())
+    docs = (_module_docstring(name).strip() for name in CALIBRATION_MODULES.split())
+    return "\n\n".join(d for d in docs if d)
 
 
 def calibration_chunks(encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """CALIBRATION_CHUNKS runs of CALIBRATION_TOKENS tokens, spread evenly over the calibration text."""
+    """CALIBRATION_CHUNKS runs of CALIBRATION_TOKENS tokens, spread evenly over the calibration text;
+    none if this Python ships too little of it (then nothing is smoothed)."""
     ids = encode(calibration_text())
     size, n = CALIBRATION_TOKENS, CALIBRATION_CHUNKS
     if len(ids) < size:
-        raise ValueError(f"the calibration text has only {len(ids)} tokens")
+        log.warning("the calibration text has only %d tokens here; int8 is quantized unsmoothed", len(ids))
+        return []
     stride = max(1, (len(ids) - size) // max(1, n - 1))
     starts = sorted({min(i * stride, len(ids) - size) for i in range(n)})
     return [ids[s : s + size] for s in starts]
@@ -68,7 +88,7 @@ def calibration_chunks(encode: Callable[[str], list[int]]) -> list[list[int]]:
 @torch.inference_mode()
 def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, torch.Tensor]:
     """max |x_j| over every token of the chunks, per input channel j of each linear (float32), keyed
-    "layers.{i}.qkv" / ".o" / ".gate_up" / ".down" and "lm_head": from the model's own forward (its
+    "layers.{i}.qkv" / ".gate_up" / ".down" and "lm_head": from the model's own forward (its
     ops and weights, before quantization), one chunk at a time as a prompt, attention by the reference
     backend over a scratch cache."""
     maxima: dict[str, torch.Tensor] = {}
@@ -86,7 +106,7 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
     model.finalize()  # the forward's per-layer calls, which are wrapped here and reset by the next finalize
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        attn._qkv, attn._o = record(f"layers.{i}.qkv", attn._qkv), record(f"layers.{i}.o", attn._o)
+        attn._qkv = record(f"layers.{i}.qkv", attn._qkv)
         mlp._gate_up, mlp._down = (
             record(f"layers.{i}.gate_up", mlp._gate_up),
             record(f"layers.{i}.down", mlp._down),
@@ -99,11 +119,13 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
     dtype = model.embed_tokens.weight.dtype
     block = 16
     backend = TorchReferenceBackend()
-    longest = max(len(c) for c in chunks)
+    longest = min(max(len(c) for c in chunks), model.rope.cos.shape[0])
     blocks = -(-longest // block)
     kv = torch.zeros(len(model.layers), 2, blocks, block, model.num_local_kv_heads, cfg.head_dim, dtype=dtype)
     kv = kv.to(device)
+    positions_max = model.rope.cos.shape[0]  # a model built for fewer positions sees shorter chunks
     for ids in chunks:
+        ids = ids[:positions_max]
         t = len(ids)
         seg = PrefillSegment(0, t, 0, torch.arange(-(-t // block), device=device), first_block=0)
         meta = AttentionMetadata.of(list(range(t)), [], [], [seg], block, device)
@@ -132,11 +154,11 @@ def _column_max(w: torch.Tensor) -> torch.Tensor:
 
 def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> None:
     """Fold the factors into the model's weights (see the module doc). The bf16 model's outputs are
-    unchanged up to the order of its roundings; only the int8 quantization that follows sees the
-    difference."""
+    unchanged bit for bit (every factor a power of two); only the int8 quantization that follows sees
+    the difference."""
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv, o = attn.qkv_proj, attn.o_proj
+        qkv = attn.qkv_proj
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
 
         s = factors(maxima[f"layers.{i}.qkv"], _column_max(qkv.weight), alpha)
@@ -154,34 +176,33 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> N
         gate_up.weight = _scaled(gate_up.weight, 1 / row_s[:, None])
         down.weight = _scaled(down.weight, s[None, :])
 
-        # o_proj's input is each query head's mix of its kv head's v rows: one factor per v row,
-        # shared by the query heads of that kv head (the maxima taken over them).
-        h, kvh, d = attn.num_heads, attn.num_kv, attn.head_dim
-        group = h // kvh
-        a = maxima[f"layers.{i}.o"].view(kvh, group, d).amax(1)
-        w = _column_max(o.weight).view(kvh, group, d).amax(1)
-        s_kv = factors(a, w, alpha).reshape(-1)  # [kv heads * head_dim]
-        row_s = torch.cat([torch.ones(attn.q_size + attn.kv_size, device=s_kv.device), s_kv])
-        qkv.weight = _scaled(qkv.weight, 1 / row_s[:, None])
-        if qkv.bias is not None:
-            qkv.bias = _scaled(qkv.bias, 1 / row_s)
-        o.weight = _scaled(o.weight, s_kv.view(kvh, 1, d).expand(kvh, group, d).reshape(1, -1))
-
     # The head: a copy of its weight is scaled, so a tied embedding keeps its own values.
     s = factors(maxima["lm_head"], _column_max(model.lm_head.weight), alpha)
     model.norm.weight = _scaled(model.norm.weight, 1 / s)
     model.lm_head.weight = _scaled(model.lm_head.weight, s[None, :])
 
 
+def why_not_smoothable(model: nn.Module) -> str | None:
+    """Why `smooth_model` does not apply to this model, or None when it does."""
+    if not (model.shard.first_stage and model.shard.last_stage and model.comm.tp_size == 1):
+        # The replicated norms would need factors agreed across tensor-parallel ranks, and no
+        # pipeline stage sees every layer's input.
+        return "it needs the whole model on one worker (no tensor or pipeline parallelism yet)"
+    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
+        return f"{model.embed_tokens.weight.dtype} cannot hold factors up to 2^{FACTOR_RANGE}"
+    return None
+
+
 def smooth_model(model: nn.Module, chunks: list[list[int]], alpha: float) -> None:
     """Calibrate on `chunks` and fold the factors, before the weights are quantized or packed (a whole
     model: one rank, every layer)."""
-    if not (model.shard.first_stage and model.shard.last_stage and model.comm.tp_size == 1):
-        log.warning("smoothing needs the whole model on one worker (no TP/PP); weights left unsmoothed")
-        return
+    reason = why_not_smoothable(model)
+    if reason is not None:
+        raise ValueError(f"cannot smooth this model: {reason}")
     if not 0 < alpha < 1:
         raise ValueError(f"smoothing alpha must be in (0, 1), got {alpha}")
     maxima = activation_maxima(model, chunks)
     smooth(model, maxima, alpha)
+    model.smoothed_alpha = alpha
     spread = [math.log2(float(m.max() / m.clamp(min=1e-5).median())) for m in maxima.values()]
     log.info("smoothed %d linears, activation range max/median up to 2^%.1f", len(maxima), max(spread))

@@ -87,10 +87,18 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
 
     def _calibration(self, config: EngineConfig) -> list[list[int]] | None:
-        """The token chunks int8's smoothing calibrates on (models/smoothing.py), when it is asked for."""
+        """The token chunks int8's smoothing calibrates on (models/smoothing.py), when it is asked for
+        (build_model decides whether this model can be smoothed)."""
         if config.quantization != "int8" or not config.int8_smoothing:
             return None
         return calibration_chunks(self.tokenizer.encode_text)
+
+    def _weights_label(self) -> str | None:
+        """The weight precision as far as it changes the keys and values: the quantization, and for
+        int8 the smoothing strength it was smoothed with."""
+        alpha = getattr(self.model, "smoothed_alpha", None)
+        q = self.config.quantization
+        return f"{q}-smoothed-{alpha}" if q and alpha else q
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         """What one KV block of `block_size` tokens is for this worker (its layers, its kv heads)."""
@@ -140,7 +148,7 @@ class Worker:
                 tiers,
                 (tiers.host_bytes or 0) // spec.block_bytes,
                 layout_namespace(
-                    Path(self.source).name, self.config.dtype, self.config.quantization, spec,
+                    Path(self.source).name, self.config.dtype, self._weights_label(), spec,
                     self.parallel.rank,
                 ),
             )  # fmt: skip
