@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import int8_matmuls_available
 from tokenmill.models.llama import build_model
+from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import CALIBRATION_TOKENS, calibration_chunks, calibration_text, factors
 
 # Qwen2-like: biases on q/k/v, 4 query heads on 2 kv heads; and a Llama with a tied output head.
@@ -84,7 +88,7 @@ def logits(model: torch.nn.Module, ids: list[int], backend: AttentionBackend | N
         2,
         blocks,
         block,
-        cfg.num_kv_heads,
+        model.num_local_kv_heads,
         cfg.head_dim,
         dtype=model.embed_tokens.weight.dtype,
     )
@@ -148,6 +152,80 @@ def test_smoothing_leaves_the_bf16_model_bit_for_bit(kernels: str, cfg: ModelCon
     # embedding keeps its values: only the head's own copy is scaled.
     assert all(torch.equal(sd[k], loaded[k]) for k in sd)
     assert torch.equal(smoothed.embed_tokens.weight, sd["embed_tokens.weight"])
+
+
+class ThreadRanks:
+    """Tensor-parallel collectives between threads of this process, each rank a thread: the math of
+    the ranks (the rank processes and gloo are tests/test_parallel.py's). Every rank sums and
+    concatenates the same tensors in the same order, so all get the same bits."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.slots, self.barrier = size, [torch.empty(0)] * size, threading.Barrier(size)
+
+    def rank(self, r: int) -> object:
+        ranks = self
+
+        class Rank:
+            tp_size = ranks.size
+
+            def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+                total = ranks.exchange(r, t.float(), lambda parts: torch.stack(parts).sum(0))
+                return t.copy_(total)
+
+            def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+                return ranks.exchange(
+                    r, t, lambda parts: torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], -1)
+                )
+
+        return Rank()
+
+    def exchange(
+        self, r: int, t: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
+        self.slots[r] = t.clone()
+        self.barrier.wait()
+        out = combine(list(self.slots))
+        self.barrier.wait()  # every rank has read the slots before any writes its next
+        return out
+
+
+def on_ranks(size: int, fn: Callable[[int, object], torch.nn.Module | torch.Tensor]) -> list:
+    ranks = ThreadRanks(size)
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(lambda r: fn(r, ranks.rank(r)), range(size)))
+
+
+def test_tensor_parallel_ranks_smooth_together_bit_for_bit() -> None:
+    """Two ranks (4 query heads, 2 kv heads: one kv head each) calibrate together: the replicated norms
+    get the same factors on both, each rank's own down_proj channels its own, and the smoothed ranks
+    compute the unsmoothed ranks' logits bit for bit."""
+    sd = weights(TIED)
+
+    def build_rank(r: int, comm: object, **kw: object) -> torch.nn.Module:
+        shard = Shard.of(TIED, 2, r, 1, 0)
+        return build_model(
+            TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=shard, comm=comm, **kw
+        )  # type: ignore[arg-type]
+
+    smoothed = on_ranks(2, lambda r, c: build_rank(r, c, calibration=CHUNKS, smoothing_alpha=0.7))
+    plain = on_ranks(2, lambda r, c: build_rank(r, c))
+    assert all(m.smoothed_alpha == 0.7 for m in smoothed)
+    a, b = smoothed
+    for i in range(TIED.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w = getattr(a.layers[i], norm).weight
+            assert torch.equal(w, getattr(b.layers[i], norm).weight) and not torch.equal(
+                w, sd[f"layers.{i}.{norm}.weight"]
+            )
+    assert torch.equal(a.norm.weight, b.norm.weight)
+
+    def rank_logits(models: list[torch.nn.Module]) -> list[torch.Tensor]:
+        # Each set of ranks runs on the collectives it was built with (its layers hold them).
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda m: logits(m, PROMPT), models))
+
+    got, want = rank_logits(smoothed), rank_logits(plain)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], want[0])
 
 
 @pytest.mark.parametrize("cfg", [CFG, TIED], ids=["qwen2-bias", "llama-tied"])

@@ -38,6 +38,7 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.torch_ref import TorchReferenceBackend
+from tokenmill.models.parallel import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
             record(f"layers.{i}.down", mlp._down),
         )
     # The head's input is all that is needed of it: its logits (a fifth of a small model's FLOPs) are
-    # not computed.
-    model._lm_head = record("lm_head", lambda x: x)
+    # not computed, except under tensor parallelism, where the forward gathers them across ranks.
+    head = model._lm_head if model.comm.tp_size > 1 else _identity
+    model._lm_head = record("lm_head", head)
 
     cfg, device = model.config, model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
@@ -133,6 +135,19 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
         positions = torch.arange(t, device=device)
         model(tokens, positions, kv, meta, backend, positions)
     return maxima
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _max_over_ranks(t: torch.Tensor, comm: Collectives) -> torch.Tensor:
+    """The elementwise max of a vector over the tensor-parallel ranks (each rank's own without them)."""
+    if comm.tp_size == 1:
+        return t
+    n = t.numel()
+    gathered = comm.all_gather_last_dim(t.reshape(1, n).contiguous(), [n] * comm.tp_size)
+    return gathered.view(comm.tp_size, n).amax(0)
 
 
 def factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -155,17 +170,27 @@ def _column_max(w: torch.Tensor) -> torch.Tensor:
 def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> None:
     """Fold the factors into the model's weights (see the module doc). The bf16 model's outputs are
     unchanged bit for bit (every factor a power of two); only the int8 quantization that follows sees
-    the difference."""
+    the difference.
+
+    Under tensor parallelism the norms are replicated, so the factors of the inputs every rank shares
+    (q/k/v, gate/up, the head) come from the maxima over all ranks: the same on each. down_proj's input
+    channels are the rank's own, and so are their factors."""
+    comm = model.comm
+
+    def shared(act: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        act_max = _max_over_ranks(act, comm)
+        return factors(act_max, _max_over_ranks(_column_max(weight), comm), alpha)
+
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
 
-        s = factors(maxima[f"layers.{i}.qkv"], _column_max(qkv.weight), alpha)
+        s = shared(maxima[f"layers.{i}.qkv"], qkv.weight)
         layer.input_layernorm.weight = _scaled(layer.input_layernorm.weight, 1 / s)
         qkv.weight = _scaled(qkv.weight, s[None, :])
 
-        s = factors(maxima[f"layers.{i}.gate_up"], _column_max(gate_up.weight), alpha)
+        s = shared(maxima[f"layers.{i}.gate_up"], gate_up.weight)
         layer.post_attention_layernorm.weight = _scaled(layer.post_attention_layernorm.weight, 1 / s)
         gate_up.weight = _scaled(gate_up.weight, s[None, :])
 
@@ -177,25 +202,25 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> N
         down.weight = _scaled(down.weight, s[None, :])
 
     # The head: a copy of its weight is scaled, so a tied embedding keeps its own values.
-    s = factors(maxima["lm_head"], _column_max(model.lm_head.weight), alpha)
+    s = shared(maxima["lm_head"], model.lm_head.weight)
     model.norm.weight = _scaled(model.norm.weight, 1 / s)
     model.lm_head.weight = _scaled(model.lm_head.weight, s[None, :])
 
 
 def why_not_smoothable(model: nn.Module) -> str | None:
     """Why `smooth_model` does not apply to this model, or None when it does."""
-    if not (model.shard.first_stage and model.shard.last_stage and model.comm.tp_size == 1):
-        # The replicated norms would need factors agreed across tensor-parallel ranks, and no
-        # pipeline stage sees every layer's input.
-        return "it needs the whole model on one worker (no tensor or pipeline parallelism yet)"
+    if not (model.shard.first_stage and model.shard.last_stage):
+        # A stage's calibration forward would need the stages before it. (Tensor-parallel ranks
+        # calibrate together.)
+        return "it needs every layer on one worker (no pipeline parallelism yet)"
     if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
         return f"{model.embed_tokens.weight.dtype} cannot hold factors up to 2^{FACTOR_RANGE}"
     return None
 
 
 def smooth_model(model: nn.Module, chunks: list[list[int]], alpha: float) -> None:
-    """Calibrate on `chunks` and fold the factors, before the weights are quantized or packed (a whole
-    model: one rank, every layer)."""
+    """Calibrate on `chunks` and fold the factors, before the weights are quantized or packed (every
+    layer on this worker; tensor-parallel ranks call it together, with the same chunks)."""
     reason = why_not_smoothable(model)
     if reason is not None:
         raise ValueError(f"cannot smooth this model: {reason}")
