@@ -51,7 +51,7 @@ CALIBRATION_MODULES = (
     "queue secrets selectors shlex signal ssl struct tarfile timeit tokenize traceback types warnings"
 )
 CALIBRATION_CHUNKS = 8
-CALIBRATION_TOKENS = 256  # per chunk: 2048 tokens in all, ~1 s of prefill for a 135M model on 2 cores
+CALIBRATION_TOKENS = 256  # per chunk: 2048 tokens in all, ~2 s of prefill for a 135M model on 2 cores
 FACTOR_RANGE = 16  # factors are kept within 2^-16 .. 2^16 (a channel that never fires gets the bound)
 
 
@@ -121,11 +121,10 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
     dtype = model.embed_tokens.weight.dtype
     block = 16
     backend = TorchReferenceBackend()
-    longest = min(max(len(c) for c in chunks), model.rope.cos.shape[0])
-    blocks = -(-longest // block)
+    positions_max = model.rope.cos.shape[0]  # a model built for fewer positions sees shorter chunks
+    blocks = -(-min(max(len(c) for c in chunks), positions_max) // block)
     kv = torch.zeros(len(model.layers), 2, blocks, block, model.num_local_kv_heads, cfg.head_dim, dtype=dtype)
     kv = kv.to(device)
-    positions_max = model.rope.cos.shape[0]  # a model built for fewer positions sees shorter chunks
     for ids in chunks:
         ids = ids[:positions_max]
         t = len(ids)
