@@ -1,47 +1,88 @@
-"""Linear-layer kernels on this CPU: time for all of SmolLM2-135M's matmuls at several batch sizes.
+"""Linear-layer kernels on this CPU: time for all of SmolLM2-135M's matmuls at several row counts, each
+precision's layers built as the model builds them (the fused ops' kernels, the output head included),
+against bf16 in the same run.
 
-Compares plain bf16 `F.linear`, oneDNN-packed bf16 (`PackedLinear`) and the weight-only 4/8-bit
-kernels (`QuantizedLinear`), relative to plain bf16 in the same run. This is where the packing
-choice and the int4 row threshold (QUANT_MAX_ROWS) come from.
+- bf16: oneDNN-packed linears with their few-row panel kernel (PackedLinear).
+- int4: QuantizedLinear, 4-bit layers and an 8-bit head (its bf16 copy above 4 rows); with the 4-bit
+  panels (AVX512-BF16 without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's
+  int4 matmul up to 4 rows and a bf16 copy above.
+- int4a8: the same with int4_activations="int8" (W4A8 above 4 rows, where the 4-bit panels run).
+- int8: Int8Linear (W8A8).
 
-    python benchmarks/linear_kernels.py
+A decode step of M streams runs these matmuls at M rows; a prompt chunk at its token count.
+
+    python benchmarks/linear_kernels.py [--rows 1,4,8,32,64,256,512] [--reps 5]
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from tokenmill.models.linear import PackedLinear, QuantizedLinear
+from tokenmill.models.linear import Int8Linear, PackedLinear, QuantizedLinear
+from tokenmill.models.ops import get_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
 
 # (out, in) of one SmolLM2 layer's fused qkv, o, gate_up, down; 30 layers; then the output head.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def time_ms(mods: list[nn.Module], rows: int, reps: int = 5) -> float:
+def time_ms(mods: list[nn.Module], rows: int, reps: int) -> float:
+    """The best of `reps` sweeps through every layer (each layer's input freshly random per sweep would
+    cost more than the small matmuls; one input per width is reused)."""
     xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
-    for _ in range(2):
-        for m, (_, i) in zip(mods, SHAPES, strict=True):
-            m(xs[i])
-    t0 = time.perf_counter()
+    for m, (_, i) in zip(mods, SHAPES, strict=True):
+        m(xs[i])
+    best = float("inf")
     for _ in range(reps):
+        t0 = time.perf_counter()
         for m, (_, i) in zip(mods, SHAPES, strict=True):
             m(xs[i])
-    return (time.perf_counter() - t0) / reps * 1e3
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,4,5,8,16,32,64,128,256,512")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    print(cpu_description())
+    ops = get_ops("cpu", "cpu")
     torch.manual_seed(0)
     plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in SHAPES]
-    packed = [PackedLinear(m) for m in plain]
-    bits = [8 if o == 49152 else 4 for o, _ in SHAPES]  # the head at 8 bits, as quantization='int4' does
-    quant = [QuantizedLinear(m, b, max_rows=10**6) for m, b in zip(plain, bits, strict=True)]
-    print(f"{'rows':>5} {'bf16 ms':>9} {'packed ms':>10} {'ratio':>6} {'int4 ms':>9} {'ratio':>6}")
-    for rows in (1, 2, 4, 8, 16, 64, 256):
-        a, b, c = time_ms(plain, rows), time_ms(packed, rows), time_ms(quant, rows)
-        print(f"{rows:5d} {a:9.2f} {b:10.2f} {a / b:6.2f} {c:9.2f} {a / c:6.2f}")
+    quant_a8 = functools.partial(ops.quantized_matmul_for, int8_activations=True)
+    configs: dict[str, list[nn.Module]] = {
+        "bf16": [PackedLinear(m, ops.small_matmul_for(m.weight.detach())) for m in plain],
+        "int4": [
+            QuantizedLinear(m, 8 if o == 49152 else 4, 4, ops.quantized_matmul_for, ops.small_matmul_for)
+            for m, (o, _) in zip(plain, SHAPES, strict=True)
+        ],
+        "int4a8": [
+            QuantizedLinear(m, 8 if o == 49152 else 4, 4, quant_a8, ops.small_matmul_for)
+            for m, (o, _) in zip(plain, SHAPES, strict=True)
+        ],
+        "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
+    }
+    q4 = configs["int4"][0]
+    path = "4-bit panels at every row count" if q4.max_rows is None else "bf16 copy above 4 rows"
+    print(f"int4 layers: {path}")
+    names = list(configs)
+    header = " ".join(f"{n + ' ms':>9}" for n in names) + " " + " ".join(f"{n:>6}" for n in names[1:])
+    print(f"{'rows':>5} {header}")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            ms = [time_ms(configs[n], rows, args.reps) for n in names]
+            ratios = " ".join(f"{ms[0] / t:5.2f}x" for t in ms[1:])
+            print(f"{rows:5d} " + " ".join(f"{t:9.2f}" for t in ms) + " " + ratios)
 
 
 if __name__ == "__main__":

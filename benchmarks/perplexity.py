@@ -28,6 +28,10 @@ CONFIGS = [
         {"quantization": "int8", "int8_smoothing": 0},
     ),
     ("int4 weights (quantization=int4)", {"quantization": "int4"}),
+    (
+        "int4 weights, int8 activations above 4 rows (int4_activations=int8)",
+        {"quantization": "int4", "int4_activations": "int8"},
+    ),
     ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),
     ("bf16, int8 KV cache (kv_cache_dtype=int8)", {"kv_cache_dtype": "int8"}),
     ("bf16, fp8 e4m3 KV cache (kv_cache_dtype=fp8)", {"kv_cache_dtype": "fp8"}),

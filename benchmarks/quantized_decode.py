@@ -4,8 +4,9 @@ this machine's memory bandwidth allows.
 The issue #17 workload: short prompts, 64 output tokens each, decoded together at 1 and 32 streams
 (offline, `LLM.generate`). For every configuration: output tok/s, the ratio to bf16 in the same run,
 and the share of the bandwidth limit: a decode step must read every weight the step's matmuls use
-(bf16: 2 bytes each; int8: 1; int4: half a byte plus its scales, only up to 4 rows, above which the
-layer uses its bf16 copy; fp8: 1 where its panel kernel runs, else its codes as bf16) and the KV cache
+(bf16: 2 bytes each; int8: 1; int4: half a byte plus its scales, at every step where its panel
+kernel runs, elsewhere up to 4 rows, above which the layer uses its bf16 copy; fp8: 1 where its panel
+kernel runs, else its codes as bf16) and the KV cache
 of every stream, so bytes per step / read bandwidth is the fastest a step can be. The read bandwidth is
 measured here, in the same run, with as many threads as the engine uses (a sum over 1 GiB).
 
@@ -33,6 +34,7 @@ CONFIGS = [
     ("bf16", {}),
     ("int8", {"quantization": "int8"}),
     ("int4", {"quantization": "int4"}),
+    ("int4, int8 activations", {"quantization": "int4", "int4_activations": "int8"}),
     ("fp8", {"quantization": "fp8"}),
 ]
 OUT = 64
@@ -56,16 +58,17 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
     total = 0
     # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit; Fp8Linear's codes as bf16,
     # above its panel kernel's) is counted with the layer.
-    twins = {id(m.wide) for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear))}
+    twins = {id(m.wide) for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear)) and m.wide}
     for m in model.modules():
         if id(m) in twins:
             continue
         if isinstance(m, QuantizedLinear):
-            if rows <= m.max_rows and m.small is not None:  # the panels: codes, and scales (and minima)
+            limit = rows if m.max_rows is None else m.max_rows  # None: the kernel takes every step
+            if rows <= limit and m.small is not None:  # the panels: codes, and scales (and minima)
                 total += m.small.panels.numel() * m.small.panels.element_size()
                 scales = getattr(m.small, "scales", None)
                 total += 0 if scales is None else scales.numel() * scales.element_size()
-            elif rows <= m.max_rows:
+            elif rows <= limit:
                 total += (
                     m.qweight.numel() * m.qweight.element_size() + m.scales.numel() * m.scales.element_size()
                 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,29 +409,111 @@ def test_panel_matmul_dot_loops(kernels, rows: int) -> None:
         kernels.panel_matmul_dot(torch.zeros(257, k, dtype=torch.bfloat16), panels, n)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
-def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
-    """4-bit panels (quantization="int4" on AVX512-BF16 without AMX) against float64 with the same codes,
-    scales and minima (both rounded to bf16 as the panels hold them); rows strided as a fused slice."""
-    if not kernels.panel_dot_available():
-        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
-    from tokenmill.models.ops import q4_pack
-
+def q4_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Random 4-bit codes, scales and minima as a Q4_1 block holds them, and bf16 rows strided as a fused
+    slice."""
     g = torch.Generator().manual_seed(rows * n + k)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     lo = -8 * scale * (torch.rand(n, k // 32, generator=g) + 0.5)
     x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
-    out = kernels.q4_matmul(x, q4_pack(q, scale, lo), n)
+    return q, scale, lo, x
+
+
+EXACT = 2**62  # q4_matmul's exact_rows for bf16 activations at every row count
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
+    """4-bit panels (quantization="int4" on AVX512-BF16 without AMX) with bf16 activations (W4A16), up to
+    16 rows exact products: against float64 with the same codes, scales and minima (both rounded to
+    float16 as the panels hold them)."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import q4_pack
+
+    q, scale, lo, x = q4_case(rows, n, k)
+    out = kernels.q4_matmul(x, q4_pack(q, scale, lo), n, EXACT)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    s64, lo64 = (v.to(torch.bfloat16).double().repeat_interleave(32, dim=1) for v in (scale, lo))
+    if rows <= 4:  # what the int8 activations' setting leaves to this path: the same sums
+        assert torch.equal(kernels.q4_matmul(x, q4_pack(q, scale, lo), n, 4), out)
+    s64, lo64 = (v.to(torch.float16).double().repeat_interleave(32, dim=1) for v in (scale, lo))
     w = q.double() * s64 + lo64
-    # float32 sums of the group's products, then scale and minimum terms: bounded by the magnitudes summed.
+    # float32 sums of the group's products x (128 + q), then scale and minimum terms: bounded by the
+    # magnitudes summed.
     atol = k * 2**-23 * float((x.double().abs() @ (q.double() * s64 + lo64.abs()).T).max())
     check(out, x.double() @ w.T, atol=atol)
-    with pytest.raises(RuntimeError, match="up to 4 rows"):
-        kernels.q4_matmul(torch.zeros(5, k, dtype=torch.bfloat16), q4_pack(q, scale, lo), n)
+    for r in {0, rows // 2, rows - 1}:  # a row alone gives what it gave beside the others
+        assert torch.equal(kernels.q4_matmul(x[r : r + 1], q4_pack(q, scale, lo), n, EXACT)[0], out[r])
+
+
+@pytest.mark.parametrize("rows", [17, 33, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_q4_panels_dequantized_above_16_rows(kernels, rows: int, n: int, k: int) -> None:
+    """Above 16 rows with bf16 activations each panel is dequantized to bf16 and the bf16 dot loops run
+    over it: against float64 of the weights rounded to bf16 (each within half a bf16 step of q * scale +
+    lo), as a dequantized copy would hold them. 300 rows cross the kernel's 256-row sweeps."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import q4_pack
+
+    q, scale, lo, x = q4_case(rows, n, k)
+    panels = q4_pack(q, scale, lo)
+    out = kernels.q4_matmul(x, panels, n, EXACT)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    s64, lo64 = (v.to(torch.float16).double().repeat_interleave(32, dim=1) for v in (scale, lo))
+    w = q.double() * s64 + lo64
+    magnitude = x.double().abs() @ w.abs().T
+    # Each weight's bf16 rounding (2^-9 of it), float32 sums of exact products, the output's rounding.
+    exact = x.double() @ w.T
+    bound = 2**-9 * 1.01 * magnitude + k * 2**-23 * magnitude + 2**-8 * exact.abs()
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    for r in {0, rows // 2, rows - 1}:  # a row gives the same in any step of more than 16 rows
+        rows17 = torch.cat([x[r : r + 1], x[:16]]) if r >= 16 else x[:17]
+        assert torch.equal(kernels.q4_matmul(rows17, panels, n, EXACT)[0 if r >= 16 else r], out[r])
+
+
+@pytest.mark.parametrize("rows", [5, 8, 33, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> None:
+    """With int8 activations (int4_activations="int8", W4A8) steps above exact_rows = 4 rows quantize
+    the activations to int8 per row and group of 32 (scale
+    max|x| / 127, codes rounded half to even) and sum codes times codes exactly: against float64 of the
+    same formula, y = sum over groups of scale * x_scale * sum(codes x codes) + lo * sum(x), from the
+    codes computed here. 300 rows cross the kernel's 256-row sweeps."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import q4_pack
+
+    q, scale, lo, x = q4_case(rows, n, k)
+    panels = q4_pack(q, scale, lo)
+    out = kernels.q4_matmul(x, panels, n, 4)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    groups = x.float().reshape(rows, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # 127 / max|x| divided in float32 as the kernel does (numpy's division; `127 / tensor` in PyTorch
+    # multiplies by a reciprocal, which rounds differently), then x times it, rounded half to even.
+    inv = torch.from_numpy(np.float32(127) / np.where(amax.numpy() > 0, amax.numpy(), np.float32(np.inf)))
+    codes = torch.round(groups * inv)
+    assert int(codes.abs().max()) <= 127
+    x_scale = (amax / 127).double()
+    s64, lo64 = (v.to(torch.float16).double().view(n, k // 32, 1) for v in (scale, lo))
+    ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
+    terms = ints * (s64.squeeze(-1) * x_scale.squeeze(-1)[:, None, :])
+    terms = terms + lo64.squeeze(-1) * groups.double().sum(-1)[:, None, :]
+    exact = terms.sum(-1)
+    # float32 products of the scales and sums over the groups: bounded by the magnitudes summed.
+    atol = 4 * (k // 32) * 2**-23 * float(terms.abs().sum(-1).max())
+    check(out, exact, atol=atol)
+    # And near the bf16 activations' product: the int8 rounding of each group is at most half a level.
+    w = (q.double().view(n, k // 32, 32) * s64 + lo64).view(n, k)
+    level = (x_scale / 2).expand(-1, -1, 32).reshape(rows, k)
+    gap = (out.double() - x.double() @ w.T).abs()
+    assert bool((gap <= level @ w.abs().T + 2**-8 * exact.abs() + atol).all())
+    for r in {0, rows // 2, rows - 1}:  # a row gives the same in any step of more than 4 rows
+        rows5 = torch.cat([x[r : r + 1], x[:4]]) if r >= 4 else x[:5]
+        assert torch.equal(kernels.q4_matmul(rows5, panels, n, 4)[0 if r >= 4 else r], out[r])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

@@ -199,11 +199,12 @@ class EngineConfig:
     kernels: str = setting(
         "auto", help='"auto", "torch" (reference), "cpu", or an ISA level (avx2, avx512, ...)'
     )
-    # None: weights in `dtype`. "int4": weight-only 4-bit (groups of 32) for decode-sized batches, the
-    # precision of a Q4_0/Q4_1 GGUF file; larger batches use the dtype copy.
+    # None: weights in `dtype`. "int4": 4-bit weights (groups of 32), the precision of a Q4_0/Q4_1 GGUF
+    # file; where the 4-bit panel kernels run (AVX512-BF16 without AMX) for every step, elsewhere for
+    # decode-sized ones with a dtype copy for larger.
     quantization: str | None = setting(
         None,
-        help='"int4": 4-bit weights for small batches (Q4 GGUF precision); "int8": int8 weights and '
+        help='"int4": 4-bit weights (Q4 GGUF precision); "int8": int8 weights and '
         'activations (dynamic per-row scales) at every batch size; "fp8": e4m3 weights (per channel) and '
         "activations (per row), emulated on CPU in bf16 (fp8's accuracy; decode steps read one byte a "
         "weight on AVX512-BF16 CPUs without AMX, bf16's bytes elsewhere)",
@@ -213,6 +214,12 @@ class EngineConfig:
         help="with quantization int8: SmoothQuant's migration strength alpha (0-1), the share of each "
         "activation channel's range moved into the weights, calibrated at load on a text shipped with "
         "Python; 0 quantizes unsmoothed",
+    )
+    int4_activations: str = setting(
+        "bf16",
+        help='with quantization int4, the activations of steps above 4 rows: "bf16" (exact products, '
+        'W4A16) or "int8" (per row and group of 32, as llama.cpp multiplies Q4 by Q8_0: W4A8, faster at '
+        "8 or more rows, less accurate); only where the 4-bit panel kernels run (AVX512-BF16 without AMX)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
@@ -227,5 +234,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int4", "int8", "fp8"):
             raise ValueError(f'quantization must be "int4", "int8" or "fp8", got {self.quantization!r}')
+        if self.int4_activations not in ("bf16", "int8"):
+            raise ValueError(f'int4_activations must be "bf16" or "int8", got {self.int4_activations!r}')
         if not 0 <= self.int8_smoothing < 1:
             raise ValueError(f"int8_smoothing must be in [0, 1), got {self.int8_smoothing}")

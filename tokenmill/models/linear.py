@@ -107,8 +107,18 @@ class SmallMatmul(Protocol):
 # this keep only oneDNN's (the copy would cost more memory than a small model's speed is worth).
 SMALL_COPY_LIMIT_BYTES = 1 << 30
 SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
+
+
+class QuantMatmul(Protocol):
+    """x @ W^T for quantized W (ops.quantized_matmul_for): up to `max_rows` rows, or any (None)."""
+
+    max_rows: int | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 # ops.quantized_matmul_for: (bits, codes, scales, minima or None) -> a kernel, or None.
-QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], SmallMatmul | None]
+QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], QuantMatmul | None]
 
 
 class CodesMatmul(Protocol):
@@ -169,9 +179,11 @@ class QuantizedLinear(LinearBase):
 
     A decode step at batch 1 streams every weight through the CPU once, so bytes are time: 4 bits
     (groups of 32, asymmetric, the format of a Q4_0/Q4_1 GGUF tensor) or 8 bits (one scale per output
-    row) instead of 16. The quantized kernels stop paying off at a few rows (they dequantize per
+    row) instead of 16. PyTorch's quantized kernels stop paying off at a few rows (they dequantize per
     row), so larger batches use a copy of the same dequantized weights in the model dtype. The two
     paths round differently, so logits can differ in their last bits between small and large batches.
+    A kernel for every row count (`quant_for`'s with max_rows None: the 4-bit panels) replaces the
+    copy in a bf16 model.
     """
 
     prepared = True
@@ -193,7 +205,8 @@ class QuantizedLinear(LinearBase):
         w = linear.weight.detach().float()
         n, k = w.shape
         dtype = linear.weight.dtype
-        self.bits, self.max_rows = bits, max_rows
+        self.bits = bits
+        self.max_rows: int | None = max_rows
         self.in_features, self.out_features = k, n
         if bits == 4:
             if k % self.GROUP:
@@ -223,21 +236,23 @@ class QuantizedLinear(LinearBase):
                 self.scales = scale.to(dtype)
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        if self.small is not None and self.small.max_rows is None and dtype == torch.bfloat16:
+            self.max_rows, self.wide = None, None  # the kernel takes every step: no bf16 copy
+            return
         wide = nn.Linear(k, n, bias=linear.bias is not None)
         wide.weight = nn.Parameter(dequant.to(dtype), requires_grad=False)
-        self.bias = None
         if linear.bias is not None:
             wide.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-            self.bias = linear.bias.detach()
         if onednn_packing_available(wide.weight):
             wide_small = small_for(wide.weight.detach()) if small_for is not None else None
-            self.wide: nn.Module = PackedLinear(wide, wide_small)
+            self.wide: nn.Module | None = PackedLinear(wide, wide_small)
         else:
             self.wide = wide
-        self._wide = self.wide.forward
+        self._wide = self.wide.forward  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
             return self._wide(x)
         if self.small is not None:
             y = self.small(x.to(torch.bfloat16)).to(x.dtype)

@@ -7,6 +7,7 @@ kernel launches, not FLOPs, dominates the step time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -22,7 +23,7 @@ from tokenmill.models.linear import (
     quantize_linears,
     quantize_linears_int8,
 )
-from tokenmill.models.ops import TorchOps, get_ops
+from tokenmill.models.ops import Q4Panels, TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
@@ -143,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         self.ops: TorchOps = TorchOps()
         # The strength its weights were smoothed with for int8 (models/smoothing.py), or None.
         self.smoothed_alpha: float | None = None
+        # Whether int4 steps above 4 rows quantize their activations to int8 (int4_activations="int8").
+        self.int4_a8 = False
 
     @property
     def num_local_layers(self) -> int:
@@ -301,11 +304,13 @@ def build_model(
     comm: Collectives | None = None,
     calibration: list[list[int]] | None = None,
     smoothing_alpha: float = 0.7,
+    int4_activations: str = "bf16",
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
     the given ones, cut to the shard. `calibration`: token chunks to smooth the activations on before
     quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
-    int8); None leaves the weights as loaded."""
+    int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
+    int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16)."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -339,9 +344,13 @@ def build_model(
             QUANT_MAX_ROWS,
             bits_for={"lm_head": 8},
             default_bits=4,
-            quant_for=model.ops.quantized_matmul_for,
+            quant_for=functools.partial(
+                model.ops.quantized_matmul_for, int8_activations=int4_activations == "int8"
+            ),
             small_for=model.ops.small_matmul_for,
         )
+        kernels = [getattr(m, "small", None) for m in model.modules()]
+        model.int4_a8 = any(isinstance(k, Q4Panels) and k.int8_activations for k in kernels)
     elif quantization == "int8":
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).

@@ -99,11 +99,17 @@ class TorchOps:
         return None
 
     def quantized_matmul_for(
-        self, bits: int, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
+        self,
+        bits: int,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        lo: torch.Tensor | None,
+        int8_activations: bool = False,
     ) -> Q4Panels | Q8Panels | None:
-        """A kernel for decode steps of up to 4 rows with weight-only quantized weights, or None (PyTorch's
-        int4/int8 matmuls are used): 4 bits, w = q * scale + lo (q [N, K] in 0..15, scale and lo [N, K/32]);
-        8 bits, w = q * scale (q [N, K] int8, scale [N])."""
+        """A kernel for steps of up to its max_rows rows (None: any) with weight-only quantized weights,
+        or None (PyTorch's int4/int8 matmuls are used): 4 bits, w = q * scale + lo (q [N, K] in 0..15,
+        scale and lo [N, K/32]); 8 bits, w = q * scale (q [N, K] int8, scale [N]). `int8_activations`:
+        4-bit steps above 4 rows quantize their activations to int8 (W4A8)."""
         return None
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
@@ -145,18 +151,17 @@ class PanelMatmul:
 
 def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """4-bit codes q [N, K] (0..15) with their per-32-k scales and minima [N, K/32] as the panels of
-    kernels/csrc/panel_q4.cpp: [ceil(N/32), K/32, 640] bytes, per panel and group 16 k pairs of 32 bytes
-    (column j's even-k code in byte j's low nibble, odd-k in its high one), then 32 bf16 scales and 32
-    bf16 minima. Columns past N are zero."""
+    kernels/csrc/panel_q4.cpp: [ceil(N/32), K/32, 640] bytes, per panel and group 8 k quads of 64 bytes
+    (byte 4j + t: column j's code at k = 4 * quad + t in the low nibble, column 16 + j's in the high one),
+    then 32 float16 scales and 32 float16 minima. Columns past N are zero."""
     n, k = q.shape
     panels, groups, pad = -(-n // 32), k // 32, -n % 32
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    pairs = q.view(panels, 32, k // 2, 2)
-    codes = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).reshape(panels, groups, 512)
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(panels, 2, 16, groups, 8, 4)
+    codes = (q[:, 0] | (q[:, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(panels, groups, 512)
 
     def per_group(v: torch.Tensor) -> torch.Tensor:
         v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(panels, 32, groups).permute(0, 2, 1)
-        return v.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return v.to(torch.float16).contiguous().view(torch.uint8)
 
     return torch.cat([codes, per_group(scale), per_group(lo)], -1).contiguous()
 
@@ -168,19 +173,31 @@ def column_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 class Q4Panels:
-    """x @ W^T for up to 4 bfloat16 rows with W in 4 bits (groups of 32, scale and minimum: a Q4 GGUF
-    block), by kernels/csrc/panel_q4.cpp: the codes in 32-column panels read as one stream, looked up as
-    bf16 and multiplied by vdpbf16ps (AVX512-BF16 builds only). AMD Zen 4, SmolLM2-135M's layer linears
-    at one row: see the kernel's header and docs/benchmarks.md."""
+    """x @ W^T for any number of bfloat16 rows with W in 4 bits (groups of 32, scale and minimum: a Q4
+    GGUF block), by kernels/csrc/panel_q4.cpp (AVX512-BF16 builds only): the codes in 32-column panels
+    read as one stream, so the layer needs no bf16 copy for larger steps or prompts. The activations
+    stay bf16 (codes looked up as bf16, vdpbf16ps, exact products: W4A16), or with `int8_activations`
+    above 4 rows are quantized to int8 per row and group of 32 and multiplied by vpdpbusd (W4A8:
+    faster at 8 rows and more, less accurate). AMD Zen 4 figures: docs/benchmarks.md."""
 
-    max_rows = 4
+    max_rows: int | None = None  # every row count
 
-    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> None:
+    def __init__(
+        self,
+        k: object,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        lo: torch.Tensor,
+        int8_activations: bool = False,
+    ) -> None:
         self.k, self.n = k, q.shape[0]
         self.panels = q4_pack(q, scale, lo)
+        self.int8_activations = int8_activations
+        # The kernel keeps bf16 activations up to exact_rows rows.
+        self.exact_rows = 4 if int8_activations else 2**62
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.q4_matmul(x, self.panels, self.n)  # type: ignore[attr-defined]
+        return self.k.q4_matmul(x, self.panels, self.n, self.exact_rows)  # type: ignore[attr-defined]
 
 
 class Q8Panels:
@@ -317,12 +334,19 @@ class CpuFusedOps(TorchOps):
         return bool(self.k.panel_dot_available()) and not amx_brgemm_available()
 
     def quantized_matmul_for(
-        self, bits: int, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
+        self,
+        bits: int,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        lo: torch.Tensor | None,
+        int8_activations: bool = False,
     ) -> Q4Panels | Q8Panels | None:
         if not self._dot_loops_for(q, 32):  # 4-bit groups of 32
             return None
         if bits == 4 and lo is not None:
-            return Q4Panels(self.k, q, scale, lo)
+            if max(float(scale.abs().max()), float(lo.abs().max())) > torch.finfo(torch.float16).max:
+                return None  # the panels hold float16 scales and minima
+            return Q4Panels(self.k, q, scale, lo, int8_activations)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:

@@ -81,6 +81,7 @@ class Worker:
             comm=ps,
             calibration=self._calibration(config),
             smoothing_alpha=config.int8_smoothing,
+            int4_activations=config.int4_activations,
         )
         del loaded
         self.runner: ModelRunner | None = None
@@ -98,6 +99,8 @@ class Worker:
         int8 the smoothing strength it was smoothed with."""
         alpha = getattr(self.model, "smoothed_alpha", None)
         q = self.config.quantization
+        if q == "int4" and getattr(self.model, "int4_a8", False):
+            return "int4-a8"  # int8 activations above 4 rows change the keys and values
         return f"{q}-smoothed-{alpha}" if q and alpha else q
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:

@@ -1,19 +1,36 @@
-// 4-bit weights (quantization="int4") for decode steps of up to 4 rows, y[M, N] = x[M, K] @ W^T, with W
-// stored as panels of 32 output columns like the bf16 panel matmul's (panel_matmul.cpp), so a thread's
-// share is one contiguous stream read once, with the same software prefetch 8 KB ahead into L2.
+// 4-bit weights (quantization="int4"), y[M, N] = x[M, K] @ W^T, with W stored as panels of 32 output
+// columns like the bf16 panel matmul's (panel_matmul.cpp), so a thread's share is one contiguous stream
+// read once, with the same software prefetch 8 KB ahead into L2.
 //
 // The format is a Q4_0/Q4_1 GGUF block's: groups of 32 k per column, w = q * scale + lo, q in 0..15. Per
-// panel and group: 16 k pairs of 32 bytes (byte j: column j's even-k code in the low nibble, odd-k code
-// in the high one), then the group's 32 scales and 32 minima in bfloat16: 640 bytes for 1024 weights, 5
-// bits a weight, as in Q4_1. Built by models/ops.py (Q4Panels) with plain torch ops.
+// panel and group: 8 k quads of 64 bytes, byte 4j + t holding the code of column j (low nibble) and of
+// column 16 + j (high nibble) at k = 4 * quad + t; then the group's 32 scales and 32 minima in float16
+// (as a Q4_1 block holds them, so its weights come back exactly; bfloat16's 8 bits cost +0.3% perplexity):
+// 640 bytes for 1024 weights, 5 bits a weight, as in Q4_1. Built by models/ops.py (q4_pack) with plain
+// torch ops. One AND and one shift split a quad into the two halves' codes, one byte a code, four k of a
+// column in each 32-bit lane: the layout of vpdpbusd; a lane's two 16-bit words give vdpbf16ps's pairs.
 //
-// On AVX512-BF16 (the only build that has these loops): each 16 columns' k pair of codes is widened to
-// 32-bit lanes, its two nibbles moved to the lane's two halves and looked up as bf16(0..15) with one
-// vpermw, and vdpbf16ps multiplies them by the row's bf16 pair: exact products, float32 sums per group,
-// then y += scale * sum(x q) + lo * sum(x). PyTorch's _weight_int4pack_mm, which this replaces where it
-// is used, took 8.3 ms a token for the whole int4 model on AMD Zen 4 (23% of the bandwidth limit).
+// For any number of rows (AVX512-BF16 builds only, which have VNNI), so the model needs no bf16 copy of
+// these weights; rows are taken 256 at a time (they stay in L2 while the weights stream):
+// - steps of up to `exact_rows` rows (quantization="int4", W4A16): the activations as they are, in bf16.
+//   - Up to 16 rows each code becomes the bf16 number 128 + q by one vpternlogd (its nibble OR-ed into
+//     128's mantissa), and vdpbf16ps multiplies those by the row's x values paired the same way: exact
+//     products, float32 sums per group, then y += scale * sum(x (128 + q)) + (lo - 128 scale) * sum(x).
+//   - Above, where redoing that per 4 rows and the per-group scaling cost most (0.70-0.76x the bf16 dot
+//     loops at 32-256 rows on AMD Zen 4), each panel is dequantized once into a bf16 panel in L2, w =
+//     q * scale + lo rounded to bf16 (the weights a dequantized bf16 copy would hold), and the bf16 dot
+//     loops run over it: 0.84-0.89x the bf16 model's linears there (the dequantization is the rest).
+// - steps above exact_rows (int4_activations="int8", W4A8: above 4 rows): the activations quantized to int8 per row
+//   and group of 32 k (one float32 scale each, the block of a Q8_0 tensor, which is what llama.cpp
+//   multiplies its Q4 weights by), and vpdpbusd (64 multiply-adds an instruction, twice vdpbf16ps's)
+//   sums the weight codes (unsigned) times the activation codes (signed) exactly in int32, per group;
+//   y += scale * x_scale * sum + lo * sum(x), the last sum over the bf16 activations. 1.1-1.5x the bf16
+//   model's linears at 8-256 rows on Zen 4; the cost is accuracy (docs/benchmarks.md: perplexity).
+// Every path sums each row in an order that does not depend on the other rows, so a row's result is the
+// same in any step that takes the same path (1-16 rows, 17 or more; above exact_rows with int8).
 #include <torch/extension.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -26,64 +43,74 @@ using panels::kAheadBytes;
 using panels::kCols;
 using panels::prefetch_l2;
 
-constexpr int64_t kGroup = 32;                                    // k per scale
-constexpr int64_t kPairBytes = kCols;                             // one k pair of a panel's codes
-constexpr int64_t kGroupBytes = kGroup / 2 * kPairBytes + 2 * kCols * 2;  // codes, scales, minima
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kGroup = 32;                              // k per scale
+constexpr int64_t kQuadBytes = kCols * 4 / 2;               // one k quad of a panel's codes: 64 bytes
+constexpr int64_t kQuads = kGroup / 4;                      // quads in a group
+constexpr int64_t kCodeBytes = kQuads * kQuadBytes;         // 512
+constexpr int64_t kGroupBytes = kCodeBytes + 2 * kCols * 2;  // codes, scales, minima: 640
+constexpr int64_t kDequantRows = 16;  // above: the panel dequantized to bf16 once, the dot loops over it
+constexpr int64_t kRowBlock = 256;                          // int8 activations: rows a sweep of the weights
 
 using bf16 = at::BFloat16;
+
 #if defined(TM_AVX512_BF16)
-// The codes of 16 columns' k pair (16 bytes) as the bf16 pairs vdpbf16ps takes: each byte widened to a
-// 32-bit lane, its two nibbles moved to the lane's two 16-bit halves, each looked up as bf16(0..15).
-static inline __m512bh q4_pairs(__m128i codes, __m512i table) {
-  const __m512i v = _mm512_cvtepu8_epi32(codes);
-  const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
-                                      _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0xF0000)));
-  return (__m512bh)_mm512_permutexvar_epi16(idx, table);
+// 16 float16 values (a group's scales or minima) as float32: exact.
+static inline __m512 f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-static inline __m512 bf16x16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+// The group's ten cache lines, kAheadBytes ahead (only the pass that streams the panel from memory).
+static inline void prefetch_group(const uint8_t* wg) {
+#pragma GCC unroll 10
+  for (int64_t i = 0; i < kGroupBytes; i += 64) prefetch_l2(wg + kAheadBytes + i);
 }
 
-// All M (<= 4) rows against one panel: per group, exact bf16 products summed in float32, then
-// y += scale * sum(x q) + lo * sum(x) (the row's sum over the group, xsum).
+// The codes of one 16-bit word's low nibble (after the shift) as the bf16 number 128 + q: 0x4300 is 128,
+// whose last mantissa bit is worth 1, so OR-ing q (0..15) into the mantissa adds it. One vpternlogd:
+// (v & 0x000F) | 0x4300 in every word.
+static inline __m512bh q4_words(__m512i v, __m512i nibble, __m512i bias) {
+  return (__m512bh)_mm512_ternarylogic_epi32(v, nibble, bias, 0xEA);  // (A & B) | C
+}
+
+// Up to 4 bf16 rows against one panel. x: the rows with each quad's values reordered (x0, x2, x1, x3), as
+// 32-bit pairs, so that pair 2q is (x0, x2) and 2q + 1 is (x1, x3), matching the words' lanes. The
+// products are x (128 + q), exact in float32; the 128 sum(x) they carry comes off with the minimum's
+// term: y += scale * sum(x (128 + q)) + (lo - 128 scale) * sum(x).
 template <int M>
-__attribute__((always_inline)) inline void q4_panel(const bf16* x, int64_t xs, const float* xsum, int64_t groups,
-                                                    const uint8_t* wp, float* c, __m512i table) {
+__attribute__((always_inline)) inline void exact_panel(const uint32_t* x, int64_t xs, const float* xsum,
+                                                       int64_t groups, const uint8_t* wp, float* c, bool stream) {
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
   __m512 y[M][2];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wp + g * kGroupBytes;
-    prefetch_l2(wg + kAheadBytes);
-    prefetch_l2(wg + kAheadBytes + 64);
-    prefetch_l2(wg + kAheadBytes + 128);
-    prefetch_l2(wg + kAheadBytes + 192);
-    prefetch_l2(wg + kAheadBytes + 256);
-    prefetch_l2(wg + kAheadBytes + 320);
-    prefetch_l2(wg + kAheadBytes + 384);
-    prefetch_l2(wg + kAheadBytes + 448);
-    prefetch_l2(wg + kAheadBytes + 512);
-    prefetch_l2(wg + kAheadBytes + 576);
+    if (stream) prefetch_group(wg);
     __m512 acc[M][2];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < kGroup / 2; ++kp) {
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + kp * kPairBytes));
-      const __m512bh w0 = q4_pairs(_mm256_castsi256_si128(codes), table);
-      const __m512bh w1 = q4_pairs(_mm256_extracti128_si256(codes, 1), table);
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      // A lane's words hold bytes (0, 1) and (2, 3): their low nibbles are columns 0-15 at k0 and k2, the
+      // nibbles 4, 8 and 12 bits up columns 16-31 at k0 and k2, columns 0-15 at k1 and k3, columns 16-31
+      // at k1 and k3.
+      const __m512i v = _mm512_loadu_si512(wg + q * kQuadBytes);
+      const __m512bh a0 = q4_words(v, nibble, bias), a1 = q4_words(_mm512_srli_epi16(v, 4), nibble, bias);
+      const __m512bh b0 = q4_words(_mm512_srli_epi16(v, 8), nibble, bias);
+      const __m512bh b1 = q4_words(_mm512_srli_epi16(v, 12), nibble, bias);
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * xs + g * kGroup + 2 * kp, sizeof(pair));
-        const __m512bh xm = (__m512bh)_mm512_set1_epi32(pair);
-        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, w1);
+        const uint32_t* xq = x + m * xs + g * (kGroup / 2) + 2 * q;
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xq[0]));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xq[1]));
+        acc[m][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][0], xa, a0), xb, b0);
+        acc[m][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[m][1], xa, a1), xb, b1);
       }
     }
-    const bf16* sc = reinterpret_cast<const bf16*>(wg + kGroup / 2 * kPairBytes);
-    const __m512 s0 = bf16x16(sc), s1 = bf16x16(sc + 16), lo0 = bf16x16(sc + 32), lo1 = bf16x16(sc + 48);
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+    const __m512 s0 = f16x16(sc), s1 = f16x16(sc + 16), minus128 = _mm512_set1_ps(-128.f);
+    const __m512 lo0 = _mm512_fmadd_ps(s0, minus128, f16x16(sc + 32));
+    const __m512 lo1 = _mm512_fmadd_ps(s1, minus128, f16x16(sc + 48));
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
       const __m512 xg = _mm512_set1_ps(xsum[m * groups + g]);
@@ -98,52 +125,212 @@ __attribute__((always_inline)) inline void q4_panel(const bf16* x, int64_t xs, c
   }
 }
 
+// Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales, xsum: their bf16 sums, both
+// per row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
 template <int M>
-void q4_rows(const bf16* x, int64_t xs, const float* xsum, const uint8_t* w, bf16* y, int64_t K, int64_t N) {
-  const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes;
-  alignas(64) uint16_t words[32] = {};
-  for (int i = 0; i < 16; ++i) words[i] = c10::BFloat16(static_cast<float>(i)).x;
-  const __m512i table = _mm512_load_si512(words);
-  panels::for_each_panel(N, M, std::max<int64_t>(1, 65536 / panel_bytes), y, [&](int64_t p, float* c) {
-    q4_panel<M>(x, xs, xsum, groups, w + p * panel_bytes, c, table);
+__attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K, const float* xa, const float* xsum,
+                                                     int64_t groups, const uint8_t* wp, float* c, bool stream) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 y[M][2];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wp + g * kGroupBytes;
+    if (stream) prefetch_group(wg);
+    __m512i acc[M][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      const __m512i v = _mm512_loadu_si512(wg + q * kQuadBytes);
+      const __m512i c0 = _mm512_and_si512(v, low), c1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        int32_t quad;  // the row's four codes at this quad's k
+        std::memcpy(&quad, xq + m * K + g * kGroup + 4 * q, sizeof(quad));
+        const __m512i xm = _mm512_set1_epi32(quad);
+        // Unsigned weight codes (0..15) times signed activation codes (-127..127): |sum| < 2^16, exact.
+        acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], c0, xm);
+        acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], c1, xm);
+      }
+    }
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+    const __m512 s0 = f16x16(sc), s1 = f16x16(sc + 16), lo0 = f16x16(sc + 32), lo1 = f16x16(sc + 48);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m512 r = _mm512_set1_ps(xa[m * groups + g]), xg = _mm512_set1_ps(xsum[m * groups + g]);
+      const __m512 p0 = _mm512_cvtepi32_ps(acc[m][0]), p1 = _mm512_cvtepi32_ps(acc[m][1]);
+      y[m][0] = _mm512_fmadd_ps(p0, _mm512_mul_ps(s0, r), _mm512_fmadd_ps(lo0, xg, y[m][0]));
+      y[m][1] = _mm512_fmadd_ps(p1, _mm512_mul_ps(s1, r), _mm512_fmadd_ps(lo1, xg, y[m][1]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, y[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, y[m][1]);
+  }
+}
+
+// One panel's weights dequantized, w = q * scale + lo rounded to bf16, into `out` in the bf16 panels'
+// layout (panel_matmul.cpp: per k pair, columns 0-15 then 16-31, each column's two k side by side), for
+// panels::dot_rows. A code becomes the float32 128 + q by one vpternlogd (its nibble moved to bits 16-19
+// and OR-ed into 128's mantissa, where bit 16 is worth 1), then w = (128 + q) * scale + (lo - 128 scale).
+inline void dequantize_panel(const uint8_t* wp, int64_t groups, bf16* out) {
+  const __m512i nibble = _mm512_set1_epi32(0x000F0000), bias = _mm512_set1_epi32(0x43000000);
+  const __m512 minus128 = _mm512_set1_ps(-128.f);
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wp + g * kGroupBytes;
+    prefetch_group(wg);
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+    const __m512 s0 = f16x16(sc), s1 = f16x16(sc + 16);
+    const __m512 lo0 = _mm512_fmadd_ps(s0, minus128, f16x16(sc + 32));
+    const __m512 lo1 = _mm512_fmadd_ps(s1, minus128, f16x16(sc + 48));
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      const __m512i v = _mm512_loadu_si512(wg + q * kQuadBytes);
+      // Column j's code at k = 4q + t sits at bit 8t of lane j (columns 0-15) or 8t + 4 (16-31).
+      auto w = [&](__m512i moved, __m512 s, __m512 lo) {
+        return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(moved, nibble, bias, 0xEA)), s, lo);
+      };
+      const __m512 a0 = w(_mm512_slli_epi32(v, 16), s0, lo0), a1 = w(_mm512_slli_epi32(v, 8), s0, lo0);
+      const __m512 a2 = w(v, s0, lo0), a3 = w(_mm512_srli_epi32(v, 8), s0, lo0);
+      const __m512 b0 = w(_mm512_slli_epi32(v, 12), s1, lo1), b1 = w(_mm512_slli_epi32(v, 4), s1, lo1);
+      const __m512 b2 = w(_mm512_srli_epi32(v, 4), s1, lo1), b3 = w(_mm512_srli_epi32(v, 12), s1, lo1);
+      bf16* o = out + (g * (kGroup / 2) + 2 * q) * panels::kPairRow;
+      auto store = [&](bf16* dst, __m512 even, __m512 odd) {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // 16 even k, then 16 odd k
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+      };
+      store(o, a0, a1);
+      store(o + 32, b0, b1);
+      store(o + panels::kPairRow, a2, a3);
+      store(o + panels::kPairRow + 32, b2, b3);
+    }
+  }
+}
+
+template <typename F>
+inline void with_rows4(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
+// Per row and group of 32: the sum of the bf16 values (float32, in order), and for the int8 path the
+// codes round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros).
+void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
+  const int64_t groups = K / kGroup;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const bf16* xg = x + m * xs + g * kGroup;
+      float s = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) s += static_cast<float>(xg[i]);
+      xsum[m * groups + g] = s;
+    }
+}
+
+void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa) {
+  const int64_t groups = K / kGroup;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
+    float v[kGroup];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const bf16* xg = x + m * xs + g * kGroup;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          v[i] = static_cast<float>(xg[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* qg = xq + m * K + g * kGroup;
+        for (int64_t i = 0; i < kGroup; ++i) qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        xa[m * groups + g] = amax / 127.f;
+      }
   });
 }
 #endif
 
 }  // namespace
 
-// x: [M <= 4, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 640] uint8 (Q4Panels), n: N.
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+// x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 640] uint8 (q4_pack), n: N.
+// Steps of up to exact_rows rows with bf16 activations, larger ones with int8 activations (header).
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t exact_rows) {
   TORCH_CHECK(panels::kBf16Loops, "the 4-bit panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "4-bit panel loops: up to 4 rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(2) == kGroupBytes,
-              "panels: Q4Panels' [N/32, K/32, 640] uint8");
+              "panels: q4_pack's [N/32, K/32, 640] uint8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == packed.size(1) * kGroup, "K mismatch");
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
-  const int64_t groups = K / kGroup;
-  std::vector<float> xsum(M * groups);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      const bf16* xg = x.data_ptr<bf16>() + m * x.stride(0) + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) s += static_cast<float>(xg[i]);
-      xsum[m * groups + g] = s;
-    }
+  const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes;
+  const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);  // ~64 KB of codes a task at least
   const bf16* xp = x.data_ptr<bf16>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   bf16* yp = y.data_ptr<bf16>();
-  switch (M) {
-    case 1: q4_rows<1>(xp, x.stride(0), xsum.data(), w, yp, K, n); break;
-    case 2: q4_rows<2>(xp, x.stride(0), xsum.data(), w, yp, K, n); break;
-    case 3: q4_rows<3>(xp, x.stride(0), xsum.data(), w, yp, K, n); break;
-    default: q4_rows<4>(xp, x.stride(0), xsum.data(), w, yp, K, n); break;
+  std::vector<float> xsum(M * groups);
+  group_sums(xp, x.stride(0), M, K, xsum.data());
+  if (M <= exact_rows && M > kDequantRows) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - r0);
+      panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
+        thread_local std::vector<bf16> buf;
+        buf.resize(K * kCols);
+        dequantize_panel(w + p * panel_bytes, groups, buf.data());
+        panels::dot_rows(xp + r0 * x.stride(0), x.stride(0), buf.data(), K / 2, c, rows, nullptr);
+      });
+    }
+    return y;
+  }
+  if (M <= exact_rows) {
+    // Each quad's values as (x0, x2), (x1, x3): the pairs the lookups give per lane.
+    std::vector<uint32_t> pairs(M * K / 2);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 4) {
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(xp + m * x.stride(0) + k);
+        pairs[(m * K + k) / 2] = s[0] | static_cast<uint32_t>(s[2]) << 16;
+        pairs[(m * K + k) / 2 + 1] = s[1] | static_cast<uint32_t>(s[3]) << 16;
+      }
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - r0);
+      panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
+        const uint8_t* wp = w + p * panel_bytes;
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+          const int64_t r = r0 + m0;
+          with_rows4(rows - m0, [&](auto four) {
+            exact_panel<decltype(four)::value>(pairs.data() + r * K / 2, K / 2, xsum.data() + r * groups, groups, wp,
+                                               c + m0 * kCols, m0 == 0);
+          });
+        }
+      });
+    }
+    return y;
+  }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xa(M * groups);
+  quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data());
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - r0);
+    panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
+      const uint8_t* wp = w + p * panel_bytes;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t r = r0 + m0;
+        with_rows4(rows - m0, [&](auto four) {
+          int8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
+                                           groups, wp, c + m0 * kCols, m0 == 0);
+        });
+      }
+    });
   }
 #endif
   return y;
