@@ -138,13 +138,23 @@ def test_int4_engine_generates_like_bf16() -> None:
 
 
 @pytest.mark.slow
-def test_int8_activations_of_int4_name_their_own_kv() -> None:
+def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
     """int8 activations change the keys and values, so offloaded KV is kept apart from plain int4's (the
-    label in the offload namespace), where the 4-bit panels run; elsewhere the setting changes nothing."""
+    offload namespace), where the 4-bit panels run; elsewhere the setting changes nothing. The scheduler's
+    connector looks blocks up under the namespace the worker writes them to."""
     from tokenmill.models.ops import Q4Panels
 
     common = {"max_model_len": 256, "kv_cache_memory_gb": 0.05, "quantization": "int4"}
-    a8 = LLM(int4_activations="int8", **common).engine.executor.worker
-    panels = any(isinstance(getattr(m, "small", None), Q4Panels) for m in a8.model.modules())
-    assert a8._weights_label() == ("int4-a8" if panels else "int4")
-    assert LLM(**common).engine.executor.worker._weights_label() == "int4"
+    spaces = {}
+    for acts in ("int8", "bf16"):
+        llm = LLM(int4_activations=acts, kv_offload=f"disk={tmp_path / acts}:20MB", **common)
+        try:
+            worker = llm.engine.executor.worker
+            assert llm.engine.kv.connector.namespace == worker.offload.disk.namespace
+            spaces[acts] = worker.offload.disk.namespace
+            if acts == "int8":
+                panels = any(isinstance(getattr(m, "small", None), Q4Panels) for m in worker.model.modules())
+        finally:
+            llm.close()
+    assert (spaces["int8"] != spaces["bf16"]) == panels, spaces
+    assert "int4" in spaces["bf16"]

@@ -200,8 +200,8 @@ class EngineConfig:
         "auto", help='"auto", "torch" (reference), "cpu", or an ISA level (avx2, avx512, ...)'
     )
     # None: weights in `dtype`. "int4": 4-bit weights (groups of 32), the precision of a Q4_0/Q4_1 GGUF
-    # file; where the 4-bit panel kernels run (AVX512-BF16 without AMX) for every step, elsewhere for
-    # decode-sized ones with a dtype copy for larger.
+    # file; where the 4-bit panel kernels run (AVX512-BF16 without AMX) for every step of a bf16 model,
+    # elsewhere for decode-sized ones with a dtype copy for larger.
     quantization: str | None = setting(
         None,
         help='"int4": 4-bit weights (Q4 GGUF precision); "int8": int8 weights and '
@@ -219,7 +219,7 @@ class EngineConfig:
         "bf16",
         help='with quantization int4, the activations of steps above 4 rows: "bf16" (exact products, '
         'W4A16) or "int8" (per row and group of 32, as llama.cpp multiplies Q4 by Q8_0: W4A8, faster at '
-        "8 or more rows, less accurate); only where the 4-bit panel kernels run (AVX512-BF16 without AMX)",
+        "5 or more rows, less accurate); only where the 4-bit panel kernels run (AVX512-BF16 without AMX)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")

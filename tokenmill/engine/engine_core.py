@@ -105,7 +105,13 @@ class EngineCore:
                 tiers,
                 spec.block_size,
                 spec.block_bytes,
-                layout_namespace(Path(self.info["source"]).name, config.dtype, config.quantization, spec, 0),
+                layout_namespace(
+                    Path(self.info["source"]).name,
+                    config.dtype,
+                    self.info.get("weights_label", config.quantization),
+                    spec,
+                    0,
+                ),
                 kv.events,
                 lambda h: kv.pool.lookup(h) is not None,
             )

@@ -18,12 +18,13 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.fp8_linear import quantize_linears_fp8
 from tokenmill.models.linear import (
+    QuantizedLinear,
     int8_matmuls_available,
     pack_linears,
     quantize_linears,
     quantize_linears_int8,
 )
-from tokenmill.models.ops import Q4Panels, TorchOps, get_ops
+from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
@@ -349,8 +350,9 @@ def build_model(
             ),
             small_for=model.ops.small_matmul_for,
         )
-        kernels = [getattr(m, "small", None) for m in model.modules()]
-        model.int4_a8 = any(isinstance(k, Q4Panels) and k.int8_activations for k in kernels)
+        # Only bf16 layers send steps above 4 rows to the panels (others keep their copy for those).
+        panels = [m.small for m in model.modules() if isinstance(m, QuantizedLinear) and m.max_rows is None]
+        model.int4_a8 = any(getattr(k, "int8_activations", False) for k in panels)
     elif quantization == "int8":
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).

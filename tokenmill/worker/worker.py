@@ -217,4 +217,7 @@ class Worker:
             "max_model_len": self.max_model_len,
             "source": str(self.source),
             "load_seconds": self.load_seconds,
+            # The offload namespace's weights part, which the scheduler's connector must name as the
+            # workers do (smoothing and int8 activations are decided at load, not by the config alone).
+            "weights_label": self._weights_label(),
         }

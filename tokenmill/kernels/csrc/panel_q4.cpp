@@ -5,7 +5,7 @@
 // The format is a Q4_0/Q4_1 GGUF block's: groups of 32 k per column, w = q * scale + lo, q in 0..15. Per
 // panel and group: 8 k quads of 64 bytes, byte 4j + t holding the code of column j (low nibble) and of
 // column 16 + j (high nibble) at k = 4 * quad + t; then the group's 32 scales and 32 minima in float16
-// (as a Q4_1 block holds them, so its weights come back exactly; bfloat16's 8 bits cost +0.3% perplexity):
+// (as a Q4_1 block holds them, so its weights come back exactly; bfloat16's 8 bits cost +0.33 points of perplexity):
 // 640 bytes for 1024 weights, 5 bits a weight, as in Q4_1. Built by models/ops.py (q4_pack) with plain
 // torch ops. One AND and one shift split a quad into the two halves' codes, one byte a code, four k of a
 // column in each 32-bit lane: the layout of vpdpbusd; a lane's two 16-bit words give vdpbf16ps's pairs.
@@ -17,15 +17,16 @@
 //     128's mantissa), and vdpbf16ps multiplies those by the row's x values paired the same way: exact
 //     products, float32 sums per group, then y += scale * sum(x (128 + q)) + (lo - 128 scale) * sum(x).
 //   - Above, where redoing that per 4 rows and the per-group scaling cost most (0.70-0.76x the bf16 dot
-//     loops at 32-256 rows on AMD Zen 4), each panel is dequantized once into a bf16 panel in L2, w =
+//     loops at 32-256 rows on AMD Zen 4), each panel is dequantized once a 256-row sweep into a bf16
+//     panel in L2, w =
 //     q * scale + lo rounded to bf16 (the weights a dequantized bf16 copy would hold), and the bf16 dot
 //     loops run over it: 0.84-0.89x the bf16 model's linears there (the dequantization is the rest).
 // - steps above exact_rows (int4_activations="int8", W4A8: above 4 rows): the activations quantized to int8 per row
 //   and group of 32 k (one float32 scale each, the block of a Q8_0 tensor, which is what llama.cpp
 //   multiplies its Q4 weights by), and vpdpbusd (64 multiply-adds an instruction, twice vdpbf16ps's)
 //   sums the weight codes (unsigned) times the activation codes (signed) exactly in int32, per group;
-//   y += scale * x_scale * sum + lo * sum(x), the last sum over the bf16 activations. 1.1-1.5x the bf16
-//   model's linears at 8-256 rows on Zen 4; the cost is accuracy (docs/benchmarks.md: perplexity).
+//   y += scale * x_scale * sum + lo * sum(x), the last sum over the bf16 activations. 1.0-1.3x the bf16
+//   model's linears at 5-512 rows on Zen 4 (head included); the cost is accuracy (docs/benchmarks.md).
 // Every path sums each row in an order that does not depend on the other rows, so a row's result is the
 // same in any step that takes the same path (1-16 rows, 17 or more; above exact_rows with int8).
 #include <torch/extension.h>
@@ -247,7 +248,10 @@ void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq
           v[i] = static_cast<float>(xg[i]);
           amax = std::max(amax, std::fabs(v[i]));
         }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        // A group of zeros, or of values so small that 127 / max overflows (subnormals), gets 0 codes:
+        // its share of the product is below float32's resolution anyway.
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        if (!std::isfinite(inv)) inv = 0.f;
         int8_t* qg = xq + m * K + g * kGroup;
         for (int64_t i = 0; i < kGroup; ++i) qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
         xa[m * groups + g] = amax / 127.f;
