@@ -2,7 +2,11 @@
 documentation topics, shipped with CPython), against float32 and bf16 in the same run: what a
 quantization costs in accuracy, beside what it buys in speed (docs/benchmarks.md).
 
-    python benchmarks/perplexity.py [--chunks 32 --steps 128]
+    python benchmarks/perplexity.py [--chunks 32 --steps 128] [--model FILE] [--only int4 ...]
+
+`--model`: another checkpoint (a Q4_0 or Q4_K_M GGUF, say: the int4 rows then compare the file's own
+codes with the same weights quantized again); `--only`: just the rows whose label holds one of these
+words, beside the float32 and bf16 rows the ratios need.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import sys
 from pathlib import Path
 
 from tokenmill import LLM
+from tokenmill.models import registry
 from tokenmill.quality.perplexity import perplexity, text_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,7 +32,11 @@ CONFIGS = [
         "int8 weights and activations, unsmoothed (int8_smoothing=0)",
         {"quantization": "int8", "int8_smoothing": 0},
     ),
-    ("int4 weights (quantization=int4)", {"quantization": "int4"}),
+    ("int4 weights (quantization=int4: a 4-bit GGUF file's own codes)", {"quantization": "int4"}),
+    (
+        "int4 weights requantized from bf16 (as from a Hugging Face directory)",
+        {"quantization": "int4", "requantize": True},
+    ),
     (
         "int4 weights, int8 activations above 4 rows (int4_activations=int8)",
         {"quantization": "int4", "int4_activations": "int8"},
@@ -42,13 +51,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=32)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded model)")
+    ap.add_argument("--only", nargs="*", default=None, help="rows whose label contains one of these")
     args = ap.parse_args()
+    model = {"model": args.model} if args.model else {}
+    base_rows = ("float32, plain PyTorch (the reference)", "bf16 (default)")
     print(f"CPU: {cpu_description()}; text: {text_version()}; {args.chunks} chunks x {args.steps} tokens")
+    print(f"model: {args.model or 'the embedded SmolLM2-135M-Instruct Q4_1 GGUF'}")
     print("| configuration | perplexity | vs float32 | vs bf16 default |")
     print("|---|---|---|---|")
     base: dict[str, float] = {}
     for label, kw in CONFIGS:
-        llm = LLM(**{"dtype": "bfloat16", **kw, **COMMON})
+        if args.only and label not in base_rows and not any(w in label for w in args.only):
+            continue
+        kw = dict(kw)
+        # The engine reads a GGUF file's 4-bit codes as they are; this row quantizes the bf16 weights
+        # again instead, as it must for a checkpoint without codes (in-process worker: patched here).
+        requantize = kw.pop("requantize", False)
+        saved = registry.load_int4_codes
+        if requantize:
+            registry.load_int4_codes = lambda *_: None
+        try:
+            llm = LLM(**{"dtype": "bfloat16", **kw, **COMMON, **model})
+        finally:
+            registry.load_int4_codes = saved
         p = perplexity(llm, args.chunks, steps=args.steps)
         del llm
         base.setdefault("f32", p.value)

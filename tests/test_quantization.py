@@ -133,6 +133,9 @@ def test_int4_engine_generates_like_bf16() -> None:
     ref = forced_run(bf16, prompts, 24)
     del bf16
     int4 = LLM(quantization="int4", **common)
+    # The embedded file is Q4_1: every 4-bit layer computes with the file's own codes.
+    four_bit = [m for m in int4.engine.executor.worker.model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.from_codes for m in four_bit if m.bits == 4) and len(four_bit) == 121
     f = compare(ref, forced_run(int4, prompts, 24, ref))
     assert f.top1_agreement >= 0.75, f
 

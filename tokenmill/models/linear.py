@@ -14,6 +14,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tokenmill.weights.group_codes import GROUP, GroupCodes, quantize_groups
+
 log = logging.getLogger(__name__)
 _packing_works: bool | None = None
 
@@ -188,7 +190,7 @@ class QuantizedLinear(LinearBase):
 
     prepared = True
 
-    GROUP = 32
+    GROUP = GROUP
 
     def __init__(
         self,
@@ -197,39 +199,36 @@ class QuantizedLinear(LinearBase):
         max_rows: int,
         quant_for: QuantFor | None = None,
         small_for: SmallFor | None = None,
+        codes: GroupCodes | None = None,
     ) -> None:
         """`quant_for(bits, q, scale, lo)`: a faster kernel for the codes (ops.quantized_matmul_for);
         `small_for(weight)`: the bf16 copy's few-row kernel (ops.small_matmul_for), as a packed bf16
-        linear has, for the steps above max_rows."""
+        linear has, for the steps above max_rows. `codes`: 4-bit codes to take as they are (a GGUF
+        file's own, weights/group_codes.py) instead of quantizing the weight."""
         super().__init__()
-        w = linear.weight.detach().float()
+        w = linear.weight.detach()
         n, k = w.shape
         dtype = linear.weight.dtype
         self.bits = bits
         self.max_rows: int | None = max_rows
         self.in_features, self.out_features = k, n
+        self.from_codes = codes is not None and bits == 4
         if bits == 4:
-            if k % self.GROUP:
-                raise ValueError(f"in_features {k} is not a multiple of {self.GROUP}")
-            groups = w.view(n, k // self.GROUP, self.GROUP)
-            lo = groups.amin(-1, keepdim=True)
-            scale = ((groups.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-10)
-            q = torch.round((groups - lo) / scale).clamp(0, 15)
-            # A Q4_0/Q4_1 GGUF tensor comes back as it was: its blocks are 32 wide and span q = 0..15.
-            dequant = (q * scale + lo).view(n, k)
-            self.small = quant_for(4, q.view(n, k), scale.view(n, -1), lo.view(n, -1)) if quant_for else None
+            if codes is not None and (codes.shape != (n, k) or codes.scale.shape != (n, k // GROUP)):
+                raise ValueError(f"4-bit codes {codes.shape} do not fit a weight {(n, k)}")
+            g = codes if codes is not None else quantize_groups(w)
+            dequant = g.dequantize
+            q, scale, lo = g.q, g.scale, g.lo
+            self.small = quant_for(4, q, scale, lo) if quant_for else None
             if self.small is None:
-                self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                    q.view(n, k).to(torch.int32), 1
-                )
+                self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
                 zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-                self.scales = (
-                    torch.stack([scale.view(n, -1).t(), zero.view(n, -1).t()], -1).contiguous().to(dtype)
-                )
+                self.scales = torch.stack([scale.t(), zero.t()], -1).contiguous().to(dtype)
         elif bits == 8:
+            w = w.float()
             scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
             q = torch.round(w / scale[:, None]).clamp(-127, 127)
-            dequant = q * scale[:, None]
+            dequant = lambda: q * scale[:, None]  # noqa: E731 - only if the copy below is made
             self.small = quant_for(8, q.to(torch.int8), scale.to(dtype).float(), None) if quant_for else None
             if self.small is None:
                 self.qweight = q.to(torch.int8).contiguous()
@@ -241,7 +240,7 @@ class QuantizedLinear(LinearBase):
             self.max_rows, self.wide = None, None  # the kernel takes every step: no bf16 copy
             return
         wide = nn.Linear(k, n, bias=linear.bias is not None)
-        wide.weight = nn.Parameter(dequant.to(dtype), requires_grad=False)
+        wide.weight = nn.Parameter(dequant().to(dtype), requires_grad=False)
         if linear.bias is not None:
             wide.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         if onednn_packing_available(wide.weight):
@@ -464,16 +463,19 @@ def quantize_linears(
     default_bits: int,
     quant_for: QuantFor | None = None,
     small_for: SmallFor | None = None,
+    codes: dict[str, GroupCodes] | None = None,
 ) -> int:
     """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count.
     `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for); `small_for`: the few-row
-    kernel of the bf16 copies (ops.small_matmul_for), when those fit SMALL_COPY_LIMIT_BYTES."""
+    kernel of the bf16 copies (ops.small_matmul_for), when those fit SMALL_COPY_LIMIT_BYTES; `codes`: 4-bit
+    codes by module name, taken as they are by the 4-bit layers they are given for."""
     sites = plain_linears(model, lambda _, child: quantized_kernels_available(child.weight))
     if small_for is not None and not small_copy_allowed(sites):
         small_for = None
     for parent, name, full, child in sites:
         bits = bits_for.get(full, default_bits)
-        setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for))
+        given = (codes or {}).get(full)
+        setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for, given))
     return len(sites)
 
 

@@ -29,6 +29,7 @@ from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_s
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.models.smoothing import smooth_model, why_not_smoothable
+from tokenmill.weights.group_codes import GroupCodes
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,24 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
     return out
 
 
+def shard_codes(model: LlamaForCausalLM, codes: dict[str, GroupCodes]) -> dict[str, GroupCodes]:
+    """The 4-bit codes of the model's (or its shard's) linears, under local names, each parallel linear's
+    part cut by the layer itself; a layer whose cut would split a group of 32 gets none (its own weight
+    is quantized instead)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
+    layers = model.shard.layers
+    out = {}
+    for name, full in codes.items():
+        _, idx, rest = name.split(".", 2)
+        if int(idx) not in layers:
+            continue
+        local = f"layers.{int(idx) - layers.start}.{rest}"
+        part = linears[local].load_codes(full) if local in linears else None
+        if part is not None:
+            out[local] = part
+    return out
+
+
 def build_model(
     cfg: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -306,12 +325,15 @@ def build_model(
     calibration: list[list[int]] | None = None,
     smoothing_alpha: float = 0.7,
     int4_activations: str = "bf16",
+    int4_codes: dict[str, GroupCodes] | None = None,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
     the given ones, cut to the shard. `calibration`: token chunks to smooth the activations on before
     quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
     int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
-    int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16)."""
+    int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
+    the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
+    int4's 4-bit layers take as they are."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -349,6 +371,7 @@ def build_model(
                 model.ops.quantized_matmul_for, int8_activations=int4_activations == "int8"
             ),
             small_for=model.ops.small_matmul_for,
+            codes=shard_codes(model, int4_codes) if int4_codes else None,
         )
         # Only bf16 layers send steps above 4 rows to the panels (others keep their copy for those).
         panels = [m.small for m in model.modules() if isinstance(m, QuantizedLinear) and m.max_rows is None]

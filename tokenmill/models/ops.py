@@ -176,9 +176,10 @@ class Q4Panels:
     """x @ W^T for any number of bfloat16 rows with W in 4 bits (groups of 32, scale and minimum: a Q4
     GGUF block), by kernels/csrc/panel_q4.cpp (AVX512-BF16 builds only): the codes in 32-column panels
     read as one stream, so the layer needs no bf16 copy for larger steps or prompts. The activations
-    stay bf16 (codes looked up as bf16, vdpbf16ps, exact products: W4A16), or with `int8_activations`
-    above 4 rows are quantized to int8 per row and group of 32 and multiplied by vpdpbusd (W4A8:
-    faster at 8 rows and more, less accurate). AMD Zen 4 figures: docs/benchmarks.md."""
+    stay bf16 (W4A16: up to 16 rows each code becomes the bf16 number 128 + q and vdpbf16ps gives
+    exact products; above, each panel is dequantized to bf16 once per sweep), or with
+    `int8_activations` above 4 rows are quantized to int8 per row and group of 32 and multiplied by
+    vpdpbusd (W4A8: faster from 5 rows, less accurate). AMD Zen 4 figures: docs/benchmarks.md."""
 
     max_rows: int | None = None  # every row count
 

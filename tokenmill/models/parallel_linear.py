@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.linear import LinearBase
+from tokenmill.weights.group_codes import GROUP, GroupCodes
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class ParallelLinear(LinearBase, ABC):
     def load(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor for parameter `name` ("weight" or "bias")."""
 
+    @abstractmethod
+    def load_codes(self, full: GroupCodes) -> GroupCodes | None:
+        """This rank's part of the full weight's 4-bit codes (weights/group_codes.py), or None where the
+        cut would split a group of 32."""
+
 
 class ColumnParallelLinear(ParallelLinear):
     def __init__(self, in_features: int, parts: list[Part], bias: bool = False) -> None:
@@ -67,6 +73,9 @@ class ColumnParallelLinear(ParallelLinear):
             start += p.size
         return torch.cat(pieces)
 
+    def load_codes(self, full: GroupCodes) -> GroupCodes:
+        return GroupCodes(*(self.load("weight", t) for t in (full.nibbles, full.scale, full.lo)))
+
 
 class RowParallelLinear(ParallelLinear):
     def __init__(self, keep: range, unit: int, full_in: int, out_features: int) -> None:
@@ -83,3 +92,12 @@ class RowParallelLinear(ParallelLinear):
             return full
         p = self.part
         return full[:, p.keep.start * p.unit : p.keep.stop * p.unit]
+
+    def load_codes(self, full: GroupCodes) -> GroupCodes | None:
+        if full.shape[1] != self.part.size:
+            raise ValueError(f"codes have {full.shape[1]} input columns, expected {self.part.size}")
+        start, stop = self.part.keep.start * self.part.unit, self.part.keep.stop * self.part.unit
+        if start % GROUP or stop % GROUP:
+            return None
+        groups = slice(start // GROUP, stop // GROUP)
+        return GroupCodes(full.nibbles[:, start // 2 : stop // 2], full.scale[:, groups], full.lo[:, groups])

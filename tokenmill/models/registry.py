@@ -14,6 +14,7 @@ from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.llama import build_model, to_fused_state_dict
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
+from tokenmill.weights.group_codes import GroupCodes
 
 # Hugging Face class names -> model_type. All three are Llama-shaped: one implementation covers them
 # (Qwen2 adds q/k/v biases, which ModelConfig.attention_bias carries).
@@ -61,9 +62,16 @@ class LoadedModel:
 
 def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:
     """A checkpoint's config, weights (in its architecture's layout) and tokenizer."""
-    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path))]
+    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
     ck = loader.load(path, dtype, cache_dir, arch.layout)
     return LoadedModel(ModelConfig.from_hf(ck.hf_config), ck.state_dict, ck.tokenizer, ck.source)
+
+
+def load_int4_codes(path: Path, cache_dir: Path | None) -> dict[str, GroupCodes] | None:
+    """A GGUF file's own 4-bit codes of its linear weights, for an int4 model to take as they are (None
+    when it has none: weights/loader.py's load_group_codes)."""
+    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
+    return loader.load_group_codes(path, arch.layout, cache_dir)
 
 
 def build(

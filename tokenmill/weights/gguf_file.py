@@ -1,4 +1,5 @@
-"""Reading a GGUF file: metadata as plain Python values, tensors dequantized to float32."""
+"""Reading a GGUF file: metadata as plain Python values, tensors dequantized to float32, and 4-bit
+tensors also as their own codes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+
+from tokenmill.weights.group_codes import FOUR_BIT_TYPES, GroupCodes, codes_from_blocks
 
 # Tensor types we dequantize; the issue asks for at least these, the gguf package knows more.
 SUPPORTED_TYPES = {
@@ -32,6 +35,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._reader = GGUFReader(str(self.path))
+        self._by_name = {t.name: t for t in self._reader.tensors}
         self.metadata: dict[str, Any] = {}
         for key, field in self._reader.fields.items():
             if key.startswith("GGUF."):
@@ -58,10 +62,17 @@ class GGUFFile:
             yield t.name, self._dequantize(t)
 
     def tensor(self, name: str) -> np.ndarray:
-        for t in self._reader.tensors:
-            if t.name == name:
-                return self._dequantize(t)
-        raise KeyError(name)
+        return self._dequantize(self._by_name[name])
+
+    def group_codes(self, name: str) -> GroupCodes | None:
+        """A 4-bit tensor's own codes, scales and minima (Q4_0, Q4_1, Q4_K; weights/group_codes.py), in
+        PyTorch's [out, in] order; None for a tensor of any other type."""
+        t = self._by_name[name]
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype not in FOUR_BIT_TYPES or len(t.shape) != 2:
+            return None
+        k, n = (int(d) for d in t.shape.tolist())
+        return codes_from_blocks(t.data, qtype, n, k)
 
     def _dequantize(self, t: ReaderTensor) -> np.ndarray:
         qtype = GGMLQuantizationType(t.tensor_type)

@@ -25,8 +25,10 @@ from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
+from tokenmill.weights.group_codes import GroupCodes, quantize_groups
 
 CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
+CODES_FORMAT = 1  # the same for the cached 4-bit codes (load_group_codes)
 
 # GGUF tensor names (per block) to Hugging Face names.
 _GGUF_BLOCK_NAMES = {
@@ -82,10 +84,13 @@ def load(path: Path, dtype: torch.dtype, cache_dir: Path | None, layout: Layout)
     return loaded
 
 
-def read_hf_config(path: Path) -> dict[str, Any]:
-    """A checkpoint's config as Hugging Face config.json keys, without loading its tensors."""
+def read_hf_config(path: Path, cache_dir: Path | None = None) -> dict[str, Any]:
+    """A checkpoint's config as Hugging Face config.json keys, without loading its tensors: for a GGUF
+    file from its cache when there is one (parsing the file's metadata takes seconds: its vocabulary)."""
     if path.is_dir():
         return json.loads((path / "config.json").read_text())
+    for cached in _cached(path, cache_dir):
+        return json.loads((cached / "config.json").read_text())
     gguf = GGUFFile(path)
     return hf_config_from_gguf(gguf, has_output_tensor="output.weight" in set(gguf.tensor_names()))
 
@@ -94,10 +99,15 @@ def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
     """Only the tokenizer (for a frontend process): from the cache, the HF directory or GGUF metadata."""
     if path.is_dir():
         return Tokenizer.from_dir(path)
-    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
-    for done in sorted(root.glob("*/*/done")):
-        return Tokenizer.from_dir(done.parent)
+    for cached in _cached(path, cache_dir):
+        return Tokenizer.from_dir(cached)
     return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+
+
+def _cached(path: Path, cache_dir: Path | None) -> list[Path]:
+    """The complete caches of a GGUF file (any dtype, any layout): each holds its config and tokenizer."""
+    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
+    return [done.parent for done in sorted(root.glob("*/*/done"))]
 
 
 def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
@@ -120,7 +130,7 @@ def _save_cache(cache: Path, loaded: Checkpoint) -> None:
     (cache / "done").write_text("ok\n")  # written last: a half-written cache is never used
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: np.ndarray | torch.Tensor, n_head: int) -> np.ndarray | torch.Tensor:
     # llama.cpp's converter reorders Q/K rows for its interleaved rope; undo it for the rotate-half layout.
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -157,6 +167,76 @@ def _load_gguf(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:
     state_dict = layout.prepare(hf_tensors(), config)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     return Checkpoint(config, state_dict, tokenizer, path)
+
+
+def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, GroupCodes] | None:
+    """The 4-bit codes of a GGUF file's linear weights (weights/group_codes.py), under the names the
+    layout gives the weights without their ".weight" (fused as it fuses them), for an int4 model to
+    take as they are; None for a Hugging Face directory or a file without 4-bit linear weights. A
+    linear of another type in such a file (the Q6_K ones of a Q4_K_M file, say) is quantized here from
+    its float32 values, so that a fused layer's parts all come as codes. Cached beside the file's
+    dequantized weights: the next start reads them without parsing the file."""
+    if path.is_dir():
+        return None
+    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
+    cache = root / f"int4-codes-{CODES_FORMAT}" / layout.name
+    if (cache / "codes-done").exists():
+        if (cache / "codes-done").read_text() == "none\n":
+            return None
+        return _unpack_codes(load_file(cache / "codes.safetensors"))
+    codes = _read_group_codes(path, layout)
+    cache.mkdir(parents=True, exist_ok=True)
+    if codes is not None:
+        save_file(_pack_codes(codes), cache / "codes.safetensors")
+    (cache / "codes-done").write_text("codes\n" if codes is not None else "none\n")  # last, as "done"
+    return codes
+
+
+def _pack_codes(codes: dict[str, GroupCodes]) -> dict[str, torch.Tensor]:
+    fields = ("nibbles", "scale", "lo")
+    return {f"{name}.{f}": getattr(g, f).contiguous() for name, g in codes.items() for f in fields}
+
+
+def _unpack_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupCodes]:
+    names = [key.removesuffix(".nibbles") for key in tensors if key.endswith(".nibbles")]
+    return {n: GroupCodes(tensors[f"{n}.nibbles"], tensors[f"{n}.scale"], tensors[f"{n}.lo"]) for n in names}
+
+
+def _read_group_codes(path: Path, layout: Layout) -> dict[str, GroupCodes] | None:
+    gguf = GGUFFile(path)
+    names = set(gguf.tensor_names())
+    config = hf_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
+    permuted = config["model_type"] in ("llama", "mistral")
+    codes: dict[str, GroupCodes] = {}
+    from_file = 0
+    for name in gguf.tensor_names():
+        if not name.startswith("blk."):
+            continue
+        _, idx, rest = name.split(".", 2)
+        hf = _GGUF_BLOCK_NAMES.get(rest, "")
+        if not hf.endswith("_proj.weight"):
+            continue
+        g = gguf.group_codes(name)
+        if g is None:
+            g = quantize_groups(torch.from_numpy(gguf.tensor(name)))
+        else:
+            from_file += 1
+        heads = {"attn_q.": "num_attention_heads", "attn_k.": "num_key_value_heads"}
+        for prefix, key in heads.items():
+            if permuted and rest.startswith(prefix):
+                g = GroupCodes(*(_unpermute(t, config[key]) for t in (g.nibbles, g.scale, g.lo)))
+        codes[f"layers.{idx}.{hf}"] = g
+    if not from_file:
+        return None
+    # The layout fuses each field as it fuses the weights (q/k/v, gate/up: rows concatenated).
+    fields = {
+        f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config)
+        for f in ("nibbles", "scale", "lo")
+    }
+    return {
+        name.removesuffix(".weight"): GroupCodes(b, fields["scale"][name], fields["lo"][name])
+        for name, b in fields["nibbles"].items()
+    }
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:

@@ -82,6 +82,7 @@ class Worker:
             calibration=self._calibration(config),
             smoothing_alpha=config.int8_smoothing,
             int4_activations=config.int4_activations,
+            int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
         )
         del loaded
         self.runner: ModelRunner | None = None
@@ -168,6 +169,7 @@ class Worker:
         path = self.source if name == "self" else catalog.resolve(name)
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
         loaded = registry.load_checkpoint(path, self.dtype, cache_dir)
+        four_bit = spec.draft_quantization == "int4"
         check_draft_vocabulary(self.tokenizer, loaded.tokenizer, name)
         model = registry.build(
             loaded.config,
@@ -177,6 +179,7 @@ class Worker:
             self.max_model_len,
             self.config.kernels,
             spec.draft_quantization,
+            int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
         )
         log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
                  time.perf_counter() - t0)  # fmt: skip

@@ -282,8 +282,6 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
   const bf16* xp = x.data_ptr<bf16>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   bf16* yp = y.data_ptr<bf16>();
-  std::vector<float> xsum(M * groups);
-  group_sums(xp, x.stride(0), M, K, xsum.data());
   if (M <= exact_rows && M > kDequantRows) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - r0);
@@ -296,6 +294,9 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
     }
     return y;
   }
+  // The minima's term needs each row's sum per group (the dequantized path above carries it in w).
+  std::vector<float> xsum(M * groups);
+  group_sums(xp, x.stride(0), M, K, xsum.data());
   if (M <= exact_rows) {
     // Each quad's values as (x0, x2), (x1, x3): the pairs the lookups give per lane.
     std::vector<uint32_t> pairs(M * K / 2);

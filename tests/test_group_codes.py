@@ -1,0 +1,161 @@
+"""A GGUF file's own 4-bit codes (weights/group_codes.py): decoded as the gguf package dequantizes
+them, fused and cut as the weights are, cached, and taken as they are by an int4 layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from tokenmill.models import registry
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.linear import QuantizedLinear
+from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_codes, shard_weights
+from tokenmill.models.parallel import Shard
+from tokenmill.models.parallel_linear import RowParallelLinear
+from tokenmill.models.rope import RotaryEmbedding
+from tokenmill.weights import loader
+from tokenmill.weights.gguf_file import GGUFFile
+from tokenmill.weights.group_codes import GroupCodes, codes_from_blocks, quantize_groups
+
+N, K = 8, 512
+
+
+def _blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    if qtype != Q.Q4_K:
+        return quantize(rng.standard_normal((N, K)).astype(np.float32), qtype)
+    # gguf cannot make Q4_K blocks: random ones, with the float16 d and dmin kept finite (no all-ones
+    # exponent: bit 2 of their high bytes cleared).
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(N, K // block, size), dtype=np.uint8)
+    raw[..., 1] &= 0xFB
+    raw[..., 3] &= 0xFB
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_codes_stand_for_exactly_what_gguf_dequantizes(qtype: Q) -> None:
+    raw = _blocks(qtype, np.random.default_rng(int(qtype)))
+    g = codes_from_blocks(raw, qtype, N, K)
+    assert g.q.dtype == torch.uint8 and int(g.q.max()) <= 15 and g.scale.shape == (N, K // 32)
+    np.testing.assert_array_equal(g.dequantize().numpy(), dequantize(raw, qtype).reshape(N, K))
+
+
+def test_only_4bit_tensors_have_codes(tmp_path: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    path = tmp_path / "two.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        w.add_tensor(qtype.name, quantize(x, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    assert f.group_codes("Q8_0") is None
+    g = f.group_codes("Q4_1")
+    assert g is not None and np.array_equal(g.dequantize().numpy(), f.tensor("Q4_1"))
+
+
+@pytest.mark.slow
+def test_embedded_files_codes_are_its_weights_fused_and_cached(model_path: Path, tmp_path: Path) -> None:
+    codes = registry.load_int4_codes(model_path, tmp_path)
+    assert codes is not None
+    loaded = registry.load_checkpoint(model_path, torch.float32, tmp_path)
+    linears = {k.removesuffix(".weight") for k in loaded.state_dict if k.endswith("_proj.weight")}
+    assert set(codes) == linears  # q/k/v and gate/up fused as the weights are
+    for name, g in codes.items():
+        # Unpermuted (q, k), fused and decoded, the codes are the dequantized file, bit for bit.
+        assert torch.equal(g.dequantize(), loaded.state_dict[f"{name}.weight"]), name
+    assert len(list(tmp_path.glob("*/int4-codes-*/*/codes-done"))) == 1
+    again = registry.load_int4_codes(model_path, tmp_path)  # from the cache
+    assert again is not None and again.keys() == codes.keys()
+    for name, g in codes.items():
+        h = again[name]
+        assert torch.equal(h.nibbles, g.nibbles) and torch.equal(h.scale, g.scale) and torch.equal(h.lo, g.lo)
+    assert loader.load_group_codes(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_4bit_layer_takes_given_codes_as_they_are(dtype: torch.dtype) -> None:
+    g = quantize_groups(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
+    lin = nn.Linear(96, 64, bias=False)
+    # The layer's own weight is something else: only the codes may decide what it computes.
+    lin.weight = nn.Parameter(torch.zeros(64, 96, dtype=dtype), requires_grad=False)
+    seen = []
+
+    def quant_for(bits, q, scale, lo):  # PyTorch's kernels then, after recording what it was given
+        seen.append((q, scale, lo))
+        return None
+
+    layer = QuantizedLinear(lin, 4, 4, quant_for, codes=g)
+    assert layer.from_codes
+    (q, scale, lo), *_ = seen
+    assert torch.equal(q, g.q) and torch.equal(scale, g.scale) and torch.equal(lo, g.lo)
+    # The copy for larger steps holds the codes' weights (bf16's is in oneDNN's layout where it packs).
+    copy = getattr(layer.wide, "weight", None)
+    if copy is not None:
+        assert torch.equal(copy, g.dequantize().to(dtype))
+    with pytest.raises(ValueError, match="do not fit"):
+        QuantizedLinear(lin, 4, 4, codes=quantize_groups(torch.randn(64, 64)))
+
+
+def _config(intermediate: int) -> ModelConfig:
+    return ModelConfig("llama", 50, 64, intermediate, 4, 4, 2, 16)
+
+
+def _codes_and_weights(cfg: ModelConfig) -> tuple[dict[str, GroupCodes], dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    shapes = {
+        "self_attn.qkv_proj": (cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads), cfg.hidden_size),
+        "self_attn.o_proj": (cfg.hidden_size, cfg.head_dim * cfg.num_heads),
+        "mlp.gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size),
+    }
+    codes = {
+        f"layers.{i}.{name}": quantize_groups(torch.randn(*shape, generator=gen))
+        for i in range(cfg.num_layers)
+        for name, shape in shapes.items()
+    }
+    weights = {f"{name}.weight": g.dequantize() for name, g in codes.items()}
+    for i in range(cfg.num_layers):
+        weights[f"layers.{i}.input_layernorm.weight"] = torch.ones(cfg.hidden_size)
+        weights[f"layers.{i}.post_attention_layernorm.weight"] = torch.ones(cfg.hidden_size)
+    weights["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    weights["lm_head.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    weights["norm.weight"] = torch.ones(cfg.hidden_size)
+    return codes, weights
+
+
+def _model(cfg: ModelConfig, shard: Shard) -> LlamaForCausalLM:
+    with _skip_init(), torch.device("meta"):
+        return LlamaForCausalLM(cfg, RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta, None, None), shard)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (1, 2)])
+def test_shards_codes_are_cut_as_their_weights_are(tp: int, pp: int) -> None:
+    cfg = _config(intermediate=128)
+    codes, weights = _codes_and_weights(cfg)
+    for rank in range(tp):
+        for stage in range(pp):
+            model = _model(cfg, Shard.of(cfg, tp, rank, pp, stage))
+            part, cut = shard_codes(model, codes), shard_weights(model, weights)
+            assert {f"{n}.weight" for n in part} == {k for k in cut if k.endswith("_proj.weight")}
+            for name, g in part.items():
+                assert torch.equal(g.dequantize(), cut[f"{name}.weight"]), (rank, stage, name)
+
+
+def test_a_cut_through_a_group_leaves_that_layer_to_be_quantized() -> None:
+    cfg = _config(intermediate=96)  # two ranks' down_proj columns split at 48, inside a group of 32
+    codes, weights = _codes_and_weights(cfg)
+    model = _model(cfg, Shard.of(cfg, 2, 1, 1, 0))
+    part = shard_codes(model, codes)
+    assert isinstance(model.get_submodule("layers.0.mlp.down_proj"), RowParallelLinear)
+    assert "layers.0.mlp.down_proj" not in part and "layers.0.self_attn.o_proj" in part
