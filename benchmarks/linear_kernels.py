@@ -3,15 +3,18 @@ precision's layers built as the model builds them (the fused ops' kernels, the o
 against bf16 in the same run.
 
 - bf16: oneDNN-packed linears with their few-row panel kernel (PackedLinear).
-- int4: QuantizedLinear, 4-bit layers and an 8-bit head (its bf16 copy above 4 rows); with the 4-bit
-  panels (AVX512-BF16 without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's
-  int4 matmul up to 4 rows and a bf16 copy above.
+- int4: QuantizedLinear, 4-bit layers and an 8-bit head; with the 4-bit and 8-bit panels (AVX512-BF16
+  without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
+  up to 4 rows and a bf16 copy above.
 - int4a8: the same with int4_activations="int8" (W4A8 above 4 rows, where the 4-bit panels run).
 - int8: Int8Linear (W8A8).
 
 A decode step of M streams runs these matmuls at M rows; a prompt chunk at its token count.
 
-    python benchmarks/linear_kernels.py [--rows 1,4,8,32,64,256,512] [--reps 5]
+    python benchmarks/linear_kernels.py [--rows 1,4,8,32,64,256,512] [--reps 5] [--head]
+
+`--head`: the output head alone (49152 x 576): bf16 is then what int4's 8-bit head used to run above 4
+rows (its dequantized copy, packed as a bf16 linear is), int4 the 8-bit panels without that copy.
 """
 
 from __future__ import annotations
@@ -35,16 +38,16 @@ from machine import cpu_description  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def time_ms(mods: list[nn.Module], rows: int, reps: int) -> float:
+def time_ms(mods: list[nn.Module], shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
     """The best of `reps` sweeps through every layer (each layer's input freshly random per sweep would
     cost more than the small matmuls; one input per width is reused)."""
     xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
-    for m, (_, i) in zip(mods, SHAPES, strict=True):
+    for m, (_, i) in zip(mods, shapes, strict=True):
         m(xs[i])
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        for m, (_, i) in zip(mods, SHAPES, strict=True):
+        for m, (_, i) in zip(mods, shapes, strict=True):
             m(xs[i])
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
@@ -54,33 +57,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4,5,8,16,32,64,128,256,512")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--head", action="store_true", help="the output head alone")
     args = ap.parse_args()
+    shapes = SHAPES[-1:] if args.head else SHAPES
     print(cpu_description())
     ops = get_ops("cpu", "cpu")
     torch.manual_seed(0)
-    plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in SHAPES]
+    plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in shapes]
     quant_a8 = functools.partial(ops.quantized_matmul_for, int8_activations=True)
     configs: dict[str, list[nn.Module]] = {
         "bf16": [PackedLinear(m, ops.small_matmul_for(m.weight.detach())) for m in plain],
         "int4": [
             QuantizedLinear(m, 8 if o == 49152 else 4, 4, ops.quantized_matmul_for, ops.small_matmul_for)
-            for m, (o, _) in zip(plain, SHAPES, strict=True)
+            for m, (o, _) in zip(plain, shapes, strict=True)
         ],
         "int4a8": [
             QuantizedLinear(m, 8 if o == 49152 else 4, 4, quant_a8, ops.small_matmul_for)
-            for m, (o, _) in zip(plain, SHAPES, strict=True)
+            for m, (o, _) in zip(plain, shapes, strict=True)
         ],
         "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
     }
-    q4 = configs["int4"][0]
-    path = "4-bit panels at every row count" if q4.max_rows is None else "bf16 copy above 4 rows"
-    print(f"int4 layers: {path}")
+    for label, layer in (("int4 layers", configs["int4"][0]), ("int4's 8-bit head", configs["int4"][-1])):
+        path = "panels at every row count" if layer.max_rows is None else "bf16 copy above 4 rows"
+        print(f"{label}: {path}")
     names = list(configs)
     header = " ".join(f"{n + ' ms':>9}" for n in names) + " " + " ".join(f"{n:>6}" for n in names[1:])
     print(f"{'rows':>5} {header}")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            ms = [time_ms(configs[n], rows, args.reps) for n in names]
+            ms = [time_ms(configs[n], shapes, rows, args.reps) for n in names]
             ratios = " ".join(f"{ms[0] / t:5.2f}x" for t in ms[1:])
             print(f"{rows:5d} " + " ".join(f"{t:9.2f}" for t in ms) + " " + ratios)
 

@@ -538,8 +538,32 @@ def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
     w = q.double() * scale.double()[:, None]
     atol = k * 2**-23 * float((x.double().abs() @ w.abs().T).max())
     check(out, x.double() @ w.T, atol=atol)
-    with pytest.raises(RuntimeError, match="up to 4 rows"):
-        kernel(torch.zeros(5, k, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [5, 33, 300])
+@pytest.mark.parametrize(("n", "k"), [(49152 // 16, 576), (37, 64)])
+def test_q8_panels_dequantized_above_4_rows(kernels, rows: int, n: int, k: int) -> None:
+    """Above 4 rows each 8-bit panel is dequantized to bf16 (q * scale rounded to nearest even, as
+    PyTorch rounds) and the bf16 dot loops run over it: the same bits as the bf16 panel matmul over
+    those weights (the copy the layer held before), so no copy is needed. 300 rows cross the kernel's
+    256-row sweeps; rows strided as a fused slice."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import PanelMatmul, Q8Panels
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    out = Q8Panels(kernels, q, scale)(x)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    w = (q.float() * scale[:, None]).to(torch.bfloat16)
+    copy = PanelMatmul(kernels, w, brgemm=False)
+    for r0 in range(0, rows, copy.max_rows):  # the copy's kernel takes up to 256 rows a call
+        assert torch.equal(out[r0 : r0 + copy.max_rows], copy(x[r0 : r0 + copy.max_rows]))
+    exact = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    assert bool(((out.double() - exact).abs() <= k * 2**-23 * magnitude + 2**-8 * exact.abs()).all())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 256])

@@ -79,6 +79,27 @@ def test_the_4bit_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
         assert gap <= bound, (rows, gap)
 
 
+def test_the_8bit_panels_take_every_step_and_the_layer_keeps_no_bf16_copy() -> None:
+    """The int4 model's 8-bit output head, where its panels run: steps of any size go to them (each
+    panel dequantized to bf16 above 4 rows) and the layer holds no copy; its answers stay within bf16
+    rounding of the copy's (the kernel's column scales are bf16, the copy's float32)."""
+    from tokenmill.models.ops import get_ops
+
+    ops = get_ops("cpu", "cpu")
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
+    fast = QuantizedLinear(lin, bits=8, max_rows=4, quant_for=ops.quantized_matmul_for)
+    if fast.small is None:
+        pytest.skip("no 8-bit panel kernel on this CPU (needs AVX512-BF16, used without AMX)")
+    assert fast.max_rows is None and fast.wide is None
+    ref = QuantizedLinear(lin, bits=8, max_rows=4)
+    for rows in (5, 64, 300):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        a, wide = fast(x).float(), ref.wide(x).float()
+        gap = float((a - wide).abs().max()) / float(wide.abs().max())
+        assert gap <= 2**-6, (rows, gap)
+
+
 @pytest.mark.parametrize("rows", [5, 32, 256])
 def test_the_bf16_copy_takes_the_few_row_kernel_above_max_rows(rows: int) -> None:
     """Above max_rows a quantized layer runs its dequantized bf16 copy; given `small_for`, that copy has

@@ -202,11 +202,12 @@ class Q4Panels:
 
 
 class Q8Panels:
-    """x @ W^T for up to 4 bfloat16 rows with W as int8 codes and a scale per output column (weight-only,
-    the int4 model's output head), by kernels/csrc/panel_q8.cpp over the codes in the bf16 panel layout
-    (AVX512-BF16 builds only)."""
+    """x @ W^T for any number of bfloat16 rows with W as int8 codes and a scale per output column
+    (weight-only, the int4 model's output head), by kernels/csrc/panel_q8.cpp over the codes in the bf16
+    panel layout (AVX512-BF16 builds only): exact products up to 4 rows; above, each panel dequantized to
+    bf16 once per sweep of 256 rows, so the layer needs no bf16 copy."""
 
-    max_rows = 4
+    max_rows: int | None = None  # every row count
 
     def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, q.shape[0]

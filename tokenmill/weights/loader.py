@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,9 +187,13 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
         return _unpack_codes(load_file(cache / "codes.safetensors"))
     codes = _read_group_codes(path, layout)
     cache.mkdir(parents=True, exist_ok=True)
+    # Each file whole or absent: the ranks of a tensor-parallel engine load at the same time.
+    mine = f".{os.getpid()}.tmp"
     if codes is not None:
-        save_file(_pack_codes(codes), cache / "codes.safetensors")
-    (cache / "codes-done").write_text("codes\n" if codes is not None else "none\n")  # last, as "done"
+        save_file(_pack_codes(codes), cache / f"codes.safetensors{mine}")
+        os.replace(cache / f"codes.safetensors{mine}", cache / "codes.safetensors")
+    (cache / f"codes-done{mine}").write_text("codes\n" if codes is not None else "none\n")
+    os.replace(cache / f"codes-done{mine}", cache / "codes-done")  # last, as "done" is
     return codes
 
 

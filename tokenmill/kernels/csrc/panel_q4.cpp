@@ -223,17 +223,24 @@ inline void with_rows4(int64_t rows, const F& f) {
   }
 }
 
-// Per row and group of 32: the sum of the bf16 values (float32, in order), and for the int8 path the
-// codes round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros).
+// Per row and group of 32: the sum of the bf16 values in float32, and for the int8 path the codes
+// round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros).
+// The sums go 16 lanes wide, then across the lanes: a fixed order, so a row's sums do not depend on the
+// rows beside it. (Summed one value after another they were a chain of dependent adds: at 32 rows ~2 ms
+// of a step over SmolLM2-135M's 120 layers, single-threaded.)
 void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
   const int64_t groups = K / kGroup;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const bf16* xg = x + m * xs + g * kGroup;
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) s += static_cast<float>(xg[i]);
-      xsum[m * groups + g] = s;
-    }
+  auto f32x16 = [](const bf16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  };
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const bf16* xg = x + m * xs + g * kGroup;
+        xsum[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(f32x16(xg), f32x16(xg + 16)));
+      }
+  });
 }
 
 void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa) {
