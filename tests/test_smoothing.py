@@ -12,9 +12,11 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.isa import all_levels
@@ -24,7 +26,14 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import int8_matmuls_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.parallel import Shard
-from tokenmill.models.smoothing import CALIBRATION_TOKENS, calibration_chunks, calibration_text, factors
+from tokenmill.models.smoothing import (
+    CALIBRATION_TOKENS,
+    Calibration,
+    calibration_chunks,
+    calibration_text,
+    factors,
+    maxima_key,
+)
 
 # Qwen2-like: biases on q/k/v, 4 query heads on 2 kv heads; and a Llama with a tied output head.
 CFG = ModelConfig("qwen2", 64, 32, 48, 2, 4, 2, 8, attention_bias=True)
@@ -73,6 +82,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 CHUNKS = [tokens(40, 1), tokens(40, 2)]
+CALIBRATION = Calibration.of(CHUNKS)  # measured at every build: no cache
 PROMPT = tokens(24, 3)
 DECODED = 4  # the prompt's last tokens, fed one decode step each
 
@@ -140,7 +150,7 @@ def test_smoothing_leaves_the_bf16_model_bit_for_bit(kernels: str, cfg: ModelCon
     sd = weights(cfg)
     loaded = {k: v.clone() for k, v in sd.items()}
     plain = build(sd, cfg, ops=kernels)
-    smoothed = build(sd, cfg, ops=kernels, calibration=CHUNKS, smoothing_alpha=0.7)
+    smoothed = build(sd, cfg, ops=kernels, calibration=CALIBRATION, smoothing_alpha=0.7)
     assert smoothed.smoothed_alpha == 0.7 and plain.smoothed_alpha is None
     # The folds did move the norms (the linears' folds: test_every_fold_moves_its_weights).
     assert not torch.equal(smoothed.layers[0].input_layernorm.weight, sd["layers.0.input_layernorm.weight"])
@@ -207,7 +217,7 @@ def test_tensor_parallel_ranks_smooth_together_bit_for_bit() -> None:
             TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=shard, comm=comm, **kw
         )  # type: ignore[arg-type]
 
-    smoothed = on_ranks(2, lambda r, c: build_rank(r, c, calibration=CHUNKS, smoothing_alpha=0.7))
+    smoothed = on_ranks(2, lambda r, c: build_rank(r, c, calibration=CALIBRATION, smoothing_alpha=0.7))
     plain = on_ranks(2, lambda r, c: build_rank(r, c))
     assert all(m.smoothed_alpha == 0.7 for m in smoothed)
     a, b = smoothed
@@ -234,7 +244,7 @@ def test_every_fold_moves_its_weights(cfg: ModelConfig) -> None:
     reach the q/k/v and gate/up columns, the up rows' reach the down columns, the final norm's reach
     the head; o_proj and the embedding are left as loaded."""
     sd = {k: v.float() for k, v in weights(cfg).items()}
-    m = build(sd, cfg, dtype=torch.float32, ops="torch", calibration=CHUNKS, smoothing_alpha=0.7)
+    m = build(sd, cfg, dtype=torch.float32, ops="torch", calibration=CALIBRATION, smoothing_alpha=0.7)
     layer, inter = m.layers[0], 48
     moved = {
         "self_attn.qkv_proj.weight": layer.self_attn.qkv_proj.weight,
@@ -262,13 +272,13 @@ def test_smoothed_int8_is_nearer_the_float32_reference() -> None:
 
     # At the default strength; measured 0.089 against 0.140 (bf16 alone: 0.015) on AMD Zen 4.
     unsmoothed = error()
-    smoothed = error(calibration=CHUNKS, smoothing_alpha=EngineConfig().int8_smoothing)
+    smoothed = error(calibration=CALIBRATION, smoothing_alpha=EngineConfig().int8_smoothing)
     assert smoothed < 0.75 * unsmoothed, (smoothed, unsmoothed)
 
 
 def test_models_that_cannot_be_smoothed_are_quantized_unsmoothed(caplog: pytest.LogCaptureFixture) -> None:
     """float16 cannot hold factors up to 2^16: the load says so and goes on unsmoothed."""
-    model = build(weights(), dtype=torch.float16, ops="torch", calibration=CHUNKS, smoothing_alpha=0.7)
+    model = build(weights(), dtype=torch.float16, ops="torch", calibration=CALIBRATION, smoothing_alpha=0.7)
     assert model.smoothed_alpha is None
     assert "not smoothed" in caplog.text and "float16" in caplog.text
 
@@ -277,4 +287,62 @@ def test_smoothing_strength_is_checked() -> None:
     with pytest.raises(ValueError, match="int8_smoothing"):
         EngineConfig(quantization="int8", int8_smoothing=1.5)
     with pytest.raises(ValueError, match="alpha"):
-        build(weights(outliers=False), calibration=CHUNKS, smoothing_alpha=1.0)
+        build(weights(outliers=False), calibration=CALIBRATION, smoothing_alpha=1.0)
+
+
+def test_cached_maxima_smooth_as_measured_ones(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The second load of the same weights takes the maxima from the cache (the chunks are not even
+    made) and gets the same smoothed weights bit for bit; a cache file that is damaged or does not fit
+    the model is measured again, with a warning, and replaced."""
+    made: list[int] = []
+
+    def chunks() -> list[list[int]]:
+        made.append(1)
+        return CHUNKS
+
+    cal = Calibration(chunks, tmp_path)
+    sd = {k: v.float() for k, v in weights(TIED).items()}  # float32: the linears' weights stay readable
+
+    def load() -> torch.nn.Module:
+        return build(sd, TIED, dtype=torch.float32, ops="torch", calibration=cal, smoothing_alpha=0.7)
+
+    measured = load()
+    (cached_file,) = tmp_path.glob("int8-maxima-*.safetensors")
+    assert cached_file.name == f"int8-maxima-{maxima_key(measured)}.safetensors" and len(made) == 1
+    cached = load()
+    assert len(made) == 1 and cached.smoothed_alpha == 0.7
+    assert same_weights(measured, cached)
+    for damage in (b"not a safetensors file", None):
+        if damage is None:  # a readable file with one linear short
+            save_file({"lm_head": torch.ones(3)}, cached_file)
+        else:
+            cached_file.write_bytes(damage)
+        again = load()
+        assert len(made) == 3 - (damage is not None) and "measuring again" in caplog.text
+        assert same_weights(measured, again)
+        caplog.clear()
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_maxima_key_names_what_the_maxima_depend_on() -> None:
+    """Another rank's shard, dtype or kernel build measures other maxima, so each has its own file."""
+    sd = weights(TIED)
+    base = build_model(TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch")
+    others = [
+        build_model(
+            TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=Shard.of(TIED, 2, 1, 1, 0)
+        ),
+        build_model(TIED, sd, torch.float32, torch.device("cpu"), 64, "torch"),
+        build_model(TIED, sd, torch.bfloat16, torch.device("cpu"), 64, KERNELS[-1]),
+    ]
+    if KERNELS[-1] == "torch":
+        others.pop()  # no kernel build runs on this CPU
+    keys = {maxima_key(m) for m in [base, *others]}
+    assert len(keys) == 1 + len(others)
+    assert maxima_key(build_model(TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch")) == maxima_key(
+        base
+    )

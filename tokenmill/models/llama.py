@@ -28,7 +28,7 @@ from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
-from tokenmill.models.smoothing import smooth_model, why_not_smoothable
+from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
 from tokenmill.weights.group_codes import GroupCodes
 
 log = logging.getLogger(__name__)
@@ -322,13 +322,13 @@ def build_model(
     quantization: str | None = None,
     shard: Shard | None = None,
     comm: Collectives | None = None,
-    calibration: list[list[int]] | None = None,
+    calibration: Calibration | None = None,
     smoothing_alpha: float = 0.7,
     int4_activations: str = "bf16",
     int4_codes: dict[str, GroupCodes] | None = None,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
-    the given ones, cut to the shard. `calibration`: token chunks to smooth the activations on before
+    the given ones, cut to the shard. `calibration`: what to smooth the activations on before
     quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
     int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
     int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
@@ -350,7 +350,7 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
-    if calibration:
+    if calibration is not None:
         # Before any weight is quantized or packed: the factors are folded into plain weights.
         reason = why_not_smoothable(model)
         if quantization == "int8" and not int8_matmuls_available(device):

@@ -107,8 +107,22 @@ def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
 
 def _cached(path: Path, cache_dir: Path | None) -> list[Path]:
     """The complete caches of a GGUF file (any dtype, any layout): each holds its config and tokenizer."""
-    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
+    root = weights_cache_root(path, cache_dir)
     return [done.parent for done in sorted(root.glob("*/*/done"))]
+
+
+def weights_cache_root(path: Path, cache_dir: Path | None) -> Path:
+    """The cache folder of one checkpoint's weights as they are now, for what is derived from them (the
+    dequantized tensors and 4-bit codes of a GGUF file; int8's calibration maxima, models/smoothing.py).
+    Keyed by the file, or for a Hugging Face directory by its files' sizes and times: a changed
+    checkpoint gets a new folder."""
+    root = cache_dir or default_cache_dir()
+    if not path.is_dir():
+        return _cache_path(path, torch.float32, root).parent
+    files = sorted(f for f in path.iterdir() if f.is_file())
+    stats = [f"{f.name}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]
+    key = "|".join([str(path.resolve()), *stats, str(CACHE_FORMAT)])
+    return root / f"{path.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
@@ -179,8 +193,7 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     dequantized weights: the next start reads them without parsing the file."""
     if path.is_dir():
         return None
-    root = _cache_path(path, torch.float32, cache_dir or default_cache_dir()).parent
-    cache = root / f"int4-codes-{CODES_FORMAT}" / layout.name
+    cache = weights_cache_root(path, cache_dir) / f"int4-codes-{CODES_FORMAT}" / layout.name
     if (cache / "codes-done").exists():
         if (cache / "codes-done").read_text() == "none\n":
             return None

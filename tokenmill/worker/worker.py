@@ -17,8 +17,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
-from tokenmill.models.smoothing import calibration_chunks
+from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
+from tokenmill.weights.loader import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
@@ -88,12 +89,15 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
 
-    def _calibration(self, config: EngineConfig) -> list[list[int]] | None:
-        """The token chunks int8's smoothing calibrates on (models/smoothing.py), when it is asked for
-        (build_model decides whether this model can be smoothed)."""
+    def _calibration(self, config: EngineConfig) -> Calibration | None:
+        """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (build_model
+        decides whether this model can be smoothed), with the maxima kept beside the weights' cache."""
         if config.quantization != "int8" or not config.int8_smoothing:
             return None
-        return calibration_chunks(self.tokenizer.encode_text)
+        tokenizer, cache_dir = self.tokenizer, Path(config.cache_dir) if config.cache_dir else None
+        return Calibration(
+            lambda: calibration_chunks(tokenizer.encode_text), weights_cache_root(self.source, cache_dir)
+        )
 
     def _weights_label(self) -> str | None:
         """The weight precision as far as it changes the keys and values: the quantization, and for
