@@ -519,6 +519,16 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
         assert torch.equal(kernels.q4_matmul(rows5, panels, n, 4)[0 if r >= 4 else r], out[r])
 
 
+def q8_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Random int8 codes with one scale per column, as the int4 model's output head holds them, and bf16
+    rows strided as a fused slice."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    return q, scale, x
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), [(49152 // 16, 576), (37, 64)])
 def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
@@ -528,10 +538,7 @@ def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
         pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
     from tokenmill.models.ops import Q8Panels
 
-    g = torch.Generator().manual_seed(rows * n + k)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
-    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    q, scale, x = q8_case(rows, n, k)
     kernel = Q8Panels(kernels, q, scale)
     out = kernel(x)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
@@ -551,10 +558,7 @@ def test_q8_panels_dequantized_above_4_rows(kernels, rows: int, n: int, k: int) 
         pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
     from tokenmill.models.ops import PanelMatmul, Q8Panels
 
-    g = torch.Generator().manual_seed(rows * n + k)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
-    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    q, scale, x = q8_case(rows, n, k)
     out = Q8Panels(kernels, q, scale)(x)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     w = (q.float() * scale[:, None]).to(torch.bfloat16)

@@ -52,13 +52,17 @@ def test_panel_kernels_agree_with_pytorchs_quantized_matmuls(bits: int) -> None:
         assert max(gaps) <= 2**-6, (rows, gaps)
 
 
-@pytest.mark.parametrize(("int8_activations", "bound"), [(False, 2**-6), (True, 2**-5)])
-def test_the_4bit_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
-    int8_activations: bool, bound: float
+@pytest.mark.parametrize(
+    ("bits", "int8_activations", "bound"), [(4, False, 2**-6), (4, True, 2**-5), (8, False, 2**-6)]
+)
+def test_the_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
+    bits: int, int8_activations: bool, bound: float
 ) -> None:
-    """Where the 4-bit panels run, a bf16 layer sends steps of any size to them and holds no dequantized
-    copy: with bf16 activations its answers stay within bf16 rounding of the copy's (measured 0.4-0.8%
-    of the largest output), with int8 activations above 4 rows within their rounding too (1.0-1.1%)."""
+    """Where the panels run, a bf16 layer sends steps of any size to them and holds no dequantized copy.
+    4 bits: with bf16 activations its answers stay within bf16 rounding of the copy's (measured 0.4-0.8%
+    of the largest output), with int8 activations above 4 rows within their rounding too (1.0-1.1%).
+    8 bits (the int4 model's output head; each panel dequantized to bf16 above 4 rows): within bf16
+    rounding of the copy's (the kernel's column scales are bf16, the copy's float32)."""
     import functools
 
     from tokenmill.models.ops import get_ops
@@ -67,37 +71,16 @@ def test_the_4bit_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
     torch.manual_seed(0)
     lin = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
     quant_for = functools.partial(ops.quantized_matmul_for, int8_activations=int8_activations)
-    fast = QuantizedLinear(lin, bits=4, max_rows=4, quant_for=quant_for)
+    fast = QuantizedLinear(lin, bits=bits, max_rows=4, quant_for=quant_for)
     if fast.small is None:
-        pytest.skip("no 4-bit panel kernel on this CPU (needs AVX512-BF16, used without AMX)")
+        pytest.skip(f"no {bits}-bit panel kernel on this CPU (needs AVX512-BF16, used without AMX)")
     assert fast.max_rows is None and fast.wide is None
-    ref = QuantizedLinear(lin, bits=4, max_rows=4)
+    ref = QuantizedLinear(lin, bits=bits, max_rows=4)
     for rows in (5, 64, 300):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         a, wide = fast(x).float(), ref.wide(x).float()
         gap = float((a - wide).abs().max()) / float(wide.abs().max())
         assert gap <= bound, (rows, gap)
-
-
-def test_the_8bit_panels_take_every_step_and_the_layer_keeps_no_bf16_copy() -> None:
-    """The int4 model's 8-bit output head, where its panels run: steps of any size go to them (each
-    panel dequantized to bf16 above 4 rows) and the layer holds no copy; its answers stay within bf16
-    rounding of the copy's (the kernel's column scales are bf16, the copy's float32)."""
-    from tokenmill.models.ops import get_ops
-
-    ops = get_ops("cpu", "cpu")
-    torch.manual_seed(0)
-    lin = nn.Linear(576, 1536, bias=True).to(torch.bfloat16)
-    fast = QuantizedLinear(lin, bits=8, max_rows=4, quant_for=ops.quantized_matmul_for)
-    if fast.small is None:
-        pytest.skip("no 8-bit panel kernel on this CPU (needs AVX512-BF16, used without AMX)")
-    assert fast.max_rows is None and fast.wide is None
-    ref = QuantizedLinear(lin, bits=8, max_rows=4)
-    for rows in (5, 64, 300):
-        x = torch.randn(rows, 576).to(torch.bfloat16)
-        a, wide = fast(x).float(), ref.wide(x).float()
-        gap = float((a - wide).abs().max()) / float(wide.abs().max())
-        assert gap <= 2**-6, (rows, gap)
 
 
 @pytest.mark.parametrize("rows", [5, 32, 256])
