@@ -55,3 +55,30 @@ def test_a_users_malloc_environment_wins(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert allocator.keep_freed_memory() is False
+
+
+RELEASE_CHILD = r"""
+import torch
+from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 >> 20
+assert keep_freed_memory()
+held = [torch.ones(1 << 20) for _ in range(200)]  # 800 MB in 4 MB blocks, below the mmap threshold
+start = rss_mib()
+del held
+kept = rss_mib()
+assert release_freed_memory()
+print(start, kept, rss_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim is a Linux matter")
+def test_the_loads_transients_are_handed_back() -> None:
+    """A load's freed transients stay resident under keep_freed_memory until release_freed_memory."""
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_CHILD], capture_output=True, text=True, check=True, timeout=120
+    )
+    start, kept, released = map(int, out.stdout.split())
+    assert kept > start - 100, (start, kept)  # kept: the thresholds hold freed heap resident
+    assert released < kept - 600, (start, kept, released)

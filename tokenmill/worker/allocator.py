@@ -56,3 +56,20 @@ def keep_freed_memory() -> bool:
         log.debug("mallopt refused a setting; malloc keeps its defaults for those")
     _applied = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel once (glibc's malloc_trim), after the model is
+    loaded: quantizing, smoothing and packing free hundreds of MB of transients, which the thresholds
+    above would otherwise keep resident for good. A step's activations take what they need back on the
+    first steps and keep it from then on. True if it ran."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # musl and others
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -20,7 +20,7 @@ from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
 from tokenmill.weights.loader import weights_cache_root
-from tokenmill.worker.allocator import keep_freed_memory
+from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
 from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
@@ -86,6 +86,8 @@ class Worker:
             int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
         )
         del loaded
+        if self.device.type == "cpu":
+            release_freed_memory()  # the load's transients (worker/allocator.py)
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
 
@@ -185,6 +187,9 @@ class Worker:
             spec.draft_quantization,
             int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
         )
+        del loaded
+        if self.device.type == "cpu":
+            release_freed_memory()
         log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
                  time.perf_counter() - t0)  # fmt: skip
         return DraftModelProposer(
