@@ -17,6 +17,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.linear import int8_matmuls_available
 from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_weights
 from tokenmill.models.parallel import Shard, split_range
 from tokenmill.models.rope import RotaryEmbedding
@@ -179,6 +180,26 @@ def test_tensor_parallel_qwen2_with_biases_against_transformers(tp: int, tmp_pat
     assert c.token_ids == ref_tokens
     for lp, ref in zip(c.logprobs, ref_lps, strict=True):
         assert abs(lp.logprob - float(ref[lp.token_id])) < 1e-3
+
+
+@pytest.mark.slow
+def test_int8_pipeline_stages_are_smoothed_as_one_process(tmp_path: Path) -> None:
+    """int8's smoothing across two pipeline stages: the second stage calibrates on the first's output,
+    so the stages answer as one smoothed process does, bit for bit (an empty cache: both measure)."""
+    opts = dict(quantization="int8", max_model_len=512, max_num_batched_tokens=32, cache_dir=str(tmp_path))
+    results, labels = [], []
+    for pp in (1, 2):
+        llm = LLM(**opts, pipeline_parallel_size=pp)
+        try:
+            results.append(run(llm))
+            labels.append(llm.engine.info["weights_label"])
+        finally:
+            llm.engine.shutdown()
+    one, stages = results
+    assert stages == one
+    if int8_matmuls_available(torch.device("cpu")):  # else int8 keeps bf16 weights: nothing to smooth
+        assert labels == ["int8-smoothed-0.7"] * 2
+        assert len(list(tmp_path.glob("*/int8-maxima-*.safetensors"))) == 3  # the whole model, 2 stages
 
 
 @pytest.mark.slow

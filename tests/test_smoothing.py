@@ -7,6 +7,7 @@ is in tests/test_quantization_accuracy.py."""
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import threading
@@ -170,7 +171,9 @@ class ThreadRanks:
     concatenates the same tensors in the same order, so all get the same bits."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.slots, self.barrier = size, [torch.empty(0)] * size, threading.Barrier(size)
+        # A rank left waiting (a collective the others skipped) fails the test instead of hanging it.
+        self.size, self.slots = size, [torch.empty(0)] * size
+        self.barrier = threading.Barrier(size, timeout=60)
 
     def rank(self, r: int) -> object:
         ranks = self
@@ -187,6 +190,9 @@ class ThreadRanks:
                     r, t, lambda parts: torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], -1)
                 )
 
+            def any_rank(self, flag: bool) -> bool:
+                return bool(ranks.exchange(r, torch.tensor([flag]), lambda parts: torch.stack(parts).any()))
+
         return Rank()
 
     def exchange(
@@ -197,6 +203,42 @@ class ThreadRanks:
         out = combine(list(self.slots))
         self.barrier.wait()  # every rank has read the slots before any writes its next
         return out
+
+
+class ThreadStages:
+    """Pipeline stages in threads of this process (tensor parallelism 1): activations handed on through
+    queues, and the one engine-wide decision (any_rank) through ThreadRanks' exchange."""
+
+    def __init__(self, size: int) -> None:
+        self.ranks = ThreadRanks(size)
+        self.queues = [queue.Queue() for _ in range(size)]
+
+    def rank(self, r: int) -> object:
+        stages, everyone = self, self.ranks.rank(r)
+
+        class Stage:
+            tp_size = 1
+
+            def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+                return t
+
+            def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+                return t
+
+            def any_rank(self, flag: bool) -> bool:
+                return everyone.any_rank(flag)  # type: ignore[attr-defined]
+
+            def send_activations(self, t: torch.Tensor) -> None:
+                stages.queues[r + 1].put(t.clone())
+
+            def recv_activations(
+                self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+            ) -> torch.Tensor:
+                t = stages.queues[r].get(timeout=60)
+                assert t.shape == shape and t.dtype == dtype
+                return t
+
+        return Stage()
 
 
 def on_ranks(size: int, fn: Callable[[int, object], torch.nn.Module | torch.Tensor]) -> list:
@@ -346,3 +388,62 @@ def test_maxima_key_names_what_the_maxima_depend_on() -> None:
     assert maxima_key(build_model(TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch")) == maxima_key(
         base
     )
+
+
+def test_pipeline_stages_calibrate_together_as_the_whole_model() -> None:
+    """Two pipeline stages in threads: the second calibrates on the first's output for each chunk, so
+    the stages' smoothed weights are the whole model's, layer for layer, bit for bit (in float32, whose
+    linears stay readable); the head and final norm are the last stage's."""
+    sd = {k: v.float() for k, v in weights(TIED).items()}
+
+    def stage(r: int, comm: object) -> torch.nn.Module:
+        return build_model(
+            TIED, sd, torch.float32, torch.device("cpu"), 64, "torch", shard=Shard.of(TIED, 1, 0, 2, r),
+            comm=comm, calibration=CALIBRATION, smoothing_alpha=0.7,
+        )  # type: ignore[arg-type]  # fmt: skip
+
+    stages = ThreadStages(2)
+    with ThreadPoolExecutor(2) as pool:
+        first, last = pool.map(lambda r: stage(r, stages.rank(r)), range(2))
+    whole = build(sd, TIED, dtype=torch.float32, ops="torch", calibration=CALIBRATION, smoothing_alpha=0.7)
+    assert first.smoothed_alpha == last.smoothed_alpha == 0.7
+    want = whole.state_dict()
+    for model, offset in ((first, 0), (last, 1)):
+        for name, t in model.state_dict().items():
+            if name.startswith("layers."):
+                i, rest = name.removeprefix("layers.").split(".", 1)
+                name = f"layers.{int(i) + offset}.{rest}"
+            assert torch.equal(t, want[name]), name
+    assert not torch.equal(last.layers[0].input_layernorm.weight, sd["layers.1.input_layernorm.weight"])
+
+
+def test_ranks_measure_together_when_one_lacks_the_cached_maxima(tmp_path: Path) -> None:
+    """Two tensor-parallel ranks, one of whose cached maxima is gone: both measure again (a rank that
+    took its file would leave the other waiting in the measuring forward's collectives), and the
+    result is the same weights."""
+    made: list[int] = []
+
+    def chunks() -> list[list[int]]:
+        made.append(1)
+        return CHUNKS
+
+    cal = Calibration(chunks, tmp_path)
+    sd = weights(TIED)
+
+    def load() -> list[torch.nn.Module]:
+        return on_ranks(
+            2,
+            lambda r, c: build_model(
+                TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=Shard.of(TIED, 2, r, 1, 0),
+                comm=c, calibration=cal, smoothing_alpha=0.7,
+            ),  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    measured = load()
+    files = sorted(tmp_path.glob("int8-maxima-*.safetensors"))
+    assert len(files) == 2 and len(made) == 2  # one file per rank: their down_proj channels differ
+    load()
+    assert len(made) == 2
+    files[1].unlink()
+    again = load()
+    assert len(made) == 4 and all(same_weights(a, b) for a, b in zip(measured, again, strict=True))

@@ -213,7 +213,7 @@ class EngineConfig:
         0.7,
         help="with quantization int8: SmoothQuant's migration strength alpha (0-1), the share of each "
         "activation channel's range moved into the weights, calibrated at load on a text shipped with "
-        "Python; 0 quantizes unsmoothed",
+        "Python (the maxima are cached beside the weights for later starts); 0 quantizes unsmoothed",
     )
     int4_activations: str = setting(
         "bf16",

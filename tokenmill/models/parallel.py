@@ -82,13 +82,24 @@ class Shard:
 
 
 class Collectives(Protocol):
-    """The two collectives a tensor-parallel model needs (the worker's ParallelState provides them)."""
+    """The collectives a parallel model needs (the worker's ParallelState provides them): the two of
+    tensor parallelism, and what int8's calibration needs across pipeline stages (models/smoothing.py)."""
 
     tp_size: int
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor: ...
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank of the engine (every stage's): a decision all take."""
+        ...
+
+    def send_activations(self, t: torch.Tensor) -> None: ...
+
+    def recv_activations(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor: ...
 
 
 class NoCollectives:
@@ -99,6 +110,17 @@ class NoCollectives:
 
     def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         return t
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def send_activations(self, t: torch.Tensor) -> None:
+        raise RuntimeError("a whole model has no next stage")
+
+    def recv_activations(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        raise RuntimeError("a whole model has no previous stage")
 
 
 def _rows(t: torch.Tensor, r: range, unit: int = 1) -> torch.Tensor:

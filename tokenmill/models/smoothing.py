@@ -99,9 +99,10 @@ def calibration_chunks(encode: Callable[[str], list[int]]) -> list[list[int]]:
 @torch.inference_mode()
 def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, torch.Tensor]:
     """max |x_j| over every token of the chunks, per input channel j of each linear (float32), keyed
-    "layers.{i}.qkv" / ".gate_up" / ".down" and "lm_head": from the model's own forward (its
-    ops and weights, before quantization), one chunk at a time as a prompt, attention by the reference
-    backend over a scratch cache."""
+    "layers.{i}.qkv" / ".gate_up" / ".down" (this stage's layers) and on the last stage "lm_head": from
+    the model's own forward (its ops and weights, before quantization), one chunk at a time as a prompt,
+    attention by the reference backend over a scratch cache. Every rank of the engine calls it
+    together: tensor-parallel ranks meet in their collectives, pipeline stages pass the chunk on."""
     maxima: dict[str, torch.Tensor] = {}
 
     def record(
@@ -122,13 +123,14 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
             record(f"layers.{i}.gate_up", mlp._gate_up),
             record(f"layers.{i}.down", mlp._down),
         )
-    # The head's input is all that is needed of it: its logits (a fifth of a small model's FLOPs) are
-    # not computed, except under tensor parallelism, where the forward gathers them across ranks.
-    head = model._lm_head if model.comm.tp_size > 1 else _identity
-    model._lm_head = record("lm_head", head)
+    if model.shard.last_stage:
+        # The head's input is all that is needed of it: its logits (a fifth of a small model's FLOPs)
+        # are not computed, except under tensor parallelism, where the forward gathers them across ranks.
+        head = model._lm_head if model.comm.tp_size > 1 else _identity
+        model._lm_head = record("lm_head", head)
 
-    cfg, device = model.config, model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
+    cfg, device = model.config, model.rope.cos.device
+    dtype = _dtype(model)
     block = 16
     backend = TorchReferenceBackend()
     positions_max = model.rope.cos.shape[0]  # a model built for fewer positions sees shorter chunks
@@ -140,9 +142,16 @@ def activation_maxima(model: nn.Module, chunks: list[list[int]]) -> dict[str, to
         t = len(ids)
         seg = PrefillSegment(0, t, 0, torch.arange(-(-t // block), device=device), first_block=0)
         meta = AttentionMetadata.of(list(range(t)), [], [], [seg], block, device)
-        tokens = torch.tensor(ids, device=device)
         positions = torch.arange(t, device=device)
-        model(tokens, positions, kv, meta, backend, positions)
+        # Pipeline stages calibrate together, as they run a prompt: each later stage takes the
+        # previous one's output (the residual stream) for the chunk and hands its own on.
+        if model.shard.first_stage:
+            inputs = torch.tensor(ids, device=device)
+        else:
+            inputs = model.comm.recv_activations((t, cfg.hidden_size), dtype, device)
+        out = model(inputs, positions, kv, meta, backend, positions)
+        if not model.shard.last_stage:
+            model.comm.send_activations(out)
     return maxima
 
 
@@ -164,15 +173,11 @@ class Calibration:
         same conditions (maxima_key), else measured (~1.4 s of prefill for a 135M model on 2 cores) and
         kept. None when there is nothing to calibrate on."""
         path = None if self.cache is None else self.cache / f"int8-maxima-{maxima_key(model)}.safetensors"
-        if path is not None and path.exists():
-            try:
-                cached = load_file(path)
-            except (OSError, SafetensorError) as e:
-                log.warning("cached calibration %s unreadable (%s); measuring again", path, e)
-            else:
-                if _fits(cached, model):
-                    return cached
-                log.warning("cached calibration %s does not fit this model; measuring again", path)
+        cached = _read_maxima(path, model) if path is not None else None
+        # Every rank measures, or none does: the measuring forward meets in collectives (and a rank
+        # whose file is missing would wait there for ranks that had theirs).
+        if not model.comm.any_rank(cached is None):
+            return cached
         chunks = self.chunks()
         if not chunks:
             return None
@@ -197,7 +202,7 @@ def maxima_key(model: nn.Module) -> str:
         "text": [CALIBRATION_MODULES, CALIBRATION_CHUNKS, CALIBRATION_TOKENS],
         "positions": min(CALIBRATION_TOKENS, model.rope.cos.shape[0]),
         "shard": repr(model.shard),
-        "dtype": str(model.embed_tokens.weight.dtype),
+        "dtype": str(_dtype(model)),
         "ops": [model.ops.name, getattr(getattr(model.ops, "k", None), "__name__", "")],
         "cpu": cpu_summary(),
         "torch": torch.__version__,
@@ -205,9 +210,24 @@ def maxima_key(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _read_maxima(path: Path, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Cached maxima that fit this model, or None (absent, unreadable, or not this model's)."""
+    if not path.exists():
+        return None
+    try:
+        cached = load_file(path)
+    except (OSError, SafetensorError) as e:
+        log.warning("cached calibration %s unreadable (%s); measuring again", path, e)
+        return None
+    if not _fits(cached, model):
+        log.warning("cached calibration %s does not fit this model; measuring again", path)
+        return None
+    return cached
+
+
 def _fits(maxima: dict[str, torch.Tensor], model: nn.Module) -> bool:
     """The cached maxima name every linear smooth() reads, each as wide as its input."""
-    want = {"lm_head": model.lm_head.in_features}
+    want = {"lm_head": model.lm_head.in_features} if model.shard.last_stage else {}
     for i, layer in enumerate(model.layers):
         want |= {
             f"layers.{i}.qkv": layer.self_attn.qkv_proj.in_features,
@@ -215,6 +235,11 @@ def _fits(maxima: dict[str, torch.Tensor], model: nn.Module) -> bool:
             f"layers.{i}.down": layer.mlp.down_proj.in_features,
         }
     return maxima.keys() == want.keys() and all(maxima[k].shape == (n,) for k, n in want.items())
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    # A later pipeline stage has no embedding: its first norm's dtype is the model's.
+    return model.layers[0].input_layernorm.weight.dtype
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -281,6 +306,8 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> N
         gate_up.weight = _scaled(gate_up.weight, 1 / row_s[:, None])
         down.weight = _scaled(down.weight, s[None, :])
 
+    if not model.shard.last_stage:
+        return
     # The head: a copy of its weight is scaled, so a tied embedding keeps its own values.
     s = shared(maxima["lm_head"], model.lm_head.weight)
     model.norm.weight = _scaled(model.norm.weight, 1 / s)
@@ -289,18 +316,14 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> N
 
 def why_not_smoothable(model: nn.Module) -> str | None:
     """Why `smooth_model` does not apply to this model, or None when it does."""
-    if not (model.shard.first_stage and model.shard.last_stage):
-        # A stage's calibration forward would need the stages before it. (Tensor-parallel ranks
-        # calibrate together.)
-        return "it needs every layer on one worker (no pipeline parallelism yet)"
-    if model.embed_tokens.weight.dtype not in (torch.bfloat16, torch.float32):
-        return f"{model.embed_tokens.weight.dtype} cannot hold factors up to 2^{FACTOR_RANGE}"
+    if _dtype(model) not in (torch.bfloat16, torch.float32):
+        return f"{_dtype(model)} cannot hold factors up to 2^{FACTOR_RANGE}"
     return None
 
 
 def smooth_model(model: nn.Module, calibration: Calibration, alpha: float) -> None:
     """Calibrate (or take the cached maxima) and fold the factors, before the weights are quantized or
-    packed (every layer on this worker; tensor-parallel ranks call it together, with the same chunks).
+    packed (every rank of a parallel engine calls it together, with the same chunks).
     Without calibration text the model is left unsmoothed (calibration_chunks logs why)."""
     reason = why_not_smoothable(model)
     if reason is not None:

@@ -79,6 +79,15 @@ class ParallelState:
         dist.all_gather(parts, t.contiguous(), group=self.tp_group)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank of the engine, every stage's (all ranks must call it)."""
+        if self.tp_size * self.pp_size == 1:
+            return flag
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     # -- pipeline parallel ----------------------------------------------------------------------
     def send_activations(self, t: torch.Tensor) -> None:
         # Each TP rank hands its (identical, all-reduced) copy to the same TP rank of the next stage.
