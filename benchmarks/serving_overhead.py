@@ -4,7 +4,11 @@
 baseline generates the same prompts with the same parameters in one `generate` call. The report is
 the server's output-token throughput as a share of the offline one (goal: at least 90%).
 
-    python benchmarks/serving_overhead.py [--concurrency 32] [--num-requests 128]
+    python benchmarks/serving_overhead.py [--concurrency 32] [--num-requests 128] [--quantization int4]
+
+It also reports the CPU time each process spent per output token while the HTTP run lasted: the
+server's API process, its engine process, and this load generator. On a 2-core machine whatever the
+API process and the client spend is taken from the engine's two compute threads.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import resource
 import sys
@@ -93,17 +98,30 @@ async def run_http(base: str, reqs: list[tuple[str, int]], concurrency: int) -> 
     return time.perf_counter() - t0, tokens
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-threads", type=int, default=None, help="torch threads of the engine process")
+    ap.add_argument("--quantization", default=None, help="as the server's --quantization (int4, int8, fp8)")
     args = ap.parse_args()
     reqs = workload(args.num_requests, args.seed)
 
     # Offline first, in this process; then the server (its own processes) with this one idle.
-    llm = LLM(max_num_seqs=args.concurrency)
+    llm = LLM(max_num_seqs=args.concurrency, quantization=args.quantization)
     llm.generate(reqs[0][0], SamplingParams(max_tokens=4))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()
@@ -113,12 +131,17 @@ def main() -> None:
     del llm, outs
 
     extra = ["--threads", str(args.server_threads)] if args.server_threads else []
+    extra += ["--quantization", args.quantization] if args.quantization else []
     with running_server("--max-num-seqs", str(args.concurrency), "--max-model-len", "1024", *extra) as srv:
         asyncio.run(run_http(srv.base_url, reqs[:4], 4))  # warm-up
+        procs = {"API process": srv.pid, "engine process": max(children(srv.pid), default=srv.pid)}
+        before = {name: cpu_seconds(pid) for name, pid in procs.items()}
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         http_s, http_tokens = asyncio.run(run_http(srv.base_url, reqs, args.concurrency))
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        spent = {name: cpu_seconds(pid) - before[name] for name, pid in procs.items()}
     client_cpu = (cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime) / http_s
+    spent["load generator"] = client_cpu * http_s
 
     offline_tps, http_tps = offline_tokens / offline_s, http_tokens / http_s
     print(f"offline LLM.generate : {offline_tokens} tokens in {offline_s:.1f}s = {offline_tps:.1f} tok/s")
@@ -127,6 +150,10 @@ def main() -> None:
     )
     print(f"server / offline     : {http_tps / offline_tps:.3f}")
     print(f"load generator CPU   : {client_cpu:.1%} of one core (it shares the 2 cores with the server)")
+    print(f"offline ms per token : {1e3 / offline_tps * args.concurrency:.2f} (per stream)")
+    print(f"HTTP ms per token    : {1e3 / http_tps * args.concurrency:.2f} (per stream)")
+    for name, seconds in spent.items():
+        print(f"CPU ms per token     : {1e3 * seconds / http_tokens:6.2f}  {name}")
 
 
 if __name__ == "__main__":
