@@ -638,3 +638,23 @@ def test_f8_panels(kernels, rows: int) -> None:
         assert torch.equal(kernel(x_codes[r : r + 1], x_scale[r : r + 1])[0], out[r])
     with pytest.raises(RuntimeError, match="up to 256 rows"):
         kernel(torch.zeros(257, k, dtype=torch.bfloat16), torch.ones(257, 1))
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load() -> None:
+    """PyTorch's build lock is a file; a build killed midway (Ctrl-C during a first start) leaves it, and
+    every later load used to wait for it forever. Now the load removes it under a lock of its own."""
+    import subprocess
+    import sys
+
+    from tokenmill.kernels import build_dir, cpu_kernels, default_level
+
+    try:
+        cpu_kernels()  # built (or taken from the cache) first, so the load below has nothing to compile
+    except RuntimeError as e:
+        pytest.skip(f"no kernel build on this machine: {e}")
+    stale = build_dir(default_level()) / "lock"
+    stale.touch()
+    code = "from tokenmill.kernels import cpu_kernels; cpu_kernels(); print('loaded')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "loaded" in out.stdout, out.stderr[-2000:]
+    assert not stale.exists()

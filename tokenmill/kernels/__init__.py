@@ -1,15 +1,17 @@
 """tokenmill's own C++ CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 One build per instruction-set level (tokenmill/kernels/isa.py); the best level this CPU runs is used.
-Compilation takes about half a minute per level and is cached per level, torch version and source
+Compilation takes a few minutes per level on 2 cores and is cached per level, torch version and source
 hash under the cache folder; a machine without a C++ compiler, or an x86 CPU without AVX2, falls back
 to the plain-PyTorch implementations with a one-line warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,11 @@ import torch
 
 from tokenmill.kernels.isa import IsaLevel, best_level, get_level
 from tokenmill.paths import default_cache_dir
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: PyTorch's own lock file alone
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
@@ -60,6 +67,24 @@ def default_level() -> IsaLevel:
     return level
 
 
+@contextlib.contextmanager
+def _build_lock(d: Path) -> Iterator[None]:
+    """Held while a level is built or loaded, by one process at a time per build folder. PyTorch's own
+    lock is a file that a build killed midway (Ctrl-C during a first `make run`) leaves behind, and
+    every later load then waits for it forever, silently. This lock is the kernel's (it goes with its
+    process), so whoever holds it knows nobody is building, and such a file is stale."""
+    if fcntl is None:
+        yield
+        return
+    with open(d / "tokenmill.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            log.warning("removing a build lock left by an interrupted build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def cpu_kernels(level: str | None = None) -> ModuleType:
     """The compiled extension for `level` (default: the best this CPU runs); RuntimeError if it cannot be
     built or run here."""
@@ -71,21 +96,10 @@ def cpu_kernels(level: str | None = None) -> ModuleType:
     if not lv.supported():
         raise RuntimeError(f"this CPU cannot run the {lv.name} build of the kernels")
     try:
-        from torch.utils.cpp_extension import load
-
         d = build_dir(lv)
         d.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=f"tokenmill_cpu_kernels_{lv.name}",
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            # PyTorch's own flags for its kernels: no errno or FP-exception side effects, which is what
-            # lets GCC vectorize rounding and min/max loops. Not -ffast-math: the order of float sums
-            # stays the code's.
-            extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *lv.flags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(d),
-            verbose=False,
-        )
+        with _build_lock(d):
+            module = _load(lv, d)
     except Exception as e:
         _failed[lv.name] = f"could not build the CPU kernels ({lv.name}): {e}"
         raise RuntimeError(_failed[lv.name]) from e
@@ -93,3 +107,20 @@ def cpu_kernels(level: str | None = None) -> ModuleType:
         raise RuntimeError(f"kernel build mismatch: asked for {lv.name}, got {module.isa_level()}")
     _modules[lv.name] = module
     return module
+
+
+def _load(lv: IsaLevel, d: Path) -> ModuleType:
+    """Build the level in `d` if its sources or flags changed (ninja decides), and import it."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=f"tokenmill_cpu_kernels_{lv.name}",
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        # PyTorch's own flags for its kernels: no errno or FP-exception side effects, which is what
+        # lets GCC vectorize rounding and min/max loops. Not -ffast-math: the order of float sums
+        # stays the code's.
+        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *lv.flags],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(d),
+        verbose=False,
+    )
