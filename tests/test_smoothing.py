@@ -26,7 +26,7 @@ from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import int8_matmuls_available
 from tokenmill.models.llama import build_model
-from tokenmill.models.parallel import Shard
+from tokenmill.models.parallel import NoCollectives, Shard
 from tokenmill.models.smoothing import (
     CALIBRATION_TOKENS,
     Calibration,
@@ -216,15 +216,7 @@ class ThreadStages:
     def rank(self, r: int) -> object:
         stages, everyone = self, self.ranks.rank(r)
 
-        class Stage:
-            tp_size = 1
-
-            def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-                return t
-
-            def all_gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-                return t
-
+        class Stage(NoCollectives):  # no tensor parallelism within a stage
             def any_rank(self, flag: bool) -> bool:
                 return everyone.any_rank(flag)  # type: ignore[attr-defined]
 
