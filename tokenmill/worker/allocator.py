@@ -22,6 +22,7 @@ import ctypes.util
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,10 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if not sys.platform.startswith("linux") or any(k in os.environ for k in ENV_SETTINGS):
+    if any(k in os.environ for k in ENV_SETTINGS):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others: no mallopt, nothing to tune
+    mallopt = _glibc("mallopt")
+    if mallopt is None:  # not Linux, or musl and others: no mallopt, nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
@@ -63,13 +62,19 @@ def release_freed_memory() -> bool:
     loaded: quantizing, smoothing and packing free hundreds of MB of transients, which the thresholds
     above would otherwise keep resident for good. A step's activations take what they need back on the
     first steps and keep it from then on. True if it ran."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # musl and others
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+def _glibc(name: str) -> Any:
+    """One of glibc's malloc functions, or None where there is none (not Linux; musl and others)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
