@@ -12,6 +12,8 @@ below it. A kernel that accumulated in bfloat16 would miss these bounds by an or
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -658,3 +660,41 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert "loaded" in out.stdout, out.stderr[-2000:]
     assert not stale.exists()
+
+
+def test_a_second_checkout_of_the_same_sources_loads_the_build_without_compiling(tmp_path: Path) -> None:
+    """The build folder is keyed by the sources' contents, so checkouts of the same sources share it.
+    ninja records the paths it compiled; the load builds from a copy inside the build folder, so a load
+    from another checkout finds nothing changed (it used to rebuild, ~3 minutes a level here)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import tokenmill
+    from tokenmill.kernels import build_dir, cpu_kernels, default_level
+
+    try:
+        cpu_kernels()
+    except RuntimeError as e:
+        pytest.skip(f"no kernel build on this machine: {e}")
+    d = build_dir(default_level())
+    built = sorted(d.glob("*.so"))
+    assert built, f"no library in {d}"
+    before = {p: p.stat().st_mtime_ns for p in built}
+    other = tmp_path / "checkout"
+    shutil.copytree(
+        Path(tokenmill.__file__).parent, other / "tokenmill", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    code = (
+        "import tokenmill, tokenmill.kernels as k\n"
+        f"assert tokenmill.__file__.startswith({str(other)!r}), tokenmill.__file__\n"
+        "k.cpu_kernels(); print(k.build_dir(k.default_level()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(d)
+    assert {p: p.stat().st_mtime_ns for p in built} == before  # not compiled again
+    assert str(Path(tokenmill.__file__).parent) not in (d / "build.ninja").read_text()
