@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.fp8_linear import Fp8Linear  # noqa: E402
-from tokenmill.models.linear import Int8Linear, LinearBase, PackedLinear, QuantizedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
+from step_bytes import read_bandwidth_gbs, weight_bytes  # noqa: E402
 
 CONFIGS = [
     ("bf16", {}),
@@ -38,52 +37,6 @@ CONFIGS = [
     ("fp8", {"quantization": "fp8"}),
 ]
 OUT = 64
-
-
-def read_bandwidth_gbs(reps: int = 5) -> float:
-    x = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:  # noqa: ANN001
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def weight_bytes(model: torch.nn.Module, rows: int) -> int:
-    """Bytes of the weights a decode step of `rows` rows reads through its linears."""
-    total = 0
-    # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit; Fp8Linear's codes as bf16,
-    # above its panel kernel's) is counted with the layer.
-    twins = {id(m.wide) for m in model.modules() if isinstance(m, (QuantizedLinear, Fp8Linear)) and m.wide}
-    for m in model.modules():
-        if id(m) in twins:
-            continue
-        if isinstance(m, QuantizedLinear):
-            limit = rows if m.max_rows is None else m.max_rows  # None: the kernel takes every step
-            if rows <= limit and m.small is not None:  # the panels: codes, and scales (and minima)
-                total += m.small.panels.numel() * m.small.panels.element_size()
-                scales = getattr(m.small, "scales", None)
-                total += 0 if scales is None else scales.numel() * scales.element_size()
-            elif rows <= limit:
-                total += (
-                    m.qweight.numel() * m.qweight.element_size() + m.scales.numel() * m.scales.element_size()
-                )
-            else:
-                total += 2 * m.in_features * m.out_features
-        elif isinstance(m, Fp8Linear):  # one byte a code in its panels, else its codes read as bf16
-            if rows <= m.small_rows:
-                total += m.in_features * m.out_features + 4 * m.out_features
-            else:
-                total += 2 * m.in_features * m.out_features
-        elif isinstance(m, Int8Linear):
-            total += m.in_features * m.out_features + 4 * m.out_features
-        elif isinstance(m, (PackedLinear, LinearBase, torch.nn.Linear)):
-            total += 2 * m.in_features * m.out_features
-    return total
 
 
 def main() -> None:

@@ -3,7 +3,11 @@
 Each engine's server is started on 127.0.0.1 in turn (never two at once: they would share the
 cores), made ready, driven with `tokenmill bench` (closed loop, streaming /v1/completions, fixed
 output length through ignore_eos), then stopped. The report is output tokens/s per engine and
-concurrency, with the ratio tokenmill / peer.
+concurrency, with the ratio tokenmill / peer, and the share of this machine's memory bandwidth each
+figure reaches: the step time (streams / output tokens/s) against the fastest a decode step could be,
+reading the weights as that engine stores them and every stream's KV cache at its mean context
+(benchmarks/step_bytes.py; the read bandwidth measured before the first server and after the last, the
+higher taken).
 
     .venv/bin/python benchmarks/peers/compare.py                      # the three, c=32 and c=1
     .venv/bin/python benchmarks/peers/compare.py --engines tokenmill,llamacpp --duration 60
@@ -38,6 +42,14 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
 
 from machine import cpu_description  # noqa: E402
+from step_bytes import (  # noqa: E402
+    gguf_weight_bytes,
+    hf_weight_bytes,
+    kv_bytes_per_token,
+    limit_ms,
+    read_bandwidth_gbs,
+    weight_bytes,
+)
 
 ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
 DEFAULT_ENGINES = ("tokenmill", "vllm", "llamacpp")
@@ -224,6 +236,73 @@ BUILDERS = {
 }
 
 
+# --- what a step reads -----------------------------------------------------------------------------
+
+
+def step_bytes(args: argparse.Namespace, servers: dict[str, Server]) -> dict[str, dict]:
+    """Per engine: the weight bytes a decode step reads at each concurrency, and the KV bytes a token
+    of context adds. tokenmill's are counted on its model built here as the server will build it (from
+    --tokenmill-args' --model, --quantization, --int4-activations, --kv-cache-dtype), then freed before
+    any server starts."""
+    out: dict[str, dict] = {}
+    shape_gguf = default_gguf()
+    for engine, srv in servers.items():
+        if engine == "tokenmill":
+            import gc
+
+            from tokenmill import LLM
+
+            ap = argparse.ArgumentParser(add_help=False)
+            for flag in ("--model", "--quantization", "--int4-activations", "--kv-cache-dtype"):
+                ap.add_argument(flag)
+            known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
+            kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 1024}
+            if known.model:
+                kw["model"] = known.model
+            if known.int4_activations:
+                kw["int4_activations"] = known.int4_activations
+            llm = LLM(**kw)
+            model = llm.engine.executor.worker.model
+            weights = {c: weight_bytes(model, c) for c in args.concurrency}
+            del llm, model
+            gc.collect()
+            eight_bit = known.kv_cache_dtype in ("int8", "fp8")  # one byte a value (its scales left out)
+            out[engine] = {
+                "weights": weights,
+                "kv_per_token": kv_bytes_per_token(shape_gguf, 1 if eight_bit else 2),
+            }
+        elif engine == "vllm":
+            hf = Path(srv.cmd[srv.cmd.index("--model") + 1] if "--model" in srv.cmd else srv.cmd[2])
+            w = hf_weight_bytes(hf)
+            out[engine] = {
+                "weights": dict.fromkeys(args.concurrency, w),
+                "kv_per_token": kv_bytes_per_token(shape_gguf),
+            }
+        else:  # llama.cpp: the GGUF as stored, an f16 KV cache
+            w = gguf_weight_bytes(Path(srv.cmd[srv.cmd.index("-m") + 1]))
+            out[engine] = {
+                "weights": dict.fromkeys(args.concurrency, w),
+                "kv_per_token": kv_bytes_per_token(shape_gguf),
+            }
+    return out
+
+
+def add_limits(results: dict, bytes_: dict[str, dict], bandwidth: float, args: argparse.Namespace) -> None:
+    """Each level's step time, the bandwidth limit for its bytes, and the share (into the results)."""
+    context = args.isl + args.osl / 2  # a stream's mean context over its decode steps
+    for engine, r in results.items():
+        for c_text, lv in r.get("levels", {}).items():
+            if "error" in lv or not lv.get("output_tok_s") or engine not in bytes_:
+                continue
+            c = int(c_text)
+            b = bytes_[engine]
+            lv["weight_mb_per_step"] = b["weights"][c] / 1e6
+            lv["kv_mb_per_step"] = c * context * b["kv_per_token"] / 1e6
+            lv["limit_ms"] = limit_ms(b["weights"][c], b["kv_per_token"], c, context, bandwidth)
+            lv["step_ms"] = c / lv["output_tok_s"] * 1e3
+            lv["of_limit"] = lv["limit_ms"] / lv["step_ms"]
+
+
 # --- running one ----------------------------------------------------------------------------------
 
 
@@ -384,7 +463,16 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
     )
     t.add_column("concurrency", justify="right")
     t.add_column("engine")
-    for col in ("output tok/s", "tokenmill / this", "TTFT p50 ms", "ITL mean ms", "osl mean", "ok / failed"):
+    cols = (
+        "output tok/s",
+        "tokenmill / this",
+        "of BW limit",
+        "TTFT p50 ms",
+        "ITL mean ms",
+        "osl mean",
+        "ok / failed",
+    )
+    for col in cols:
         t.add_column(col, justify="right")
     tm = results.get("tokenmill", {}).get("levels", {})
     for c in args.concurrency:
@@ -392,7 +480,7 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
             lv = results.get(engine, {}).get("levels", {}).get(str(c))
             if not lv or "error" in lv:
                 why = (lv or {}).get("error") or results.get(engine, {}).get("error") or "not run"
-                t.add_row(str(c), engine, "-", "-", "-", "-", "-", why[:40])
+                t.add_row(str(c), engine, "-", "-", "-", "-", "-", "-", why[:40])
                 continue
             ref = tm.get(str(c), {}).get("output_tok_s")
             ratio = (
@@ -402,6 +490,7 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
             )
             t.add_row(
                 str(c), engine, f"{lv['output_tok_s']:.1f}", ratio,
+                f"{lv['of_limit']:.0%}" if "of_limit" in lv else "-",
                 f"{lv['ttft_p50_ms']:.0f}" if lv["ttft_p50_ms"] is not None else "-",
                 f"{lv['itl_mean_ms']:.1f}" if lv["itl_mean_ms"] is not None else "-",
                 f"{lv['osl_mean']:.1f}" if lv["osl_mean"] is not None else "-",
@@ -483,14 +572,34 @@ def main(argv: list[str] | None = None) -> None:
         servers[engine] = BUILDERS[engine](args, out / engine / "server.log")
 
     cpu = cpu_description()
-    console.print(f"CPU: {cpu}; load average {os.getloadavg()[0]:.2f}", highlight=False)
+    bandwidth = read_bandwidth_gbs()  # first: building tokenmill's model here sets this process's threads
+    bytes_ = step_bytes(args, servers)
+    console.print(
+        f"CPU: {cpu}; read bandwidth {bandwidth:.1f} GB/s; load average {os.getloadavg()[0]:.2f}",
+        highlight=False,
+    )
+    for engine, b in bytes_.items():
+        console.print(
+            f"  {engine}: weights read a step {b['weights'][max(args.concurrency)] / 1e6:.0f} MB at"
+            f" {max(args.concurrency)} streams, KV {b['kv_per_token'] / 1e3:.1f} KB a token of context",
+            highlight=False,
+        )
     results: dict = {}
     for engine in args.engines:
         results[engine] = run_engine(args, servers[engine], out, console)
 
+    # Measured again after the servers: this machine's read rate moves with its neighbours (33 to 57
+    # GB/s in one evening), and the limit is what it can do at best.
+    after = read_bandwidth_gbs()
+    console.print(
+        f"read bandwidth before {bandwidth:.1f} GB/s, after {after:.1f} GB/s; the limit takes the higher"
+    )
+    bandwidth = max(bandwidth, after)
+    add_limits(results, bytes_, bandwidth, args)
     print_table(console, results, args)
     summary = {
         "cpu": cpu,
+        "read_bandwidth_gbs": bandwidth,
         "load_average_end": os.getloadavg()[0],
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)
