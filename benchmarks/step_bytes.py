@@ -11,6 +11,7 @@ count, weight_bytes), a GGUF file's from its tensors as stored, an HF directory'
 from __future__ import annotations
 
 import json
+import math
 import struct
 import time
 from pathlib import Path
@@ -18,7 +19,10 @@ from pathlib import Path
 import torch
 
 # safetensors dtypes' sizes in bytes
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
 
 
 def read_bandwidth_gbs(reps: int = 5) -> float:
@@ -96,22 +100,11 @@ def hf_weight_bytes(hf_dir: Path) -> int:
 
     def size(name: str) -> int:
         shape, dtype = shapes[name]
-        return _DTYPE_BYTES[dtype] * int(torch.tensor(shape).prod())
+        return _DTYPE_BYTES[dtype] * math.prod(shape)
 
     total = sum(size(k) for k, (s, _) in shapes.items() if ".layers." in k and len(s) == 2)
     head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
     return total + size(head)
-
-
-def kv_bytes_per_token(gguf_path: Path, bytes_per_value: float = 2) -> float:
-    """K and V of one token over every layer, from a GGUF file's shape metadata."""
-    from tokenmill.weights.gguf_file import GGUFFile
-
-    g = GGUFFile(gguf_path)
-    heads = int(g.arch_value("attention.head_count"))
-    kv_heads = int(g.arch_value("attention.head_count_kv", heads))
-    head_dim = int(g.arch_value("attention.key_length", int(g.arch_value("embedding_length")) // heads))
-    return 2 * int(g.arch_value("block_count")) * kv_heads * head_dim * bytes_per_value
 
 
 def limit_ms(weights: int, kv_per_token: float, streams: int, context: float, bandwidth_gbs: float) -> float:

@@ -42,14 +42,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
 
 from machine import cpu_description  # noqa: E402
-from step_bytes import (  # noqa: E402
-    gguf_weight_bytes,
-    hf_weight_bytes,
-    kv_bytes_per_token,
-    limit_ms,
-    read_bandwidth_gbs,
-    weight_bytes,
-)
+from step_bytes import gguf_weight_bytes, hf_weight_bytes, limit_ms, read_bandwidth_gbs, weight_bytes  # noqa: E402
 
 ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
 DEFAULT_ENGINES = ("tokenmill", "vllm", "llamacpp")
@@ -73,6 +66,7 @@ class Server:
     log: Path
     description: str
     version: str = "?"
+    weights: Path | None = None  # the peer's model file or directory (tokenmill: its default model)
 
 
 def peers_dir(args: argparse.Namespace) -> Path:
@@ -184,7 +178,7 @@ def vllm_server(args: argparse.Namespace, log: Path) -> Server:
         f"vllm serve <HF bf16 export> --dtype bfloat16 (KV {env['VLLM_CPU_KVCACHE_SPACE']} GB,"
         f" LD_PRELOAD={env.get('LD_PRELOAD', '')})"
     )
-    return Server("vllm", cmd, env, log, desc, version)
+    return Server("vllm", cmd, env, log, desc, version, weights=hf)
 
 
 def llamacpp_server(args: argparse.Namespace, log: Path, bf16: bool = False) -> Server:
@@ -221,7 +215,8 @@ def llamacpp_server(args: argparse.Namespace, log: Path, bf16: bool = False) -> 
     out = run_quiet([str(exe), "--version"]).splitlines()
     version = next((ln.split(":", 1)[1].strip() for ln in out if ln.startswith("version:")), "?")
     desc = f"llama-server -m {gguf.name} -np {slots} -c {ctx} -cb"
-    return Server("llamacpp-bf16" if bf16 else "llamacpp", cmd, dict(os.environ), log, desc, version)
+    engine = "llamacpp-bf16" if bf16 else "llamacpp"
+    return Server(engine, cmd, dict(os.environ), log, desc, version, weights=gguf)
 
 
 def llamacpp_bf16_server(args: argparse.Namespace, log: Path) -> Server:
@@ -239,52 +234,63 @@ BUILDERS = {
 # --- what a step reads -----------------------------------------------------------------------------
 
 
-def step_bytes(args: argparse.Namespace, servers: dict[str, Server]) -> dict[str, dict]:
-    """Per engine: the weight bytes a decode step reads at each concurrency, and the KV bytes a token
-    of context adds. tokenmill's are counted on its model built here as the server will build it (from
-    --tokenmill-args' --model, --quantization, --int4-activations, --kv-cache-dtype), then freed before
-    any server starts."""
+def step_bytes(args: argparse.Namespace, servers: dict[str, Server], console) -> dict[str, dict]:
+    """Per engine: the weight bytes a decode step reads at each concurrency, and the KV bytes a token of
+    context adds, from that engine's own model. An engine whose bytes cannot be counted is left out of
+    the shares (with a warning), not out of the run.
+
+    tokenmill's are counted on its model built here as the server will build it (from --tokenmill-args'
+    --model, --quantization, --int4-activations and --kv-cache-dtype; other options are not read), then
+    freed before any server starts. The peers' KV cache is taken in 16 bits, their default: a KV type
+    passed in --vllm-args or --llamacpp-args is not read."""
+    from tokenmill.sizing import arch
+
     out: dict[str, dict] = {}
-    shape_gguf = default_gguf()
     for engine, srv in servers.items():
-        if engine == "tokenmill":
-            import gc
-
-            from tokenmill import LLM
-
-            ap = argparse.ArgumentParser(add_help=False)
-            for flag in ("--model", "--quantization", "--int4-activations", "--kv-cache-dtype"):
-                ap.add_argument(flag)
-            known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
-            kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 1024}
-            if known.model:
-                kw["model"] = known.model
-            if known.int4_activations:
-                kw["int4_activations"] = known.int4_activations
-            llm = LLM(**kw)
-            model = llm.engine.executor.worker.model
-            weights = {c: weight_bytes(model, c) for c in args.concurrency}
-            del llm, model
-            gc.collect()
-            eight_bit = known.kv_cache_dtype in ("int8", "fp8")  # one byte a value (its scales left out)
-            out[engine] = {
-                "weights": weights,
-                "kv_per_token": kv_bytes_per_token(shape_gguf, 1 if eight_bit else 2),
-            }
-        elif engine == "vllm":
-            hf = Path(srv.cmd[srv.cmd.index("--model") + 1] if "--model" in srv.cmd else srv.cmd[2])
-            w = hf_weight_bytes(hf)
-            out[engine] = {
-                "weights": dict.fromkeys(args.concurrency, w),
-                "kv_per_token": kv_bytes_per_token(shape_gguf),
-            }
-        else:  # llama.cpp: the GGUF as stored, an f16 KV cache
-            w = gguf_weight_bytes(Path(srv.cmd[srv.cmd.index("-m") + 1]))
-            out[engine] = {
-                "weights": dict.fromkeys(args.concurrency, w),
-                "kv_per_token": kv_bytes_per_token(shape_gguf),
-            }
+        try:
+            if engine == "tokenmill":
+                out[engine] = _tokenmill_bytes(args)
+            elif srv.weights is not None:
+                counted = (
+                    hf_weight_bytes(srv.weights) if srv.weights.is_dir() else gguf_weight_bytes(srv.weights)
+                )
+                out[engine] = {
+                    "weights": dict.fromkeys(args.concurrency, counted),
+                    "kv_per_token": arch.resolve(str(srv.weights)).kv_bytes_per_token(2),
+                }
+        except Exception as e:  # a figure without its share is still a figure
+            console.print(
+                f"  [yellow]{engine}: its bytes a step could not be counted ({e}); no share[/yellow]"
+            )
     return out
+
+
+def _tokenmill_bytes(args: argparse.Namespace) -> dict:
+    import gc
+
+    from tokenmill import LLM
+    from tokenmill.worker.allocator import release_freed_memory
+
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag in ("--model", "--quantization", "--int4-activations", "--kv-cache-dtype"):
+        ap.add_argument(flag)
+    known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
+    kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 1024}
+    if known.model:
+        kw["model"] = known.model
+    if known.int4_activations:
+        kw["int4_activations"] = known.int4_activations
+    llm = LLM(**kw)
+    worker = llm.engine.executor.worker
+    cfg = worker.model_config
+    weights = {c: weight_bytes(worker.model, c) for c in args.concurrency}
+    # 8-bit KV: a byte a value and a float32 scale a row of head_dim values (models' KV layout)
+    per_value = 1 + 4 / cfg.head_dim if known.kv_cache_dtype in ("int8", "fp8") else 2
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value
+    del llm, worker
+    gc.collect()
+    release_freed_memory()  # the driver keeps no model's worth of heap while the servers run
+    return {"weights": weights, "kv_per_token": kv}
 
 
 def add_limits(results: dict, bytes_: dict[str, dict], bandwidth: float, args: argparse.Namespace) -> None:
@@ -572,8 +578,8 @@ def main(argv: list[str] | None = None) -> None:
         servers[engine] = BUILDERS[engine](args, out / engine / "server.log")
 
     cpu = cpu_description()
-    bandwidth = read_bandwidth_gbs()  # first: building tokenmill's model here sets this process's threads
-    bytes_ = step_bytes(args, servers)
+    bandwidth = read_bandwidth_gbs()  # before tokenmill's model is built here (its worker may set threads)
+    bytes_ = step_bytes(args, servers, console)
     console.print(
         f"CPU: {cpu}; read bandwidth {bandwidth:.1f} GB/s; load average {os.getloadavg()[0]:.2f}",
         highlight=False,
@@ -594,12 +600,12 @@ def main(argv: list[str] | None = None) -> None:
     console.print(
         f"read bandwidth before {bandwidth:.1f} GB/s, after {after:.1f} GB/s; the limit takes the higher"
     )
-    bandwidth = max(bandwidth, after)
+    before, bandwidth = bandwidth, max(bandwidth, after)
     add_limits(results, bytes_, bandwidth, args)
     print_table(console, results, args)
     summary = {
         "cpu": cpu,
-        "read_bandwidth_gbs": bandwidth,
+        "read_bandwidth_gbs": {"before": before, "after": after, "used": bandwidth},
         "load_average_end": os.getloadavg()[0],
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)

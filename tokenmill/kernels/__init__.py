@@ -1,8 +1,9 @@
 """tokenmill's own C++ CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 One build per instruction-set level (tokenmill/kernels/isa.py); the best level this CPU runs is used.
-Compilation takes a few minutes per level on 2 cores and is cached per level, torch version and source
-hash under the cache folder; a machine without a C++ compiler, or an x86 CPU without AVX2, falls back
+Compilation takes a few minutes per level on 2 cores and is cached per level, Python and torch version
+and source hash under the cache folder (a finished build is then imported by any checkout or virtualenv
+that matches); a machine without a C++ compiler, or an x86 CPU without AVX2, falls back
 to the plain-PyTorch implementations with a one-line warning.
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -49,7 +53,10 @@ _failed: dict[str, str] = {}
 def build_dir(level: IsaLevel) -> Path:
     # Keyed by a hash of every source and header and of the flags: torch's loader only notices
     # changes to the .cpp files it is given, and a stale build must never be picked up.
-    digest = hashlib.sha256(" ".join(level.flags).encode())
+    # Python's version too: the library is built against its headers.
+    digest = hashlib.sha256(
+        " ".join([*level.flags, f"py{sys.version_info[0]}.{sys.version_info[1]}"]).encode()
+    )
     for f in sorted(_CSRC.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())
     return (
@@ -109,34 +116,31 @@ def cpu_kernels(level: str | None = None) -> ModuleType:
     return module
 
 
-def _own_sources(d: Path) -> Path:
-    """The sources copied into the build folder, and the folder of the copy. The build folder is keyed
-    by the sources' contents, so two checkouts of the same sources share it; ninja records the paths it
-    compiled, so building from each checkout's own files would rebuild every time the checkout changes
-    (~3 minutes a level on 2 cores). A file is only rewritten when its bytes differ, so ninja sees no
-    change."""
-    src = d / "src"
-    src.mkdir(exist_ok=True)
-    for f in sorted(_CSRC.iterdir()):
-        if not f.is_file():
-            continue
-        data = f.read_bytes()
-        copy = src / f.name
-        if not copy.exists() or copy.read_bytes() != data:
-            tmp = copy.with_suffix(copy.suffix + ".tmp")
-            tmp.write_bytes(data)
-            tmp.replace(copy)
-    return src
+_BUILT = "built"  # names the library once a build in the folder has loaded and checked
 
 
 def _load(lv: IsaLevel, d: Path) -> ModuleType:
-    """Build the level in `d` if its sources or flags changed (ninja decides), and import it."""
+    """Import the level's library if the folder holds a finished build, else build it there (ninja decides
+    what to compile) and import it.
+
+    The folder is keyed by the sources, the flags and the Python and PyTorch versions, so a finished
+    build in it fits any checkout of the same sources in any environment with those versions. It is
+    imported as it is: ninja would rebuild it for another checkout or virtualenv, since its commands
+    record the source paths and PyTorch's include paths (~3 minutes a level on 2 cores)."""
+    name = f"tokenmill_cpu_kernels_{lv.name}"
+    marker = d / _BUILT
+    if marker.exists():
+        library = d / marker.read_text().strip()
+        spec = importlib.util.spec_from_file_location(name, library)
+        if library.is_file() and spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
     from torch.utils.cpp_extension import load
 
-    src = _own_sources(d)
-    return load(
-        name=f"tokenmill_cpu_kernels_{lv.name}",
-        sources=[str(src / s) for s in _SOURCES],
+    module = load(
+        name=name,
+        sources=[str(_CSRC / s) for s in _SOURCES],
         # PyTorch's own flags for its kernels: no errno or FP-exception side effects, which is what
         # lets GCC vectorize rounding and min/max loops. Not -ffast-math: the order of float sums
         # stays the code's.
@@ -145,3 +149,8 @@ def _load(lv: IsaLevel, d: Path) -> ModuleType:
         build_directory=str(d),
         verbose=False,
     )
+    if module.isa_level() == lv.name and module.__file__:
+        tmp = d / f"{_BUILT}.{os.getpid()}.tmp"
+        tmp.write_text(Path(module.__file__).name + "\n")
+        tmp.replace(marker)  # whole or absent
+    return module
