@@ -483,8 +483,9 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
     """With int8 activations (int4_activations="int8", W4A8) steps above exact_rows = 4 rows quantize
     the activations to int8 per row and group of 32 (scale
     max|x| / 127, codes rounded half to even) and sum codes times codes exactly: against float64 of the
-    same formula, y = sum over groups of scale * x_scale * sum(codes x codes) + lo * sum(x), from the
-    codes computed here. 300 rows cross the kernel's 256-row sweeps."""
+    same formula, y = sum over groups of scale * x_scale * sum(codes x codes) + lo * x_scale * sum(x
+    codes) (the weights times the rounded activations, as llama.cpp's Q4_1 x Q8_1), from the codes
+    computed here. 300 rows cross the kernel's 256-row sweeps."""
     if not kernels.panel_dot_available():
         pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
     from tokenmill.models.ops import q4_pack
@@ -504,18 +505,18 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
     s64, lo64 = (v.to(torch.float16).double().view(n, k // 32, 1) for v in (scale, lo))
     ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
     terms = ints * (s64.squeeze(-1) * x_scale.squeeze(-1)[:, None, :])
-    terms = terms + lo64.squeeze(-1) * groups.double().sum(-1)[:, None, :]
+    code_sums = (x_scale.squeeze(-1) * codes.double().sum(-1)).float().double()  # float32, as the kernel
+    terms = terms + lo64.squeeze(-1) * code_sums[:, None, :]
     exact = terms.sum(-1)
     # float32 products of the scales and sums over the groups: bounded by the magnitudes summed.
     atol = 4 * (k // 32) * 2**-23 * float(terms.abs().sum(-1).max())
     check(out, exact, atol=atol)
     # And near the bf16 activations' product: each activation's int8 rounding is at most half a level,
-    # and meets only q * scale (the minimum's term takes the exact sum of x).
+    # and meets the weight (q * scale + lo).
     w = (q.double().view(n, k // 32, 32) * s64 + lo64).view(n, k)
     level = (x_scale / 2).expand(-1, -1, 32).reshape(rows, k)
-    qs = (q.double().view(n, k // 32, 32) * s64).view(n, k)
     gap = (out.double() - x.double() @ w.T).abs()
-    assert bool((gap <= level @ qs.T + 2**-8 * exact.abs() + atol).all())
+    assert bool((gap <= level @ w.abs().T + 2**-8 * exact.abs() + atol).all())
     for r in {0, rows // 2, rows - 1}:  # a row gives the same in any step of more than 4 rows
         rows5 = torch.cat([x[r : r + 1], x[:4]]) if r >= 4 else x[:5]
         assert torch.equal(kernels.q4_matmul(rows5, panels, n, 4)[0 if r >= 4 else r], out[r])

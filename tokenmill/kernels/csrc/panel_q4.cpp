@@ -25,8 +25,9 @@
 //   and group of 32 k (one float32 scale each, the block of a Q8_0 tensor, which is what llama.cpp
 //   multiplies its Q4 weights by), and vpdpbusd (64 multiply-adds an instruction, twice vdpbf16ps's)
 //   sums the weight codes (unsigned) times the activation codes (signed) exactly in int32, per group;
-//   y += scale * x_scale * sum + lo * sum(x), the last sum over the bf16 activations. 1.0-1.3x the bf16
-//   model's linears at 5-512 rows on Zen 4 (head included); the cost is accuracy (docs/benchmarks.md).
+//   y += scale * x_scale * sum + lo * x_scale * sum(x codes): the weights times the rounded activations,
+//   as llama.cpp's Q4_1 x Q8_1 product. 1.0-1.3x the bf16 model's linears at 5-512 rows on Zen 4 (head
+//   included); the cost is accuracy (docs/benchmarks.md).
 // Every path sums each row in an order that does not depend on the other rows, so a row's result is the
 // same in any step that takes the same path (1-16 rows, 17 or more; above exact_rows with int8).
 #include <torch/extension.h>
@@ -126,8 +127,8 @@ __attribute__((always_inline)) inline void exact_panel(const uint32_t* x, int64_
   }
 }
 
-// Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales, xsum: their bf16 sums, both
-// per row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
+// Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales; xsum: the sums of the values
+// the codes stand for; both per row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
 template <int M>
 __attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K, const float* xa, const float* xsum,
                                                      int64_t groups, const uint8_t* wp, float* c, bool stream) {
@@ -223,8 +224,8 @@ inline void with_rows4(int64_t rows, const F& f) {
   }
 }
 
-// Per row and group of 32: the sum of the bf16 values in float32, and for the int8 path the codes
-// round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros).
+// Per row and group of 32: the sum of the bf16 values in float32 (group_sums), and for the int8 path the
+// codes round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros; quantize_groups).
 // The sums go 16 lanes wide, then across the lanes: a fixed order, so a row's sums do not depend on the
 // rows beside it. (Summed one value after another they were a chain of dependent adds: at 32 rows ~2 ms
 // of a step over SmolLM2-135M's 120 layers, single-threaded.)
@@ -243,7 +244,13 @@ void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
   });
 }
 
-void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa) {
+// Also each group's sum of the values the codes stand for, a * sum(codes), as
+// Q8_1 blocks carry it for llama.cpp's Q4_1 products: then the product is exactly that of the rounded
+// activations with the weights, sum((q * scale + lo) * a * code). Taking the exact bf16 sum for the
+// minimum's term instead leaves the rounding errors meeting q * scale, with q 0..15 (mean ~7.5), rather
+// than the weight itself, which Q4 centres on zero: ~3x the error's variance (+1.5% perplexity against
+// +0.4% for SmolLM2-135M, docs/benchmarks.md, sixteenth sitting).
+void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, float* xsum) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
     float v[kGroup];
@@ -260,8 +267,13 @@ void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq
         float inv = amax > 0.f ? 127.f / amax : 0.f;
         if (!std::isfinite(inv)) inv = 0.f;
         int8_t* qg = xq + m * K + g * kGroup;
-        for (int64_t i = 0; i < kGroup; ++i) qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+          sum += qg[i];
+        }
         xa[m * groups + g] = amax / 127.f;
+        xsum[m * groups + g] = xa[m * groups + g] * static_cast<float>(sum);
       }
   });
 }
@@ -301,10 +313,11 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
     }
     return y;
   }
-  // The minima's term needs each row's sum per group (the dequantized path above carries it in w).
+  // The minima's term needs each row's sum per group (the dequantized path above carries it in w): of the
+  // bf16 values here, of the values the int8 codes stand for below (quantize_groups).
   std::vector<float> xsum(M * groups);
-  group_sums(xp, x.stride(0), M, K, xsum.data());
   if (M <= exact_rows) {
+    group_sums(xp, x.stride(0), M, K, xsum.data());
     // Each quad's values as (x0, x2), (x1, x3): the pairs the lookups give per lane.
     std::vector<uint32_t> pairs(M * K / 2);
     for (int64_t m = 0; m < M; ++m)
@@ -330,7 +343,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
   }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xa(M * groups);
-  quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data());
+  quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
   for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - r0);
     panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {

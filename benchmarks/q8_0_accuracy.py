@@ -1,0 +1,95 @@
+"""What computing with a Q8_0 GGUF's own codes would cost in accuracy, emulated: the question behind a
+group-scale int8 kernel (issue #17), answered before writing one.
+
+llama.cpp multiplies a Q8_0 file's weights (int8 codes, a float16 scale per group of 32) by activations
+quantized the same way as a step runs (per row and group of 32: d = max|x| / 127, kept in float16,
+q = round(x / d), halves away from zero). Emulated here in float32 on the plain-PyTorch path: the
+file's weights, which float32 holds exactly, and every linear's input (the head's too) rounded to
+those codes. Beside it, on the same text: the float32 and bf16 references of the embedded model, the
+Q8_0 file's weights alone, and `quantization="int8"` (per-channel, smoothed) on the same file.
+
+    python benchmarks/q8_0_accuracy.py [--model ~/.cache/tokenmill-peers/smollm2-135m-q8_0.gguf]
+
+The Q8_0 file comes from `OUTTYPE=q8_0 bash benchmarks/peers/make_bf16_gguf.sh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill import LLM
+from tokenmill.models.parallel_linear import ParallelLinear
+from tokenmill.quality.perplexity import perplexity, text_version
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
+
+COMMON = {"max_model_len": 512, "kv_cache_memory_gb": 0.2, "enable_prefix_caching": False}
+GROUP = 32
+
+
+def q8_0_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's Q8_0 activation blocks hold it: per row and group of 32, codes times a float16
+    scale."""
+    g = x.float().reshape(-1, x.shape[-1] // GROUP, GROUP)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    scaled = g * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (q * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+@contextmanager
+def q8_0_activations() -> Iterator[None]:
+    """Every linear's input rounded to Q8_0 while a model is built and run (patched on the classes, as
+    the model takes its layers' bound calls at build)."""
+    originals: dict[type, Callable] = {ParallelLinear: ParallelLinear.forward, nn.Linear: nn.Linear.forward}
+    for cls, f in originals.items():
+        cls.forward = lambda self, x, f=f: f(self, q8_0_rows(x))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, f in originals.items():
+            cls.forward = f  # type: ignore[method-assign]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(Path.home() / ".cache/tokenmill-peers/smollm2-135m-q8_0.gguf"))
+    args = ap.parse_args()
+    if not Path(args.model).is_file():
+        sys.exit(
+            f"error: no Q8_0 GGUF at {args.model}: run OUTTYPE=q8_0 bash benchmarks/peers/make_bf16_gguf.sh"
+        )
+    exact = {"dtype": "float32", "kernels": "torch"}
+    rows = [
+        ("float32, embedded Q4_1 file (the reference)", False, exact),
+        ("bf16 (default), embedded file", False, {}),
+        ("float32, the Q8_0 file's weights", False, {"model": args.model, **exact}),
+        ("float32, Q8_0 weights x Q8_0 activations (llama.cpp's product, emulated)", True,
+         {"model": args.model, **exact}),
+        ("quantization=int8 (per channel, smoothed), the Q8_0 file", False,
+         {"model": args.model, "quantization": "int8"}),
+    ]  # fmt: skip
+    print(f"CPU: {cpu_description()}; text: {text_version()}")
+    print("| configuration | perplexity | vs float32 | vs bf16 |\n|---|---|---|---|")
+    values: list[float] = []
+    for label, emulate, kw in rows:
+        if emulate:
+            with q8_0_activations():
+                value = perplexity(LLM(**COMMON, **kw)).value
+        else:
+            value = perplexity(LLM(**COMMON, **kw)).value
+        values.append(value)
+        print(f"| {label} | {value:.4f} | {value / values[0] - 1:+.2%} | {value / values[1] - 1:+.2%} |"
+              if len(values) > 1 else f"| {label} | {value:.4f} | +0.00% | - |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
