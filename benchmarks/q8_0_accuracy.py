@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tokenmill import LLM
+from tokenmill.models.linear import PackedLinear
 from tokenmill.models.parallel_linear import ParallelLinear
 from tokenmill.quality.perplexity import perplexity, text_version
 
@@ -48,8 +49,8 @@ def q8_0_rows(x: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def q8_0_activations() -> Iterator[None]:
     """Every linear's input rounded to Q8_0 while a model is built and run (patched on the classes, as
-    the model takes its layers' bound calls at build)."""
-    originals: dict[type, Callable] = {ParallelLinear: ParallelLinear.forward, nn.Linear: nn.Linear.forward}
+    the model takes its layers' bound calls at build; a bf16 model's linears are PackedLinear)."""
+    originals: dict[type, Callable] = {cls: cls.forward for cls in (ParallelLinear, PackedLinear, nn.Linear)}
     for cls, f in originals.items():
         cls.forward = lambda self, x, f=f: f(self, q8_0_rows(x))  # type: ignore[method-assign]
     try:

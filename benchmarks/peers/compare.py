@@ -66,7 +66,7 @@ class Server:
     log: Path
     description: str
     version: str = "?"
-    weights: Path | None = None  # the peer's model file or directory (tokenmill: its default model)
+    weights: Path | None = None  # a peer's model file or directory (tokenmill's bytes: its built model)
 
 
 def peers_dir(args: argparse.Namespace) -> Path:
