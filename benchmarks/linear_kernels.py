@@ -7,7 +7,8 @@ against bf16 in the same run.
   without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
   up to 4 rows and a bf16 copy above.
 - int4a8: the same with int4_activations="int8" (W4A8 above 4 rows, where the 4-bit panels run).
-- int8: Int8Linear (W8A8).
+- int8: Int8Linear (W8A8, per channel and row).
+- int8g: GroupInt8Linear (W8A8 in groups of 32 on both sides, Q8_0's blocks), where its panels run.
 
 A decode step of M streams runs these matmuls at M rows; a prompt chunk at its token count.
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenmill.models.linear import Int8Linear, PackedLinear, QuantizedLinear
+from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
 from tokenmill.models.ops import get_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,6 +78,9 @@ def main() -> None:
         ],
         "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
     }
+    groups = [GroupInt8Linear.of(m, ops.group_int8_matmul_for) for m in plain]
+    if all(g is not None for g in groups):  # where the group panels run
+        configs["int8g"] = groups  # type: ignore[assignment]
     for label, layer in (("int4 layers", configs["int4"][0]), ("int4's 8-bit head", configs["int4"][-1])):
         path = "panels at every row count" if layer.max_rows is None else "bf16 copy above 4 rows"
         print(f"{label}: {path}")

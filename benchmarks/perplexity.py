@@ -29,6 +29,10 @@ CONFIGS = [
     ("bf16 (default)", {}),
     ("int8 weights and activations (quantization=int8, smoothed)", {"quantization": "int8"}),
     (
+        "int8 weights and activations in groups of 32 (int8_scales=group, Q8_0's blocks)",
+        {"quantization": "int8", "int8_scales": "group"},
+    ),
+    (
         "int8 weights and activations, unsmoothed (int8_smoothing=0)",
         {"quantization": "int8", "int8_smoothing": 0},
     ),

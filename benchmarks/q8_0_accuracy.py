@@ -8,9 +8,15 @@ file's weights, which float32 holds exactly, and every linear's input (the head'
 those codes. Beside it, on the same text: the float32 and bf16 references of the embedded model, the
 Q8_0 file's weights alone, and `quantization="int8"` (per-channel, smoothed) on the same file.
 
-    python benchmarks/q8_0_accuracy.py [--model ~/.cache/tokenmill-peers/smollm2-135m-q8_0.gguf]
+Then what tokenmill computes with the file: `quantization="int8"` in its group form (the default for a
+Q8_0 file where the group panels run: the file's own codes, activations per group of 32, llama.cpp's
+product) and in its per-channel form (the file dequantized, smoothed and quantized again).
 
-The Q8_0 file comes from `OUTTYPE=q8_0 bash benchmarks/peers/make_bf16_gguf.sh`.
+    python benchmarks/q8_0_accuracy.py [--model FILE.gguf]
+
+Without --model, the embedded file is written again in Q8_0 by weights/requantize.py (its Q4_1 weights
+dequantized and quantized by the gguf package) into tokenmill's cache; `OUTTYPE=q8_0 bash
+benchmarks/peers/make_bf16_gguf.sh` makes one with llama.cpp's converter from the bf16 HF export instead.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from torch import nn
 from tokenmill import LLM
 from tokenmill.models.linear import PackedLinear
 from tokenmill.models.parallel_linear import ParallelLinear
+from tokenmill.paths import default_cache_dir
 from tokenmill.quality.perplexity import perplexity, text_version
+from tokenmill.weights import catalog
+from tokenmill.weights.requantize import requantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
@@ -62,12 +71,16 @@ def q8_0_activations() -> Iterator[None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(Path.home() / ".cache/tokenmill-peers/smollm2-135m-q8_0.gguf"))
+    ap.add_argument("--model", help="a Q8_0 GGUF of the embedded model's weights (default: written here)")
     args = ap.parse_args()
+    if args.model is None:
+        made = default_cache_dir() / "requantized" / "smollm2-135m-q8_0.gguf"
+        if not made.is_file():
+            made.parent.mkdir(parents=True, exist_ok=True)
+            requantize(catalog.resolve("smollm2-135m"), made)
+        args.model = str(made)
     if not Path(args.model).is_file():
-        sys.exit(
-            f"error: no Q8_0 GGUF at {args.model}: run OUTTYPE=q8_0 bash benchmarks/peers/make_bf16_gguf.sh"
-        )
+        sys.exit(f"error: no GGUF at {args.model}")
     exact = {"dtype": "float32", "kernels": "torch"}
     rows = [
         ("float32, embedded Q4_1 file (the reference)", False, exact),
@@ -75,8 +88,10 @@ def main() -> None:
         ("float32, the Q8_0 file's weights", False, {"model": args.model, **exact}),
         ("float32, Q8_0 weights x Q8_0 activations (llama.cpp's product, emulated)", True,
          {"model": args.model, **exact}),
-        ("quantization=int8 (per channel, smoothed), the Q8_0 file", False,
+        ("quantization=int8, group form (the file's own codes; int8_scales=auto)", False,
          {"model": args.model, "quantization": "int8"}),
+        ("quantization=int8, per channel, smoothed (int8_scales=channel), the Q8_0 file", False,
+         {"model": args.model, "quantization": "int8", "int8_scales": "channel"}),
     ]  # fmt: skip
     print(f"CPU: {cpu_description()}; text: {text_version()}")
     print("| configuration | perplexity | vs float32 | vs bf16 |\n|---|---|---|---|")

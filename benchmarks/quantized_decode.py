@@ -2,15 +2,15 @@
 this machine's memory bandwidth allows.
 
 The issue #17 workload: short prompts, 64 output tokens each, decoded together at 1 and 32 streams
-(offline, `LLM.generate`). For every configuration: output tok/s, the ratio to bf16 in the same run,
-and the share of the bandwidth limit: a decode step must read every weight the step's matmuls use
-(bf16: 2 bytes each; int8: 1; int4: half a byte plus its scales, at every step where its panel
-kernel runs, elsewhere up to 4 rows, above which the layer uses its bf16 copy; fp8: 1 where its panel
-kernel runs, else its codes as bf16) and the KV cache
-of every stream, so bytes per step / read bandwidth is the fastest a step can be. The read bandwidth is
-measured here, in the same run, with as many threads as the engine uses (a sum over 1 GiB).
+(offline, `LLM.generate`). For every configuration: output tok/s, the ratio to bf16 in the same run, and
+the share of the bandwidth limit: a decode step must read every weight the step's matmuls use (bf16: 2
+bytes each; int8: 1, and a float16 scale per 32 in its group form; int4: half a byte plus its scales, at
+every step where its panel kernel runs, elsewhere up to 4 rows, above which the layer uses its bf16 copy;
+fp8: 1 where its panel kernel runs, else its codes as bf16) and the KV cache of every stream, so bytes per
+step / read bandwidth is the fastest a step can be. The read bandwidth is measured here, in the same run,
+with as many threads as the engine uses (a sum over 1 GiB).
 
-    python benchmarks/quantized_decode.py [--streams 1,32] [--reps 3]
+    python benchmarks/quantized_decode.py [--streams 1,32] [--reps 3] [--only int8,"int8 groups"]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from step_bytes import read_bandwidth_gbs, weight_bytes  # noqa: E402
 CONFIGS = [
     ("bf16", {}),
     ("int8", {"quantization": "int8"}),
+    ("int8 groups", {"quantization": "int8", "int8_scales": "group"}),
     ("int4", {"quantization": "int4"}),
     ("int4, int8 activations", {"quantization": "int4", "int4_activations": "int8"}),
     ("fp8", {"quantization": "fp8"}),
@@ -43,7 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", help="comma-separated precisions of the table to run (bf16 always runs)")
     args = ap.parse_args()
+    wanted = None if args.only is None else {"bf16", *(w.strip() for w in args.only.split(","))}
     streams = [int(s) for s in args.streams.split(",")]
     bw = read_bandwidth_gbs()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}; read bandwidth {bw:.1f} GB/s")
@@ -55,6 +58,8 @@ def main() -> None:
     base: dict[int, float] = {}
     params = SamplingParams(temperature=0, max_tokens=OUT, ignore_eos=True)
     for name, kw in CONFIGS:
+        if wanted is not None and name not in wanted:
+            continue
         llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False, **kw)
         model = llm.engine.executor.worker.model
         cfg = llm.engine.executor.worker.model_config

@@ -39,11 +39,11 @@ def read_bandwidth_gbs(reps: int = 5) -> float:
 
 def weight_bytes(model: torch.nn.Module, rows: int) -> int:
     """Bytes of the weights a tokenmill decode step of `rows` rows reads through its linears (bf16: 2
-    bytes each; int8: 1; int4: half a byte plus its scales where its panel kernel runs, elsewhere up to
-    4 rows, above which the layer uses its bf16 copy; fp8: 1 where its panel kernel runs, else its codes
-    as bf16)."""
+    bytes each; int8: 1, plus a float16 scale per 32 in its group form; int4: half a byte plus its scales
+    where its panel kernel runs, elsewhere up to 4 rows, above which the layer uses its bf16 copy; fp8: 1
+    where its panel kernel runs, else its codes as bf16)."""
     from tokenmill.models.fp8_linear import Fp8Linear
-    from tokenmill.models.linear import Int8Linear, LinearBase, PackedLinear, QuantizedLinear
+    from tokenmill.models.linear import GroupInt8Linear, Int8Linear, LinearBase, PackedLinear, QuantizedLinear
 
     total = 0
     # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit; Fp8Linear's codes as bf16,
@@ -71,6 +71,8 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
                 total += 2 * m.in_features * m.out_features
         elif isinstance(m, Int8Linear):
             total += m.in_features * m.out_features + 4 * m.out_features
+        elif isinstance(m, GroupInt8Linear):  # its panels: codes and a float16 scale per group of 32
+            total += m.kernel.panels.numel() * m.kernel.panels.element_size()
         elif isinstance(m, (PackedLinear, LinearBase, torch.nn.Linear)):
             total += 2 * m.in_features * m.out_features
     return total

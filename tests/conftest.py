@@ -19,6 +19,15 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def q8_0_model_path(model_path: Path, tmp_path_factory) -> Path:
+    """The embedded model written again with its linear weights in Q8_0 blocks (weights/requantize.py:
+    the gguf package's own quantizer on the dequantized Q4_1 values), as a Q8_0 GGUF file holds them."""
+    from tokenmill.weights.requantize import requantize
+
+    return requantize(model_path, tmp_path_factory.mktemp("q8_0") / "smollm2-135m-q8_0.gguf")
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path: Path):
     """Hugging Face transformers' own Llama on the same GGUF weights, float32: the independent reference."""
     transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")

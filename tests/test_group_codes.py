@@ -1,5 +1,6 @@
-"""A GGUF file's own 4-bit codes (weights/group_codes.py): decoded as the gguf package dequantizes
-them, fused and cut as the weights are, cached, and taken as they are by an int4 layer."""
+"""A GGUF file's own codes (weights/group_codes.py), 4-bit and Q8_0: decoded as the gguf package
+dequantizes them, fused and cut as the weights are, cached (4-bit), and taken as they are by an int4
+layer and by int8's group form."""
 
 from __future__ import annotations
 
@@ -16,14 +17,21 @@ from torch import nn
 
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.linear import QuantizedLinear
+from tokenmill.models.linear import GroupInt8Linear, QuantizedLinear
 from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_codes, shard_weights
 from tokenmill.models.parallel import Shard
 from tokenmill.models.parallel_linear import RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.weights import loader
 from tokenmill.weights.gguf_file import GGUFFile
-from tokenmill.weights.group_codes import GroupCodes, codes_from_blocks, quantize_groups
+from tokenmill.weights.group_codes import (
+    Codes,
+    codes_from_blocks,
+    int8_groups_from_blocks,
+    quantize_groups,
+    quantize_int8_groups,
+)
+from tokenmill.weights.requantize import requantize
 
 N, K = 8, 512
 
@@ -48,6 +56,20 @@ def test_codes_stand_for_exactly_what_gguf_dequantizes(qtype: Q) -> None:
     np.testing.assert_array_equal(g.dequantize().numpy(), dequantize(raw, qtype).reshape(N, K))
 
 
+def test_q8_0_codes_stand_for_exactly_what_gguf_dequantizes() -> None:
+    x = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
+    x[0, :32] = 0  # a group of zeros: scale 0
+    raw = quantize(x, Q.Q8_0)
+    g = int8_groups_from_blocks(raw, N, K)
+    assert g.q.dtype == torch.int8 and g.scale.shape == (N, K // 32) and g.shape == (N, K)
+    np.testing.assert_array_equal(g.dequantize().numpy(), dequantize(raw, Q.Q8_0).reshape(N, K))
+    # Quantized again from those values, the groups come back to the file's own codes and scales.
+    again = quantize_int8_groups(g.dequantize())
+    assert torch.equal(again.q, g.q) and torch.equal(again.scale, g.scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int8_groups(torch.randn(4, 48))
+
+
 def test_only_4bit_tensors_have_codes(tmp_path: Path) -> None:
     x = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
     path = tmp_path / "two.gguf"
@@ -59,9 +81,11 @@ def test_only_4bit_tensors_have_codes(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     f = GGUFFile(path)
-    assert f.group_codes("Q8_0") is None
+    assert f.group_codes("Q8_0") is None and f.int8_groups("Q4_1") is None
     g = f.group_codes("Q4_1")
     assert g is not None and np.array_equal(g.dequantize().numpy(), f.tensor("Q4_1"))
+    h = f.int8_groups("Q8_0")
+    assert h is not None and np.array_equal(h.dequantize().numpy(), f.tensor("Q8_0"))
 
 
 @pytest.mark.slow
@@ -81,6 +105,71 @@ def test_embedded_files_codes_are_its_weights_fused_and_cached(model_path: Path,
         h = again[name]
         assert torch.equal(h.nibbles, g.nibbles) and torch.equal(h.scale, g.scale) and torch.equal(h.lo, g.lo)
     assert loader.load_group_codes(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
+
+
+@pytest.mark.slow
+def test_a_q8_0_files_codes_are_its_weights_fused(
+    model_path: Path, q8_0_model_path: Path, tmp_path: Path
+) -> None:
+    """weights/requantize.py's Q8_0 file of the embedded model: its linears' codes, unpermuted and fused
+    as the weights are, decode to the weights the file loads as, bit for bit; its metadata and tokenizer
+    are the embedded file's."""
+    assert GGUFFile(q8_0_model_path).int8_groups("blk.0.attn_q.weight") is not None
+    codes = registry.load_int8_codes(q8_0_model_path, tmp_path)
+    assert codes is not None
+    loaded = registry.load_checkpoint(q8_0_model_path, torch.float32, tmp_path)
+    linears = {k.removesuffix(".weight") for k in loaded.state_dict if k.endswith("_proj.weight")}
+    assert set(codes) == linears
+    for name, g in codes.items():
+        assert torch.equal(g.dequantize(), loaded.state_dict[f"{name}.weight"]), name
+    original = registry.load_checkpoint(model_path, torch.float32, tmp_path)
+    assert loaded.config == original.config
+    assert loaded.tokenizer.encode_text("The capital of France") == original.tokenizer.encode_text(
+        "The capital of France"
+    )
+    assert registry.load_int8_codes(model_path, tmp_path) is None  # a Q4_1 file has no Q8_0 linears
+    assert loader.load_int8_groups(tmp_path, registry.FUSED) is None  # an HF directory: none
+
+
+def test_requantize_writes_every_quantized_matrix_in_the_new_type(tmp_path: Path) -> None:
+    x = np.random.default_rng(4).standard_normal((N, K)).astype(np.float32)
+    src = tmp_path / "src.gguf"
+    w = GGUFWriter(str(src), "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("q4", quantize(x, Q.Q4_1), raw_dtype=Q.Q4_1)
+    w.add_tensor("f32", x[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = GGUFFile(requantize(src, tmp_path / "out.gguf"))
+    assert out.metadata["llama.block_count"] == 1
+    h = out.int8_groups("q4")
+    assert h is not None
+    np.testing.assert_array_equal(
+        h.dequantize().numpy(), dequantize(quantize(GGUFFile(src).tensor("q4"), Q.Q8_0), Q.Q8_0)
+    )
+    np.testing.assert_array_equal(out.tensor("f32"), x[0])
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_int8_group_layer_takes_given_codes_as_they_are() -> None:
+    g = quantize_int8_groups(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
+    lin = nn.Linear(96, 64, bias=False)
+    lin.weight = nn.Parameter(torch.zeros(64, 96, dtype=torch.bfloat16), requires_grad=False)
+    seen = []
+
+    def group_for(q, scale):  # records what it was given; the layer then computes with this kernel
+        seen.append((q, scale))
+        return lambda x: torch.ones(x.shape[0], 64, dtype=x.dtype)
+
+    layer = GroupInt8Linear.of(lin, group_for, g)
+    assert layer is not None and layer(torch.zeros(3, 96, dtype=torch.bfloat16)).shape == (3, 64)
+    ((q, scale),) = seen
+    assert torch.equal(q, g.q) and torch.equal(scale, g.scale)
+    assert GroupInt8Linear.of(lin, lambda q, s: None, g) is None  # no kernel for it: not this form
+    with pytest.raises(ValueError, match="do not fit"):
+        GroupInt8Linear.of(lin, group_for, quantize_int8_groups(torch.randn(64, 64)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,7 +200,9 @@ def _config(intermediate: int) -> ModelConfig:
     return ModelConfig("llama", 50, 64, intermediate, 4, 4, 2, 16)
 
 
-def _codes_and_weights(cfg: ModelConfig) -> tuple[dict[str, GroupCodes], dict[str, torch.Tensor]]:
+def _codes_and_weights(
+    cfg: ModelConfig, quantizer=quantize_groups
+) -> tuple[dict[str, Codes], dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     shapes = {
         "self_attn.qkv_proj": (cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads), cfg.hidden_size),
@@ -120,7 +211,7 @@ def _codes_and_weights(cfg: ModelConfig) -> tuple[dict[str, GroupCodes], dict[st
         "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size),
     }
     codes = {
-        f"layers.{i}.{name}": quantize_groups(torch.randn(*shape, generator=gen))
+        f"layers.{i}.{name}": quantizer(torch.randn(*shape, generator=gen))
         for i in range(cfg.num_layers)
         for name, shape in shapes.items()
     }
@@ -139,10 +230,11 @@ def _model(cfg: ModelConfig, shard: Shard) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg, RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta, None, None), shard)
 
 
+@pytest.mark.parametrize("quantizer", [quantize_groups, quantize_int8_groups], ids=["4-bit", "Q8_0"])
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (1, 2)])
-def test_shards_codes_are_cut_as_their_weights_are(tp: int, pp: int) -> None:
+def test_shards_codes_are_cut_as_their_weights_are(tp: int, pp: int, quantizer) -> None:
     cfg = _config(intermediate=128)
-    codes, weights = _codes_and_weights(cfg)
+    codes, weights = _codes_and_weights(cfg, quantizer)
     for rank in range(tp):
         for stage in range(pp):
             model = _model(cfg, Shard.of(cfg, tp, rank, pp, stage))
@@ -152,9 +244,10 @@ def test_shards_codes_are_cut_as_their_weights_are(tp: int, pp: int) -> None:
                 assert torch.equal(g.dequantize(), cut[f"{name}.weight"]), (rank, stage, name)
 
 
-def test_a_cut_through_a_group_leaves_that_layer_to_be_quantized() -> None:
+@pytest.mark.parametrize("quantizer", [quantize_groups, quantize_int8_groups], ids=["4-bit", "Q8_0"])
+def test_a_cut_through_a_group_leaves_that_layer_to_be_quantized(quantizer) -> None:
     cfg = _config(intermediate=96)  # two ranks' down_proj columns split at 48, inside a group of 32
-    codes, weights = _codes_and_weights(cfg)
+    codes, weights = _codes_and_weights(cfg, quantizer)
     model = _model(cfg, Shard.of(cfg, 2, 1, 1, 0))
     part = shard_codes(model, codes)
     assert isinstance(model.get_submodule("layers.0.mlp.down_proj"), RowParallelLinear)

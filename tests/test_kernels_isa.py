@@ -522,6 +522,55 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
         assert torch.equal(kernels.q4_matmul(rows5, panels, n, 4)[0 if r >= 4 else r], out[r])
 
 
+def group_codes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes and scales the group panels quantize bf16 rows [M, K] to, per row and group of 32:
+    scale max|x| / 127, codes rounded half to even, 127 / max|x| divided in float32 as the kernel does
+    (numpy's division; `127 / tensor` in PyTorch multiplies by a reciprocal, which rounds differently).
+    Returns (codes float [M, K/32, 32], scales float64 [M, K/32])."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.from_numpy(np.float32(127) / np.where(amax.numpy() > 0, amax.numpy(), np.float32(np.inf)))
+    codes = torch.round(groups * inv)
+    assert int(codes.abs().max()) <= 127
+    return codes, (amax / 127).double().squeeze(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 33, 300])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_g8_panels(kernels, rows: int, n: int, k: int) -> None:
+    """8-bit weights with a float16 scale per group of 32 (a Q8_0 block) times the rows quantized per
+    group of 32 (W8A8 as llama.cpp multiplies Q8_0 by Q8_0): against float64 of y = sum over groups of
+    scale * x_scale * sum(codes x codes), the integer sums exact, from the codes computed here. The
+    codes span -128..127 (a Q8_0 file may hold -128); 300 rows cross the kernel's 256-row sweeps."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 8-bit group panels are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import g8_pack
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    x[0, :32] = 0  # a group of zeros: codes 0, scale 0
+    panels = g8_pack(q, scale)
+    out = kernels.g8_matmul(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    codes, x_scale = group_codes_of(x)
+    ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
+    terms = ints * (scale.double()[None] * x_scale[:, None, :])
+    exact = terms.sum(-1)
+    # float32 products of the scales and sums over the groups: bounded by the magnitudes summed.
+    atol = 4 * (k // 32) * 2**-23 * float(terms.abs().sum(-1).max())
+    check(out, exact, atol=atol)
+    # And near the bf16 activations' product: each activation's rounding is at most half a level.
+    w = (q.double().view(n, k // 32, 32) * scale.double()[..., None]).view(n, k)
+    level = (x_scale / 2)[..., None].expand(-1, -1, 32).reshape(rows, k)
+    gap = (out.double() - x.double() @ w.T).abs()
+    assert bool((gap <= level @ w.abs().T + 2**-8 * exact.abs() + atol).all())
+    for r in {0, rows // 2, rows - 1}:  # a row gives the same alone and in a step of five
+        assert torch.equal(kernels.g8_matmul(x[r : r + 1], panels, n)[0], out[r])
+        assert torch.equal(kernels.g8_matmul(torch.cat([x[r : r + 1], x[:4]]), panels, n)[0], out[r])
+
+
 def q8_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
     """Random int8 codes with one scale per column, as the int4 model's output head holds them, and bf16
     rows strided as a fused slice."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.models.linear import QuantizedLinear
 from tokenmill.quality.fidelity import compare, forced_run
 from tokenmill.quality.prompts import chat_prompts
@@ -165,3 +165,72 @@ def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
         finally:
             llm.close()
     assert (spaces["int8"] != spaces["bf16"]) == panels, spaces
+
+
+def test_int8_scales_setting_is_checked() -> None:
+    from tokenmill.config import EngineConfig
+
+    assert EngineConfig().int8_scales == "auto"  # groups for a Q8_0 file's own codes, channels otherwise
+    with pytest.raises(ValueError, match="int8_scales"):
+        EngineConfig(quantization="int8", int8_scales="row")
+
+
+@pytest.mark.slow
+def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_path: Path, caplog) -> None:
+    """int8_scales "auto" on a Q8_0 file: every linear (the tied output head too) computes with the
+    file's own codes and scales in the group panels, bit for bit as packed from the file; "channel"
+    keeps the per-channel form; their KV is named apart. Where the group panels do not run (AMX, no
+    AVX512-BF16), both are the per-channel form, and "group" says why."""
+    from tokenmill.models.linear import GroupInt8Linear, Int8Linear
+    from tokenmill.models.ops import g8_pack
+    from tokenmill.models.registry import load_int8_codes
+
+    common = {"max_model_len": 256, "kv_cache_memory_gb": 0.05, "quantization": "int8"}
+    labels = {}
+    for scales in ("auto", "channel"):
+        llm = LLM(model=str(q8_0_model_path), int8_scales=scales, **common)
+        try:
+            worker = llm.engine.executor.worker
+            kinds = {type(m) for m in worker.model.modules() if isinstance(m, (GroupInt8Linear, Int8Linear))}
+            labels[scales] = llm.engine.info["weights_label"]
+            if scales == "auto" and worker.model.int8_groups:
+                assert kinds == {GroupInt8Linear}
+                codes = load_int8_codes(q8_0_model_path, None)
+                assert codes is not None
+                qkv = worker.model.layers[0].self_attn.qkv_proj
+                expected = codes["layers.0.self_attn.qkv_proj"]
+                assert torch.equal(qkv.kernel.panels, g8_pack(expected.q, expected.scale))
+                out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+                assert out[0].outputs[0].text.strip()  # it decodes
+            else:
+                assert kinds == {Int8Linear}
+        finally:
+            llm.close()
+    groups = labels["auto"] == "int8-groups"
+    assert labels["channel"] != labels["auto"] or not groups, labels
+    if not groups:  # no group panels here: "group" falls back and says so
+        with caplog.at_level("WARNING"):
+            LLM(int8_scales="group", **common).close()
+        assert "int8_scales group needs" in caplog.text
+
+
+def test_int8_group_form_falls_back_to_channels_without_its_panels(caplog) -> None:
+    """The plain-PyTorch ops have no group panels: int8_scales="group" quantizes per channel, saying why."""
+    from tokenmill.models.linear import Int8Linear, int8_matmuls_available
+
+    with caplog.at_level("WARNING"):
+        llm = LLM(
+            kernels="torch",
+            quantization="int8",
+            int8_scales="group",
+            max_model_len=128,
+            kv_cache_memory_gb=0.05,
+        )
+    try:
+        model = llm.engine.executor.worker.model
+        assert not model.int8_groups
+        if int8_matmuls_available(torch.device("cpu")):  # else int8 keeps bf16 weights (and says so)
+            assert any(isinstance(m, Int8Linear) for m in model.modules())
+    finally:
+        llm.close()
+    assert "int8_scales group needs" in caplog.text

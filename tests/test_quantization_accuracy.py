@@ -38,6 +38,26 @@ def test_int4_with_int8_activations_stays_near_bf16(bf16_ppl: float) -> None:
     assert 1 - 0.01 < p / bf16_ppl < 1 + 0.015, (p, bf16_ppl)
 
 
+def test_int8_in_groups_of_32_stays_nearer_bf16(bf16_ppl: float, q8_0_model_path) -> None:
+    """int8's group form (int8_scales, a scale per group of 32 on both sides, as llama.cpp multiplies a
+    Q8_0 file): on the embedded model quantized so, and on its Q8_0 file's own codes (the form "auto"
+    takes there). +0.32% for both in this short run, where the per-channel form measured +0.83% on the
+    embedded model and +1.27% on the Q8_0 file, so the bound fails either; benchmarks/q8_0_accuracy.py's
+    longer run: +0.29% on the Q8_0 file against +1.09% per channel. Only where the group panels run
+    (AVX512-BF16 without AMX); elsewhere the setting falls back to the per-channel form, which the test
+    above bounds."""
+    probe = LLM(quantization="int8", int8_scales="group", **COMMON)
+    if not probe.engine.executor.worker.model.int8_groups:
+        pytest.skip("the group panels run only on AVX512-BF16 CPUs without AMX; int8 stays per channel here")
+    grouped = perplexity(probe, n=16, steps=64).value
+    del probe
+    file_llm = LLM(model=str(q8_0_model_path), quantization="int8", **COMMON)
+    assert file_llm.engine.executor.worker.model.int8_groups  # "auto" takes the file's codes
+    from_file = perplexity(file_llm, n=16, steps=64).value
+    for p in (grouped, from_file):
+        assert 1 - 0.01 < p / bf16_ppl < 1 + 0.006, (grouped, from_file, bf16_ppl)
+
+
 def test_int8_smoothing_is_what_brings_int8_near_bf16(bf16_ppl: float) -> None:
     """Unsmoothed, the same int8 model is past the bound above (+5.3% measured): the smoothing, not a
     lucky text, makes the difference."""

@@ -205,7 +205,8 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         help='"int4": 4-bit weights (Q4 GGUF precision); "int8": int8 weights and '
-        'activations (dynamic per-row scales) at every batch size; "fp8": e4m3 weights (per channel) and '
+        "activations (dynamic scales per row, or per group of 32: int8_scales) at every batch size; "
+        '"fp8": e4m3 weights (per channel) and '
         "activations (per row), emulated on CPU in bf16 (fp8's accuracy; decode steps read one byte a "
         "weight on AVX512-BF16 CPUs without AMX, bf16's bytes elsewhere)",
     )
@@ -220,6 +221,14 @@ class EngineConfig:
         help='with quantization int4, the activations of steps above 4 rows: "bf16" (exact products, '
         'W4A16) or "int8" (per row and group of 32, as llama.cpp multiplies Q4 by Q8_0: W4A8, faster at '
         "5 or more rows, less accurate); only where the 4-bit panel kernels run (AVX512-BF16 without AMX)",
+    )
+    int8_scales: str = setting(
+        "auto",
+        help='with quantization int8, what a scale covers: "channel" (a weight scale per output channel, '
+        'smoothed, and an activation scale per row: fastest at batches), "group" (a scale per group of 32 '
+        "on both sides, as llama.cpp multiplies a Q8_0 file: about half channel's accuracy cost; only where "
+        'the group panel kernels run, AVX512-BF16 without AMX) or "auto" (group for a GGUF file whose '
+        "linears are Q8_0, computing with the file's own codes; channel otherwise)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
@@ -236,5 +245,7 @@ class EngineConfig:
             raise ValueError(f'quantization must be "int4", "int8" or "fp8", got {self.quantization!r}')
         if self.int4_activations not in ("bf16", "int8"):
             raise ValueError(f'int4_activations must be "bf16" or "int8", got {self.int4_activations!r}')
+        if self.int8_scales not in ("auto", "channel", "group"):
+            raise ValueError(f'int8_scales must be "auto", "channel" or "group", got {self.int8_scales!r}')
         if not 0 <= self.int8_smoothing < 1:
             raise ValueError(f"int8_smoothing must be in [0, 1), got {self.int8_smoothing}")

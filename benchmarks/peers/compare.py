@@ -240,9 +240,9 @@ def step_bytes(args: argparse.Namespace, servers: dict[str, Server], console) ->
     the shares (with a warning), not out of the run.
 
     tokenmill's are counted on its model built here as the server will build it (from --tokenmill-args'
-    --model, --quantization, --int4-activations and --kv-cache-dtype; other options are not read), then
-    freed before any server starts. The peers' KV cache is taken in 16 bits, their default: a KV type
-    passed in --vllm-args or --llamacpp-args is not read."""
+    --model, --quantization, --int4-activations, --int8-scales and --kv-cache-dtype; other options are
+    not read), then freed before any server starts. The peers' KV cache is taken in the type their
+    arguments give (vLLM's --kv-cache-dtype, llama.cpp's -ctk/-ctv), else 16 bits, their default."""
     from tokenmill.sizing import arch
 
     out: dict[str, dict] = {}
@@ -254,15 +254,38 @@ def step_bytes(args: argparse.Namespace, servers: dict[str, Server], console) ->
                 counted = (
                     hf_weight_bytes(srv.weights) if srv.weights.is_dir() else gguf_weight_bytes(srv.weights)
                 )
+                k_bytes, v_bytes = peer_kv_bytes_per_value(engine, args)
+                per_value_pair = arch.resolve(str(srv.weights)).kv_bytes_per_token(1)  # K and V, a byte each
                 out[engine] = {
                     "weights": dict.fromkeys(args.concurrency, counted),
-                    "kv_per_token": arch.resolve(str(srv.weights)).kv_bytes_per_token(2),
+                    "kv_per_token": per_value_pair * (k_bytes + v_bytes) / 2,
                 }
         except Exception as e:  # a figure without its share is still a figure
             console.print(
                 f"  [yellow]{engine}: its bytes a step could not be counted ({e}); no share[/yellow]"
             )
     return out
+
+
+# Bytes a value of llama.cpp's cache types (-ctk/-ctv): the block's bytes over its 32 values.
+_GGML_CACHE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+                     "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}  # fmt: skip
+
+
+def peer_kv_bytes_per_value(engine: str, args: argparse.Namespace) -> tuple[float, float]:
+    """A peer's KV cache bytes a value, keys and values, from its own arguments: vLLM's
+    --kv-cache-dtype (fp8 kinds: one byte), llama.cpp's -ctk/--cache-type-k and -ctv/--cache-type-v;
+    16 bits where they are not given."""
+    ap = argparse.ArgumentParser(add_help=False)
+    if engine.startswith("vllm"):
+        ap.add_argument("--kv-cache-dtype", default="auto")
+        known, _ = ap.parse_known_args(shlex.split(args.vllm_args))
+        one = 1.0 if known.kv_cache_dtype.startswith("fp8") else 2.0
+        return one, one
+    ap.add_argument("-ctk", "--cache-type-k", default="f16")
+    ap.add_argument("-ctv", "--cache-type-v", default="f16")
+    known, _ = ap.parse_known_args(shlex.split(args.llamacpp_args))
+    return _GGML_CACHE_BYTES[known.cache_type_k], _GGML_CACHE_BYTES[known.cache_type_v]
 
 
 def _tokenmill_bytes(args: argparse.Namespace) -> dict:
@@ -272,7 +295,7 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
     from tokenmill.worker.allocator import release_freed_memory
 
     ap = argparse.ArgumentParser(add_help=False)
-    for flag in ("--model", "--quantization", "--int4-activations", "--kv-cache-dtype"):
+    for flag in ("--model", "--quantization", "--int4-activations", "--int8-scales", "--kv-cache-dtype"):
         ap.add_argument(flag)
     known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
     kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 1024}
@@ -280,6 +303,8 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
         kw["model"] = known.model
     if known.int4_activations:
         kw["int4_activations"] = known.int4_activations
+    if known.int8_scales:
+        kw["int8_scales"] = known.int8_scales
     llm = LLM(**kw)
     worker = llm.engine.executor.worker
     cfg = worker.model_config

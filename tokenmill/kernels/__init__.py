@@ -42,6 +42,7 @@ _SOURCES = [
     "prefill_attention.cpp",
     "panel_matmul.cpp",
     "panel_q4.cpp",
+    "panel_g8.cpp",
     "panel_q8.cpp",
     "panel_i8.cpp",
     "panel_f8.cpp",

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenmill.weights.group_codes import GROUP, GroupCodes, quantize_groups
+from tokenmill.weights.group_codes import GROUP, GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
 
 log = logging.getLogger(__name__)
 _packing_works: bool | None = None
@@ -332,6 +332,46 @@ class Int8Linear(LinearBase):
         return y if self.bias is None else y + self.bias
 
 
+# ops.group_int8_matmul_for: (codes [N, K] int8, scales [N, K/32] float32) -> a kernel for every row
+# count, or None.
+GroupFor = Callable[[torch.Tensor, torch.Tensor], QuantMatmul | None]
+
+
+class GroupInt8Linear(LinearBase):
+    """int8 weights with a scale per output channel and group of 32 input channels times int8
+    activations with a scale per row and group of 32, quantized as each step runs: W8A8 in Q8_0's
+    blocks, as llama.cpp multiplies a Q8_0 GGUF file. A group's scale follows its own largest value on
+    both sides, so an outlier costs the precision of its group, not of its whole row or column: a Q8_0
+    file computed so cost +0.54% perplexity against bf16, where Int8Linear's per-channel form (after
+    smoothing) cost +1.18% (benchmarks/q8_0_accuracy.py). Computed by the group panels
+    (ops.group_int8_matmul_for) at every row count; built only where they run."""
+
+    prepared = True
+
+    def __init__(self, linear: nn.Linear, kernel: QuantMatmul) -> None:
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.kernel = kernel
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @staticmethod
+    def of(linear: nn.Linear, group_for: GroupFor, codes: Int8Groups | None = None) -> GroupInt8Linear | None:
+        """The layer from `codes` (a Q8_0 file's own) or from its weight quantized into groups; None where
+        the group panels do not take it (the caller quantizes it otherwise)."""
+        n, k = linear.weight.shape
+        if k % GROUP or linear.weight.dtype != torch.bfloat16:
+            return None
+        if codes is not None and codes.shape != (n, k):
+            raise ValueError(f"int8 codes {codes.shape} do not fit a weight {(n, k)}")
+        g = codes if codes is not None else quantize_int8_groups(linear.weight.detach())
+        kernel = group_for(g.q, g.scale)
+        return GroupInt8Linear(linear, kernel) if kernel is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
+
+
 _int8_works: bool | None = None
 # The overload itself: calling the packet resolves it among four on every call. None in builds
 # without oneDNN's quantized ops.
@@ -444,6 +484,24 @@ def quantize_linears_int8(
         small_for = None
     for parent, name, _, child in sites:
         setattr(parent, name, Int8Linear(child, quantize, scale_rows, small_for))
+    return len(sites)
+
+
+def quantize_linears_int8_groups(
+    model: nn.Module,
+    group_for: GroupFor,
+    quantize: Quantize,
+    scale_rows: ScaleRows,
+    codes: dict[str, Int8Groups] | None = None,
+) -> int:
+    """Replace every plain linear by a GroupInt8Linear (int8_scales="group"): from `codes` where given
+    (by module name: a Q8_0 file's own), else from its weight quantized into groups; a layer the group
+    panels do not take (K not a multiple of 32) becomes a per-channel Int8Linear. Returns the count.
+    The caller checks that the group panels run here (ops.group_panels_available)."""
+    sites = plain_linears(model)
+    for parent, name, full, child in sites:
+        layer = GroupInt8Linear.of(child, group_for, (codes or {}).get(full))
+        setattr(parent, name, layer if layer is not None else Int8Linear(child, quantize, scale_rows))
     return len(sites)
 
 

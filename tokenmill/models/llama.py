@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,15 +24,17 @@ from tokenmill.models.linear import (
     pack_linears,
     quantize_linears,
     quantize_linears_int8,
+    quantize_linears_int8_groups,
 )
 from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
-from tokenmill.weights.group_codes import GroupCodes
+from tokenmill.weights.group_codes import Codes, GroupCodes, Int8Groups
 
 log = logging.getLogger(__name__)
+C = TypeVar("C", bound=Codes)
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         self.smoothed_alpha: float | None = None
         # Whether int4 steps above 4 rows quantize their activations to int8 (int4_activations="int8").
         self.int4_a8 = False
+        # Whether int8 took its group form (int8_scales): a scale per group of 32 on both sides.
+        self.int8_groups = False
 
     @property
     def num_local_layers(self) -> int:
@@ -294,10 +299,10 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
     return out
 
 
-def shard_codes(model: LlamaForCausalLM, codes: dict[str, GroupCodes]) -> dict[str, GroupCodes]:
-    """The 4-bit codes of the model's (or its shard's) linears, under local names, each parallel linear's
-    part cut by the layer itself; a layer whose cut would split a group of 32 gets none (its own weight
-    is quantized instead)."""
+def shard_codes(model: LlamaForCausalLM, codes: dict[str, C]) -> dict[str, C]:
+    """The codes (4-bit or 8-bit groups) of the model's (or its shard's) linears, under local names, each
+    parallel linear's part cut by the layer itself; a layer whose cut would split a group of 32 gets none
+    (its own weight is quantized instead)."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
     layers = model.shard.layers
     out = {}
@@ -310,6 +315,21 @@ def shard_codes(model: LlamaForCausalLM, codes: dict[str, GroupCodes]) -> dict[s
         if part is not None:
             out[local] = part
     return out
+
+
+def _int8_in_groups(ops: TorchOps, scales: str, file_codes: bool) -> bool:
+    """Whether int8 takes its group form (a scale per group of 32 on both sides) here: asked for, or
+    "auto" with a Q8_0 file's codes, and the group panels run (elsewhere the per-channel form)."""
+    if scales == "channel" or (scales == "auto" and not file_codes):
+        return False
+    if ops.group_panels_available():
+        return True
+    why = "the group panel kernels, which need AVX512-BF16 without AMX"
+    if scales == "group":
+        log.warning("int8_scales group needs %s; quantizing per channel", why)
+    else:
+        log.info("the file's Q8_0 codes need %s; quantizing its weights per channel", why)
+    return False
 
 
 def build_model(
@@ -326,6 +346,8 @@ def build_model(
     smoothing_alpha: float = 0.7,
     int4_activations: str = "bf16",
     int4_codes: dict[str, GroupCodes] | None = None,
+    int8_scales: str = "auto",
+    int8_codes: dict[str, Int8Groups] | None = None,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
     the given ones, cut to the shard. `calibration`: what to smooth the activations on before
@@ -333,7 +355,9 @@ def build_model(
     int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
     int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
     the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
-    int4's 4-bit layers take as they are."""
+    int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
+    (config.py); `int8_codes`: a Q8_0 file's own codes (registry.load_int8_codes), which the group
+    form takes as they are and "auto" chooses it for."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -350,7 +374,8 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
-    if calibration is not None:
+    int8_groups = quantization == "int8" and _int8_in_groups(model.ops, int8_scales, bool(int8_codes))
+    if calibration is not None and not int8_groups:  # smoothing is for the per-channel form
         # Before any weight is quantized or packed: the factors are folded into plain weights.
         reason = why_not_smoothable(model)
         if quantization == "int8" and not int8_matmuls_available(device):
@@ -380,7 +405,14 @@ def build_model(
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).
         ops_ = model.ops
-        quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)
+        if int8_groups:
+            model.int8_groups = True
+            given = shard_codes(model, int8_codes) if int8_codes else None
+            quantize_linears_int8_groups(
+                model, ops_.group_int8_matmul_for, ops_.quantize_rows_u8, ops_.scale_rows_, given
+            )
+        else:
+            quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)
     elif quantization == "fp8":
         quantize_linears_fp8(
             model, model.ops.e4m3_rows, model.ops.scale_rows_cols, small_for=model.ops.fp8_matmul_for

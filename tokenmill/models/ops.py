@@ -117,6 +117,16 @@ class TorchOps:
         float8_e4m3fn, scale [N] float32), or None (the bf16 matmul of the codes is used)."""
         return None
 
+    def group_panels_available(self) -> bool:
+        """Whether group_int8_matmul_for gives kernels here (for a weight whose K is a multiple of 32)."""
+        return False
+
+    def group_int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> G8Panels | None:
+        """A kernel for W8A8 steps of any number of rows with int8 weight codes in groups of 32 k (q [N, K],
+        scale [N, K/32] float32 values float16 holds: a Q8_0 block's), the activations quantized per row
+        and group of 32 as the step runs; or None (the layer is then quantized per channel)."""
+        return None
+
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         """A kernel for W8A8 steps of up to `max_rows` rows with these int8 weight codes (q [N, K], scale
         [N] float32), or None (oneDNN's int8 matmul, or the float path, is used)."""
@@ -164,6 +174,20 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Ten
         return v.to(torch.float16).contiguous().view(torch.uint8)
 
     return torch.cat([codes, per_group(scale), per_group(lo)], -1).contiguous()
+
+
+def g8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """8-bit codes q [N, K] (-128..127) with their per-32-k scales [N, K/32] (a Q8_0 block's) as the
+    panels of kernels/csrc/panel_g8.cpp: [ceil(N/32), K/32, 1088] bytes, per panel and group 8 k quads of
+    128 bytes (byte 4j + t of the first 64: column j's q + 128 at k = 4 * quad + t; of the last 64: column
+    16 + j's), then 32 float16 scales. Columns past N have code 0 and scale 0."""
+    n, k = q.shape
+    panels, groups, pad = -(-n // 32), k // 32, -n % 32
+    biased = (q.to(torch.int16) + 128).to(torch.uint8)
+    biased = torch.nn.functional.pad(biased, (0, 0, 0, pad), value=128).view(panels, 2, 16, groups, 8, 4)
+    codes = biased.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, 1024)
+    scales = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad)).view(panels, 32, groups).permute(0, 2, 1)
+    return torch.cat([codes, scales.to(torch.float16).contiguous().view(torch.uint8)], -1).contiguous()
 
 
 def column_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -216,6 +240,22 @@ class Q8Panels:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.q8_matmul(x, self.panels, self.scales, self.n)  # type: ignore[attr-defined]
+
+
+class G8Panels:
+    """W8A8 x @ W^T for any number of bfloat16 rows with W as int8 codes and a scale per group of 32 k (a
+    Q8_0 GGUF block), by kernels/csrc/panel_g8.cpp (AVX512-BF16 builds, which have VNNI): the
+    activations quantized per row and group of 32 as the step runs, the codes' products summed exactly
+    by vpdpbusd per group and scaled in float32, as llama.cpp multiplies Q8_0 by Q8_0."""
+
+    max_rows: int | None = None  # every row count
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        self.panels = g8_pack(q, scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.g8_matmul(x, self.panels, self.n)  # type: ignore[attr-defined]
 
 
 class I8Panels:
@@ -353,6 +393,14 @@ class CpuFusedOps(TorchOps):
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
         return F8Panels(self.k, codes, scale) if self._dot_loops_for(codes, 2) else None
+
+    def group_panels_available(self) -> bool:
+        return self._dot_loops_for(torch.empty(0, 32), 32)
+
+    def group_int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> G8Panels | None:
+        if not self._dot_loops_for(q, 32) or float(scale.abs().max()) > torch.finfo(torch.float16).max:
+            return None  # the panels hold float16 scales
+        return G8Panels(self.k, q, scale)
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         return I8Panels(self.k, q, scale) if self._dot_loops_for(q, 4) else None  # vpdpbusd groups 4 k

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.linear import LinearBase
-from tokenmill.weights.group_codes import GROUP, GroupCodes
+from tokenmill.weights.group_codes import GROUP, Codes, GroupCodes, Int8Groups
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ class ParallelLinear(LinearBase, ABC):
         """This rank's part of the full checkpoint tensor for parameter `name` ("weight" or "bias")."""
 
     @abstractmethod
-    def load_codes(self, full: GroupCodes) -> GroupCodes | None:
-        """This rank's part of the full weight's 4-bit codes (weights/group_codes.py), or None where the
-        cut would split a group of 32."""
+    def load_codes(self, full: Codes) -> Codes | None:
+        """This rank's part of the full weight's codes (4-bit or 8-bit groups, weights/group_codes.py), or
+        None where the cut would split a group of 32."""
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -73,7 +73,9 @@ class ColumnParallelLinear(ParallelLinear):
             start += p.size
         return torch.cat(pieces)
 
-    def load_codes(self, full: GroupCodes) -> GroupCodes:
+    def load_codes(self, full: Codes) -> Codes:
+        if isinstance(full, Int8Groups):
+            return Int8Groups(self.load("weight", full.q), self.load("weight", full.scale))
         return GroupCodes(*(self.load("weight", t) for t in (full.nibbles, full.scale, full.lo)))
 
 
@@ -93,11 +95,13 @@ class RowParallelLinear(ParallelLinear):
         p = self.part
         return full[:, p.keep.start * p.unit : p.keep.stop * p.unit]
 
-    def load_codes(self, full: GroupCodes) -> GroupCodes | None:
+    def load_codes(self, full: Codes) -> Codes | None:
         if full.shape[1] != self.part.size:
             raise ValueError(f"codes have {full.shape[1]} input columns, expected {self.part.size}")
         start, stop = self.part.keep.start * self.part.unit, self.part.keep.stop * self.part.unit
         if start % GROUP or stop % GROUP:
             return None
         groups = slice(start // GROUP, stop // GROUP)
+        if isinstance(full, Int8Groups):
+            return Int8Groups(full.q[:, start:stop], full.scale[:, groups])
         return GroupCodes(full.nibbles[:, start // 2 : stop // 2], full.scale[:, groups], full.lo[:, groups])

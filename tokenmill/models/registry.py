@@ -14,7 +14,7 @@ from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.llama import build_model, to_fused_state_dict
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
-from tokenmill.weights.group_codes import GroupCodes
+from tokenmill.weights.group_codes import GroupCodes, Int8Groups
 
 # Hugging Face class names -> model_type. All three are Llama-shaped: one implementation covers them
 # (Qwen2 adds q/k/v biases, which ModelConfig.attention_bias carries).
@@ -72,6 +72,13 @@ def load_int4_codes(path: Path, cache_dir: Path | None) -> dict[str, GroupCodes]
     when it has none: weights/loader.py's load_group_codes)."""
     arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
     return loader.load_group_codes(path, arch.layout, cache_dir)
+
+
+def load_int8_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
+    """A GGUF file's own Q8_0 codes of its linear weights, for an int8 model to take as they are (None
+    when it has none: weights/loader.py's load_int8_groups)."""
+    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
+    return loader.load_int8_groups(path, arch.layout)
 
 
 def build(

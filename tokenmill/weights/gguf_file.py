@@ -11,7 +11,13 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from tokenmill.weights.group_codes import FOUR_BIT_TYPES, GroupCodes, codes_from_blocks
+from tokenmill.weights.group_codes import (
+    FOUR_BIT_TYPES,
+    GroupCodes,
+    Int8Groups,
+    codes_from_blocks,
+    int8_groups_from_blocks,
+)
 
 # Tensor types we dequantize; the issue asks for at least these, the gguf package knows more.
 SUPPORTED_TYPES = {
@@ -73,6 +79,15 @@ class GGUFFile:
             return None
         k, n = (int(d) for d in t.shape.tolist())
         return codes_from_blocks(t.data, qtype, n, k)
+
+    def int8_groups(self, name: str) -> Int8Groups | None:
+        """A Q8_0 tensor's own codes and float16 scales (weights/group_codes.py), in PyTorch's [out, in]
+        order; None for a tensor of any other type."""
+        t = self._by_name[name]
+        if GGMLQuantizationType(t.tensor_type) != GGMLQuantizationType.Q8_0 or len(t.shape) != 2:
+            return None
+        k, n = (int(d) for d in t.shape.tolist())
+        return int8_groups_from_blocks(t.data, n, k)
 
     def _dequantize(self, t: ReaderTensor) -> np.ndarray:
         qtype = GGMLQuantizationType(t.tensor_type)

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 GROUP = 32
 
 # Block sizes in bytes (32 values; 256 for Q4_K) of the types read here.
-_Q4_0_BYTES, _Q4_1_BYTES, _Q4_K_BYTES = 18, 20, 144
+_Q4_0_BYTES, _Q4_1_BYTES, _Q4_K_BYTES, _Q8_0_BYTES = 18, 20, 144, 34
 
 
 @dataclass
@@ -120,3 +120,50 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> GroupCodes:
         torch.from_numpy(scale.reshape(n, -1)),
         torch.from_numpy(lo.reshape(n, -1)),
     )
+
+
+@dataclass
+class Int8Groups:
+    """One [N, K] weight as int8 codes with a scale per output row and group of 32 k, w = q * scale: the
+    form of a Q8_0 GGUF tensor (whose codes span -128..127 and whose scales are float16). `q` int8
+    [N, K]; `scale` float32 [N, K / 32], values float16 holds exactly (the kernels keep float16)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the codes stand for."""
+        n, k = self.shape
+        return (self.q.float().view(n, k // GROUP, GROUP) * self.scale[..., None]).view(n, k)
+
+
+def quantize_int8_groups(w: torch.Tensor) -> Int8Groups:
+    """Symmetric 8-bit codes of a float weight [N, K] (K a multiple of 32), as a Q8_0 block is made: per
+    group d = max|w| / 127 rounded to float16, q = round(w / d). A Q8_0 tensor's dequantized values come
+    back to its own codes and scales (bar a float16 tie)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
+    groups = w.float().view(n, k // GROUP, GROUP)
+    d = (groups.abs().amax(-1) / 127).to(torch.float16).float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(groups * inv[..., None]).clamp(-128, 127).to(torch.int8)
+    return Int8Groups(q.view(n, k), d)
+
+
+def int8_groups_from_blocks(raw: np.ndarray, n: int, k: int) -> Int8Groups:
+    """The codes and scales of a Q8_0 GGUF tensor: `raw` its blocks (a float16 scale, then 32 int8
+    codes), [N, bytes per row] uint8, for a weight [N, K]."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GROUP, _Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Int8Groups(torch.from_numpy(q), torch.from_numpy(d))
+
+
+# A linear weight's codes as a file gives them and a layer takes them: 4-bit groups (int4) or 8-bit
+# groups (int8 in Q8_0's form).
+Codes = GroupCodes | Int8Groups

@@ -9,13 +9,14 @@ start only memory-maps it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
-from tokenmill.weights.group_codes import GroupCodes, quantize_groups
+from tokenmill.weights.group_codes import GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
 
 CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
 CODES_FORMAT = 1  # the same for the cached 4-bit codes (load_group_codes)
@@ -221,11 +222,26 @@ def _unpack_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupCodes]:
 
 
 def _read_group_codes(path: Path, layout: Layout) -> dict[str, GroupCodes] | None:
+    return _read_codes(path, layout, GGUFFile.group_codes, quantize_groups)
+
+
+C = TypeVar("C", GroupCodes, Int8Groups)
+
+
+def _read_codes(
+    path: Path,
+    layout: Layout,
+    take: Callable[[GGUFFile, str], C | None],
+    quantize: Callable[[torch.Tensor], C],
+) -> dict[str, C] | None:
+    """A GGUF file's linear weights as codes: `take(file, name)` a tensor's own (None where its type has
+    none; those are quantized by `quantize` from their float32 values), unpermuted and fused as the
+    weights are; None when no linear had codes of its own."""
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
     config = hf_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
     permuted = config["model_type"] in ("llama", "mistral")
-    codes: dict[str, GroupCodes] = {}
+    codes: dict[str, C] = {}
     from_file = 0
     for name in gguf.tensor_names():
         if not name.startswith("blk."):
@@ -234,27 +250,33 @@ def _read_group_codes(path: Path, layout: Layout) -> dict[str, GroupCodes] | Non
         hf = _GGUF_BLOCK_NAMES.get(rest, "")
         if not hf.endswith("_proj.weight"):
             continue
-        g = gguf.group_codes(name)
+        g = take(gguf, name)
         if g is None:
-            g = quantize_groups(torch.from_numpy(gguf.tensor(name)))
+            g = quantize(torch.from_numpy(gguf.tensor(name)))
         else:
             from_file += 1
         heads = {"attn_q.": "num_attention_heads", "attn_k.": "num_key_value_heads"}
         for prefix, key in heads.items():
             if permuted and rest.startswith(prefix):
-                g = GroupCodes(*(_unpermute(t, config[key]) for t in (g.nibbles, g.scale, g.lo)))
+                g = type(g)(*(_unpermute(getattr(g, f.name), config[key]) for f in dataclasses.fields(g)))
         codes[f"layers.{idx}.{hf}"] = g
     if not from_file:
         return None
     # The layout fuses each field as it fuses the weights (q/k/v, gate/up: rows concatenated).
-    fields = {
-        f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config)
-        for f in ("nibbles", "scale", "lo")
-    }
-    return {
-        name.removesuffix(".weight"): GroupCodes(b, fields["scale"][name], fields["lo"][name])
-        for name, b in fields["nibbles"].items()
-    }
+    kind = type(next(iter(codes.values())))
+    fields = [f.name for f in dataclasses.fields(kind)]
+    fused = {f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config) for f in fields}
+    return {n.removesuffix(".weight"): kind(*(fused[f][n] for f in fields)) for n in fused[fields[0]]}
+
+
+def load_int8_groups(path: Path, layout: Layout) -> dict[str, Int8Groups] | None:
+    """The 8-bit codes of a GGUF file's Q8_0 linear weights (weights/group_codes.py's Int8Groups), under
+    the names the layout gives the weights without their ".weight" (fused as it fuses them), for an
+    int8 model to take as they are; None for a Hugging Face directory or a file without Q8_0 linear
+    weights. A linear of another type in such a file is quantized here into groups from its float32
+    values, so that a fused layer's parts all come as codes. Not cached: a Q8_0 block is read as it lies
+    (a copy of its bytes), which a cache would not make faster."""
+    return None if path.is_dir() else _read_codes(path, layout, GGUFFile.int8_groups, quantize_int8_groups)
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:

@@ -19,6 +19,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
+from tokenmill.weights.group_codes import Int8Groups
 from tokenmill.weights.loader import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
@@ -84,12 +85,21 @@ class Worker:
             smoothing_alpha=config.int8_smoothing,
             int4_activations=config.int4_activations,
             int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
+            int8_scales=config.int8_scales,
+            int8_codes=self._int8_codes(config, path, cache_dir),
         )
         del loaded
         if self.device.type == "cpu":
             release_freed_memory()  # the load's transients (worker/allocator.py)
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _int8_codes(config: EngineConfig, path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
+        """A Q8_0 file's own codes where int8 may take its group form (int8_scales "auto" or "group")."""
+        if config.quantization != "int8" or config.int8_scales == "channel":
+            return None
+        return registry.load_int8_codes(path, cache_dir)
 
     def _calibration(self, config: EngineConfig) -> Calibration | None:
         """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (build_model
@@ -103,11 +113,13 @@ class Worker:
 
     def _weights_label(self) -> str | None:
         """The weight precision as far as it changes the keys and values: the quantization, and for
-        int8 the smoothing strength it was smoothed with."""
+        int8 its group form or the smoothing strength it was smoothed with."""
         alpha = getattr(self.model, "smoothed_alpha", None)
         q = self.config.quantization
         if q == "int4" and getattr(self.model, "int4_a8", False):
             return "int4-a8"  # int8 activations above 4 rows change the keys and values
+        if q == "int8" and getattr(self.model, "int8_groups", False):
+            return "int8-groups"  # a scale per group of 32 (int8_scales), not smoothed
         return f"{q}-smoothed-{alpha}" if q and alpha else q
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:

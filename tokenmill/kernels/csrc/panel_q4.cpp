@@ -37,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "group_quant.h"
 #include "panels.h"
 
 namespace {
@@ -214,19 +215,8 @@ inline void dequantize_panel(const uint8_t* wp, int64_t groups, bf16* out) {
   }
 }
 
-template <typename F>
-inline void with_rows4(int64_t rows, const F& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    default: return f(std::integral_constant<int, 4>{});
-  }
-}
-
-// Per row and group of 32: the sum of the bf16 values in float32 (group_sums), and for the int8 path the
-// codes round(x / a), a = max|x| / 127 (0 codes and a = 0 for a group of zeros; quantize_groups).
-// The sums go 16 lanes wide, then across the lanes: a fixed order, so a row's sums do not depend on the
+// Per row and group of 32, for the bf16 path: the sum of the bf16 values in float32. The sums go 16
+// lanes wide, then across the lanes: a fixed order, so a row's sums do not depend on the
 // rows beside it (summed one value after another they were a chain of dependent adds).
 void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
   const int64_t groups = K / kGroup;
@@ -243,38 +233,16 @@ void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
   });
 }
 
-// Also each group's sum of the values the codes stand for, a * sum(codes), as
-// Q8_1 blocks carry it for llama.cpp's Q4_1 products: then the product is exactly that of the rounded
-// activations with the weights, sum((q * scale + lo) * a * code). Taking the exact bf16 sum for the
-// minimum's term instead leaves the rounding errors meeting q * scale, with q 0..15 (mean ~7.5), rather
-// than the weight itself, which Q4 centres on zero: ~3x the error's variance (+1.5% perplexity against
-// +0.4% for SmolLM2-135M, docs/benchmarks.md, sixteenth sitting).
+// The W4A8 path's activations: group_quant.h's codes, and each group's sum of the values the codes
+// stand for, a * sum(codes), as Q8_1 blocks carry it for llama.cpp's Q4_1 products: then the product is
+// exactly that of the rounded activations with the weights, sum((q * scale + lo) * a * code). Taking
+// the exact bf16 sum for the minimum's term instead leaves the rounding errors meeting q * scale, with
+// q 0..15 (mean ~7.5), rather than the weight itself, which Q4 centres on zero: ~3x the error's variance
+// (+1.5% perplexity against +0.4% for SmolLM2-135M, docs/benchmarks.md, sixteenth sitting).
 void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, float* xsum) {
-  const int64_t groups = K / kGroup;
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    float v[kGroup];
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const bf16* xg = x + m * xs + g * kGroup;
-        float amax = 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          v[i] = static_cast<float>(xg[i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        // A group of zeros, or of values so small that 127 / max overflows (subnormals), gets 0 codes:
-        // its share of the product is below float32's resolution anyway.
-        float inv = amax > 0.f ? 127.f / amax : 0.f;
-        if (!std::isfinite(inv)) inv = 0.f;
-        int8_t* qg = xq + m * K + g * kGroup;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-          sum += qg[i];
-        }
-        xa[m * groups + g] = amax / 127.f;
-        xsum[m * groups + g] = xa[m * groups + g] * static_cast<float>(sum);
-      }
-  });
+  std::vector<int32_t> sums(M * (K / kGroup));
+  group_quant::quantize_groups(x, xs, M, K, xq, xa, sums.data());
+  for (size_t i = 0; i < sums.size(); ++i) xsum[i] = xa[i] * static_cast<float>(sums[i]);
 }
 #endif
 
@@ -331,7 +299,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
         const uint8_t* wp = w + p * panel_bytes;
         for (int64_t m0 = 0; m0 < rows; m0 += 4) {
           const int64_t r = r0 + m0;
-          with_rows4(rows - m0, [&](auto four) {
+          panels::with_rows4(rows - m0, [&](auto four) {
             exact_panel<decltype(four)::value>(pairs.data() + r * K / 2, K / 2, xsum.data() + r * groups, groups, wp,
                                                c + m0 * kCols, m0 == 0);
           });
@@ -349,7 +317,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
       const uint8_t* wp = w + p * panel_bytes;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t r = r0 + m0;
-        with_rows4(rows - m0, [&](auto four) {
+        panels::with_rows4(rows - m0, [&](auto four) {
           int8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
                                            groups, wp, c + m0 * kCols, m0 == 0);
         });

@@ -1,7 +1,7 @@
 // What the panel matmuls share (panel_matmul.cpp: bf16 weights; panel_q4.cpp: 4-bit; panel_q8.cpp: 8-bit
-// weight-only; panel_i8.cpp: W8A8; panel_f8.cpp: fp8 e4m3): weights stored as panels of 32 output columns,
-// so that a thread's share of a matmul is one contiguous stream read front to back, with a software
-// prefetch a few pages ahead into L2.
+// weight-only; panel_g8.cpp: 8-bit groups, Q8_0's; panel_i8.cpp: W8A8; panel_f8.cpp: fp8 e4m3): weights
+// stored as panels of 32 output columns, so that a thread's share of a matmul is one contiguous stream
+// read front to back, with a software prefetch a few pages ahead into L2.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -64,6 +64,17 @@ inline void with_rows(int64_t rows, const F& f) {
     case 6: return f(std::integral_constant<int, 6>{});
     case 7: return f(std::integral_constant<int, 7>{});
     default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// The same for passes of up to 4 rows (the int8-activation panels: two accumulators a row, two sums).
+template <typename F>
+inline void with_rows4(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
   }
 }
 

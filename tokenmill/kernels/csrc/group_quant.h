@@ -1,0 +1,49 @@
+// Activations quantized per row and group of 32 k as a step runs, for the panels whose weights come in
+// groups of 32 (panel_q4.cpp's W4A8, panel_g8.cpp's W8A8): the blocks llama.cpp multiplies its Q4 and
+// Q8_0 weights by (Q8_0/Q8_1 activations), so each group's scale follows its own largest value rather
+// than the whole row's.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace group_quant {
+
+constexpr int64_t kGroup = 32;  // k per scale
+
+// Per row and group: codes round(x / a) (half to even), a = max|x| / 127, and the codes' sum (an exact
+// integer, |sum| <= 32 * 127). A group of zeros, or of values so small that 127 / max overflows
+// (subnormals), gets 0 codes and a = 0: its share of the product is below float32's resolution anyway.
+// Rows are independent, so a row's codes do not depend on the rows beside it.
+inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa,
+                            int32_t* xsum) {
+  const int64_t groups = K / kGroup;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
+    float v[kGroup];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const at::BFloat16* xg = x + m * xs + g * kGroup;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          v[i] = static_cast<float>(xg[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        if (!std::isfinite(inv)) inv = 0.f;
+        int8_t* qg = xq + m * K + g * kGroup;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+          sum += qg[i];
+        }
+        xa[m * groups + g] = amax / 127.f;
+        xsum[m * groups + g] = sum;
+      }
+  });
+}
+
+}  // namespace group_quant

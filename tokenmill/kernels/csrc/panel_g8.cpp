@@ -1,0 +1,136 @@
+// 8-bit weights in groups of 32 k, one float16 scale each (w = scale * q, q in -128..127: a Q8_0 GGUF
+// block), times activations quantized as the step runs per row and group of 32 (group_quant.h): W8A8
+// as llama.cpp multiplies a Q8_0 file by Q8_0 activations, for any number of rows (AVX512-BF16 builds,
+// which have VNNI).
+//
+// Why groups rather than the per-channel and per-row scales of panel_i8.cpp: the same Q8_0 file cost
+// +0.54% perplexity against bf16 multiplied so (emulated, benchmarks/q8_0_accuracy.py) and +1.18%
+// through quantization="int8"'s per-channel path, which dequantizes the file and quantizes it again. The
+// price is a float epilogue per group of 32 k (the int32 sums scaled and added), which W4A8 also pays.
+//
+// Layout: 32-column panels as the other panel kernels' (one contiguous stream a thread, the software
+// prefetch 8 KB ahead into L2). Per panel and group: 8 k quads of 128 bytes, the first 64 columns 0-15
+// and the last 64 columns 16-31, byte 4j + t holding column j's q + 128 at k = 4 * quad + t (unsigned,
+// the first operand of vpdpbusd); then the group's 32 scales in float16 (a Q8_0 block's own, so its
+// weights come back exactly): 1088 bytes for 1024 weights, 8.5 bits a weight, as in Q8_0. Built by
+// models/ops.py (g8_pack) with plain torch ops.
+//
+// The product: vpdpbusd sums (q + 128) * code over a quad in int32; each row's accumulators start at
+// -128 * sum(codes) of the group, so after the 8 quads they hold sum(q * code) exactly (|sum| < 2^20);
+// then y += scale * x_scale * sum in float32. Every row is summed in an order that does not depend on the
+// other rows, so a row's result is the same in any step.
+#include <torch/extension.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "group_quant.h"
+#include "panels.h"
+
+namespace {
+
+using panels::kAheadBytes;
+using panels::kCols;
+using panels::prefetch_l2;
+
+constexpr int64_t kGroup = group_quant::kGroup;       // k per scale
+constexpr int64_t kHalfBytes = 16 * 4;                 // one k quad of 16 columns: 64 bytes
+constexpr int64_t kQuads = kGroup / 4;                 // quads in a group
+constexpr int64_t kCodeBytes = kQuads * 2 * kHalfBytes;  // 1024
+constexpr int64_t kGroupBytes = kCodeBytes + kCols * 2;  // codes, then 32 float16 scales: 1088
+constexpr int64_t kRowBlock = 256;                     // rows a sweep of the weights (they stay in L2)
+
+#if defined(TM_AVX512_BF16)
+// The group's 17 cache lines, kAheadBytes ahead (only the pass that streams the panel from memory).
+static inline void prefetch_group(const uint8_t* wg) {
+#pragma GCC unroll 17
+  for (int64_t i = 0; i < kGroupBytes; i += 64) prefetch_l2(wg + kAheadBytes + i);
+}
+
+// Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales; xsum: their code sums, per
+// row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
+template <int M>
+__attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, const float* xa,
+                                                   const int32_t* xsum, int64_t groups, const uint8_t* wp, float* c,
+                                                   bool stream) {
+  __m512 y[M][2];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wp + g * kGroupBytes;
+    if (stream) prefetch_group(wg);
+    __m512i acc[M][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_set1_epi32(-128 * xsum[m * groups + g]);
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      const __m512i v0 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes);
+      const __m512i v1 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes + kHalfBytes);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        int32_t quad;  // the row's four codes at this quad's k
+        std::memcpy(&quad, xq + m * K + g * kGroup + 4 * q, sizeof(quad));
+        const __m512i xm = _mm512_set1_epi32(quad);
+        acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], v0, xm);
+        acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], v1, xm);
+      }
+    }
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m512 r = _mm512_set1_ps(xa[m * groups + g]);
+      y[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][0]), _mm512_mul_ps(s0, r), y[m][0]);
+      y[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][1]), _mm512_mul_ps(s1, r), y[m][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, y[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, y[m][1]);
+  }
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 1088] uint8 (g8_pack), n: N.
+torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(panels::kBf16Loops, "the 8-bit group panels need a build for AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "x must be [M, K] bfloat16 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kGroupBytes,
+              "panels: g8_pack's [N/32, K/32, 1088] uint8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == packed.size(1) * kGroup, "K mismatch");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+#if defined(TM_AVX512_BF16)
+  const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes;
+  const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);  // ~64 KB of codes a task at least
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xa(M * groups);
+  std::vector<int32_t> xsum(M * groups);
+  group_quant::quantize_groups(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - r0);
+    panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
+      const uint8_t* wp = w + p * panel_bytes;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t r = r0 + m0;
+        panels::with_rows4(rows - m0, [&](auto four) {
+          g8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
+                                         groups, wp, c + m0 * kCols, m0 == 0);
+        });
+      }
+    });
+  }
+#endif
+  return y;
+}
