@@ -101,7 +101,12 @@ def main() -> None:
             with q8_0_activations():
                 value = perplexity(LLM(**COMMON, **kw)).value
         else:
-            value = perplexity(LLM(**COMMON, **kw)).value
+            llm = LLM(**COMMON, **kw)
+            auto = kw.get("quantization") == "int8" and "int8_scales" not in kw
+            if auto and not llm.engine.executor.worker.model.int8_groups:
+                label += " [per channel here: no group panels on this CPU]"
+            value = perplexity(llm).value
+            del llm
         values.append(value)
         print(f"| {label} | {value:.4f} | {value / values[0] - 1:+.2%} | {value / values[1] - 1:+.2%} |"
               if len(values) > 1 else f"| {label} | {value:.4f} | +0.00% | - |", flush=True)  # fmt: skip

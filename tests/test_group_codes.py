@@ -22,6 +22,7 @@ from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_codes, sh
 from tokenmill.models.parallel import Shard
 from tokenmill.models.parallel_linear import RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
+from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
 from tokenmill.weights.gguf_file import GGUFFile
 from tokenmill.weights.group_codes import (
@@ -112,8 +113,8 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     model_path: Path, q8_0_model_path: Path, tmp_path: Path
 ) -> None:
     """weights/requantize.py's Q8_0 file of the embedded model: its linears' codes, unpermuted and fused
-    as the weights are, decode to the weights the file loads as, bit for bit; its metadata and tokenizer
-    are the embedded file's."""
+    as the weights are, decode to the weights the file loads as, bit for bit, and come back the same
+    from the cache; its metadata and tokenizer are the embedded file's."""
     assert GGUFFile(q8_0_model_path).int8_groups("blk.0.attn_q.weight") is not None
     codes = registry.load_int8_codes(q8_0_model_path, tmp_path)
     assert codes is not None
@@ -122,13 +123,19 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     assert set(codes) == linears
     for name, g in codes.items():
         assert torch.equal(g.dequantize(), loaded.state_dict[f"{name}.weight"]), name
-    original = registry.load_checkpoint(model_path, torch.float32, tmp_path)
-    assert loaded.config == original.config
-    assert loaded.tokenizer.encode_text("The capital of France") == original.tokenizer.encode_text(
-        "The capital of France"
+    assert loader.read_hf_config(q8_0_model_path) == loader.read_hf_config(model_path)
+    original = Tokenizer.from_gguf_metadata(GGUFFile(model_path).metadata)
+    text = "The capital of France"
+    assert loaded.tokenizer.encode_text(text) == original.encode_text(text)
+    again = registry.load_int8_codes(q8_0_model_path, tmp_path)  # from the cache
+    assert again is not None and again.keys() == codes.keys()
+    assert all(
+        torch.equal(again[n].q, g.q) and torch.equal(again[n].scale, g.scale) for n, g in codes.items()
     )
     assert registry.load_int8_codes(model_path, tmp_path) is None  # a Q4_1 file has no Q8_0 linears
-    assert loader.load_int8_groups(tmp_path, registry.FUSED) is None  # an HF directory: none
+    done = sorted(p.read_text() for p in tmp_path.glob("*/int8-codes-*/*/codes-done"))
+    assert done == ["codes\n", "none\n"]  # both remembered: a later start parses neither file
+    assert loader.load_int8_groups(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
 
 
 def test_requantize_writes_every_quantized_matrix_in_the_new_type(tmp_path: Path) -> None:

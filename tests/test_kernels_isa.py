@@ -477,6 +477,19 @@ def test_q4_panels_dequantized_above_16_rows(kernels, rows: int, n: int, k: int)
         assert torch.equal(kernels.q4_matmul(rows17, panels, n, EXACT)[0 if r >= 16 else r], out[r])
 
 
+def group_codes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes and scales the group panels quantize bf16 rows [M, K] to, per row and group of 32:
+    scale max|x| / 127, codes rounded half to even, 127 / max|x| divided in float32 as the kernel does
+    (numpy's division; `127 / tensor` in PyTorch multiplies by a reciprocal, which rounds differently).
+    Returns (codes float [M, K/32, 32], scales float64 [M, K/32])."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.from_numpy(np.float32(127) / np.where(amax.numpy() > 0, amax.numpy(), np.float32(np.inf)))
+    codes = torch.round(groups * inv)
+    assert int(codes.abs().max()) <= 127
+    return codes, (amax / 127).double().squeeze(-1)
+
+
 @pytest.mark.parametrize("rows", [5, 8, 33, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
 def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> None:
@@ -494,14 +507,8 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
     panels = q4_pack(q, scale, lo)
     out = kernels.q4_matmul(x, panels, n, 4)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    groups = x.float().reshape(rows, k // 32, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    # 127 / max|x| divided in float32 as the kernel does (numpy's division; `127 / tensor` in PyTorch
-    # multiplies by a reciprocal, which rounds differently), then x times it, rounded half to even.
-    inv = torch.from_numpy(np.float32(127) / np.where(amax.numpy() > 0, amax.numpy(), np.float32(np.inf)))
-    codes = torch.round(groups * inv)
-    assert int(codes.abs().max()) <= 127
-    x_scale = (amax / 127).double()
+    codes, x_scale = group_codes_of(x)
+    x_scale = x_scale[..., None]
     s64, lo64 = (v.to(torch.float16).double().view(n, k // 32, 1) for v in (scale, lo))
     ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
     terms = ints * (s64.squeeze(-1) * x_scale.squeeze(-1)[:, None, :])
@@ -520,19 +527,6 @@ def test_q4_panels_with_int8_activations(kernels, rows: int, n: int, k: int) -> 
     for r in {0, rows // 2, rows - 1}:  # a row gives the same in any step of more than 4 rows
         rows5 = torch.cat([x[r : r + 1], x[:4]]) if r >= 4 else x[:5]
         assert torch.equal(kernels.q4_matmul(rows5, panels, n, 4)[0 if r >= 4 else r], out[r])
-
-
-def group_codes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes and scales the group panels quantize bf16 rows [M, K] to, per row and group of 32:
-    scale max|x| / 127, codes rounded half to even, 127 / max|x| divided in float32 as the kernel does
-    (numpy's division; `127 / tensor` in PyTorch multiplies by a reciprocal, which rounds differently).
-    Returns (codes float [M, K/32, 32], scales float64 [M, K/32])."""
-    groups = x.float().reshape(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.from_numpy(np.float32(127) / np.where(amax.numpy() > 0, amax.numpy(), np.float32(np.inf)))
-    codes = torch.round(groups * inv)
-    assert int(codes.abs().max()) <= 127
-    return codes, (amax / 127).double().squeeze(-1)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 33, 300])

@@ -177,11 +177,12 @@ def test_int8_scales_setting_is_checked() -> None:
 
 @pytest.mark.slow
 def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_path: Path, caplog) -> None:
-    """int8_scales "auto" on a Q8_0 file: every linear (the tied output head too) computes with the
-    file's own codes and scales in the group panels, bit for bit as packed from the file; "channel"
-    keeps the per-channel form; their KV is named apart. Where the group panels do not run (AMX, no
-    AVX512-BF16), both are the per-channel form, and "group" says why."""
-    from tokenmill.models.linear import GroupInt8Linear, Int8Linear
+    """int8_scales "auto" on a Q8_0 file: every linear computes in the group panels, the layers' with the
+    file's own codes and scales, bit for bit as packed from the file (the output head is quantized into
+    groups from the bf16 embedding); "channel" keeps the per-channel form; their KV is named apart.
+    Where the group panels do not run (AMX, no AVX512-BF16), both are the per-channel form (bf16
+    weights where int8 matmuls lack VNNI), and "group" says why."""
+    from tokenmill.models.linear import GroupInt8Linear, Int8Linear, int8_matmuls_available
     from tokenmill.models.ops import g8_pack
     from tokenmill.models.registry import load_int8_codes
 
@@ -202,7 +203,7 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
                 assert torch.equal(qkv.kernel.panels, g8_pack(expected.q, expected.scale))
                 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
                 assert out[0].outputs[0].text.strip()  # it decodes
-            else:
+            elif int8_matmuls_available(torch.device("cpu")):  # else int8 keeps bf16 weights
                 assert kinds == {Int8Linear}
         finally:
             llm.close()
@@ -214,17 +215,17 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
         assert "int8_scales group needs" in caplog.text
 
 
-def test_int8_group_form_falls_back_to_channels_without_its_panels(caplog) -> None:
-    """The plain-PyTorch ops have no group panels: int8_scales="group" quantizes per channel, saying why."""
+@pytest.mark.parametrize(
+    "setting", [{"kernels": "torch"}, {"dtype": "float32"}], ids=["torch-ops", "float32"]
+)
+def test_int8_group_form_falls_back_to_channels_without_its_panels(setting: dict, caplog) -> None:
+    """The plain-PyTorch ops have no group panels, and the panels write bf16: int8_scales="group" then
+    quantizes per channel, saying why (on every CPU)."""
     from tokenmill.models.linear import Int8Linear, int8_matmuls_available
 
     with caplog.at_level("WARNING"):
         llm = LLM(
-            kernels="torch",
-            quantization="int8",
-            int8_scales="group",
-            max_model_len=128,
-            kv_cache_memory_gb=0.05,
+            quantization="int8", int8_scales="group", max_model_len=128, kv_cache_memory_gb=0.05, **setting
         )
     try:
         model = llm.engine.executor.worker.model

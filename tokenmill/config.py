@@ -226,9 +226,10 @@ class EngineConfig:
         "auto",
         help='with quantization int8, what a scale covers: "channel" (a weight scale per output channel, '
         'smoothed, and an activation scale per row: fastest at batches), "group" (a scale per group of 32 '
-        "on both sides, as llama.cpp multiplies a Q8_0 file: about half channel's accuracy cost; only where "
-        'the group panel kernels run, AVX512-BF16 without AMX) or "auto" (group for a GGUF file whose '
-        "linears are Q8_0, computing with the file's own codes; channel otherwise)",
+        "on both sides, as llama.cpp multiplies a Q8_0 file: about a quarter of channel's accuracy cost; "
+        "only where the group panel kernels run, AVX512-BF16 without AMX, in a bf16 model) or "
+        '"auto" (group for a GGUF file whose layers hold Q8_0 linears, computing with the file\'s own '
+        "codes; channel otherwise)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")

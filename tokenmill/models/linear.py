@@ -342,8 +342,9 @@ class GroupInt8Linear(LinearBase):
     activations with a scale per row and group of 32, quantized as each step runs: W8A8 in Q8_0's
     blocks, as llama.cpp multiplies a Q8_0 GGUF file. A group's scale follows its own largest value on
     both sides, so an outlier costs the precision of its group, not of its whole row or column: a Q8_0
-    file computed so cost +0.54% perplexity against bf16, where Int8Linear's per-channel form (after
-    smoothing) cost +1.18% (benchmarks/q8_0_accuracy.py). Computed by the group panels
+    file's own codes computed so cost +0.29% perplexity against bf16, where Int8Linear's per-channel
+    form (after smoothing) cost +1.09% on the same file (benchmarks/q8_0_accuracy.py; AMD Zen 4). Computed
+    by the group panels
     (ops.group_int8_matmul_for) at every row count; built only where they run."""
 
     prepared = True
@@ -492,16 +493,23 @@ def quantize_linears_int8_groups(
     group_for: GroupFor,
     quantize: Quantize,
     scale_rows: ScaleRows,
+    small_for: CodesFor | None = None,
     codes: dict[str, Int8Groups] | None = None,
 ) -> int:
     """Replace every plain linear by a GroupInt8Linear (int8_scales="group"): from `codes` where given
     (by module name: a Q8_0 file's own), else from its weight quantized into groups; a layer the group
-    panels do not take (K not a multiple of 32) becomes a per-channel Int8Linear. Returns the count.
-    The caller checks that the group panels run here (ops.group_panels_available)."""
+    panels do not take (K not a multiple of 32, a scale past float16) becomes a per-channel Int8Linear
+    (unsmoothed: the group form's model is not), with a warning. Returns the count. The caller checks
+    that the group panels run here for this dtype (ops.group_panels_available, bfloat16)."""
     sites = plain_linears(model)
     for parent, name, full, child in sites:
         layer = GroupInt8Linear.of(child, group_for, (codes or {}).get(full))
-        setattr(parent, name, layer if layer is not None else Int8Linear(child, quantize, scale_rows))
+        if layer is None:
+            log.warning(
+                "%s: no group panels for its shape %s; int8 per channel", full, tuple(child.weight.shape)
+            )
+            layer = Int8Linear(child, quantize, scale_rows, small_for)
+        setattr(parent, name, layer)
     return len(sites)
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,10 +30,9 @@ from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_s
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
-from tokenmill.weights.group_codes import Codes, GroupCodes, Int8Groups
+from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups
 
 log = logging.getLogger(__name__)
-C = TypeVar("C", bound=Codes)
 
 
 class RMSNorm(nn.Module):
@@ -317,19 +315,21 @@ def shard_codes(model: LlamaForCausalLM, codes: dict[str, C]) -> dict[str, C]:
     return out
 
 
-def _int8_in_groups(ops: TorchOps, scales: str, file_codes: bool) -> bool:
-    """Whether int8 takes its group form (a scale per group of 32 on both sides) here: asked for, or
-    "auto" with a Q8_0 file's codes, and the group panels run (elsewhere the per-channel form)."""
-    if scales == "channel" or (scales == "auto" and not file_codes):
-        return False
-    if ops.group_panels_available():
-        return True
-    why = "the group panel kernels, which need AVX512-BF16 without AMX"
-    if scales == "group":
-        log.warning("int8_scales group needs %s; quantizing per channel", why)
-    else:
-        log.info("the file's Q8_0 codes need %s; quantizing its weights per channel", why)
-    return False
+def _int8_groups_for(
+    ops: TorchOps, scales: str, dtype: torch.dtype, codes: Callable[[], dict[str, Int8Groups] | None] | None
+) -> tuple[bool, dict[str, Int8Groups] | None]:
+    """Whether int8 takes its group form (a scale per group of 32 on both sides) here, and the file's
+    own codes for it: where the group panels run (they write bf16), when asked for, or with "auto" when
+    `codes()` (read only then) finds a Q8_0 file's; elsewhere the per-channel form, saying why if asked."""
+    if scales == "channel":
+        return False, None
+    if not ops.group_panels_available() or dtype != torch.bfloat16:
+        why = "the group panel kernels (AVX512-BF16 without AMX) and a bfloat16 model"
+        if scales == "group":
+            log.warning("int8_scales group needs %s; quantizing per channel", why)
+        return False, None
+    given = codes() if codes is not None else None
+    return scales == "group" or given is not None, given
 
 
 def build_model(
@@ -347,7 +347,7 @@ def build_model(
     int4_activations: str = "bf16",
     int4_codes: dict[str, GroupCodes] | None = None,
     int8_scales: str = "auto",
-    int8_codes: dict[str, Int8Groups] | None = None,
+    int8_codes: Callable[[], dict[str, Int8Groups] | None] | None = None,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
     the given ones, cut to the shard. `calibration`: what to smooth the activations on before
@@ -356,8 +356,8 @@ def build_model(
     int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
     the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
     int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
-    (config.py); `int8_codes`: a Q8_0 file's own codes (registry.load_int8_codes), which the group
-    form takes as they are and "auto" chooses it for."""
+    (config.py); `int8_codes`: reads a Q8_0 file's own codes (registry.load_int8_codes; called only
+    where the group form can run), which the group form takes as they are and "auto" chooses it for."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -374,7 +374,9 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
-    int8_groups = quantization == "int8" and _int8_in_groups(model.ops, int8_scales, bool(int8_codes))
+    int8_groups, file_codes = False, None
+    if quantization == "int8":
+        int8_groups, file_codes = _int8_groups_for(model.ops, int8_scales, dtype, int8_codes)
     if calibration is not None and not int8_groups:  # smoothing is for the per-channel form
         # Before any weight is quantized or packed: the factors are folded into plain weights.
         reason = why_not_smoothable(model)
@@ -407,9 +409,14 @@ def build_model(
         ops_ = model.ops
         if int8_groups:
             model.int8_groups = True
-            given = shard_codes(model, int8_codes) if int8_codes else None
+            given = shard_codes(model, file_codes) if file_codes else None
             quantize_linears_int8_groups(
-                model, ops_.group_int8_matmul_for, ops_.quantize_rows_u8, ops_.scale_rows_, given
+                model,
+                ops_.group_int8_matmul_for,
+                ops_.quantize_rows_u8,
+                ops_.scale_rows_,
+                ops_.int8_matmul_for,
+                given,
             )
         else:
             quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)

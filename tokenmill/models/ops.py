@@ -184,9 +184,10 @@ def g8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     panels, groups, pad = -(-n // 32), k // 32, -n % 32
     biased = (q.to(torch.int16) + 128).to(torch.uint8)
-    biased = torch.nn.functional.pad(biased, (0, 0, 0, pad), value=128).view(panels, 2, 16, groups, 8, 4)
+    biased = torch.nn.functional.pad(biased, (0, 0, 0, pad), value=128).reshape(panels, 2, 16, groups, 8, 4)
     codes = biased.permute(0, 3, 4, 1, 2, 5).reshape(panels, groups, 1024)
-    scales = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad)).view(panels, 32, groups).permute(0, 2, 1)
+    scales = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad)).reshape(panels, 32, groups)
+    scales = scales.permute(0, 2, 1)
     return torch.cat([codes, scales.to(torch.float16).contiguous().view(torch.uint8)], -1).contiguous()
 
 
@@ -386,7 +387,7 @@ class CpuFusedOps(TorchOps):
         if not self._dot_loops_for(q, 32):  # 4-bit groups of 32
             return None
         if bits == 4 and lo is not None:
-            if max(float(scale.abs().max()), float(lo.abs().max())) > torch.finfo(torch.float16).max:
+            if not _fit_float16(scale, lo):
                 return None  # the panels hold float16 scales and minima
             return Q4Panels(self.k, q, scale, lo, int8_activations)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
@@ -398,12 +399,17 @@ class CpuFusedOps(TorchOps):
         return self._dot_loops_for(torch.empty(0, 32), 32)
 
     def group_int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> G8Panels | None:
-        if not self._dot_loops_for(q, 32) or float(scale.abs().max()) > torch.finfo(torch.float16).max:
+        if not self._dot_loops_for(q, 32) or not _fit_float16(scale):
             return None  # the panels hold float16 scales
         return G8Panels(self.k, q, scale)
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         return I8Panels(self.k, q, scale) if self._dot_loops_for(q, 4) else None  # vpdpbusd groups 4 k
+
+
+def _fit_float16(*scales: torch.Tensor) -> bool:
+    """Whether every value fits float16's range (the panels store their group scales in float16)."""
+    return all(float(t.abs().max()) <= torch.finfo(torch.float16).max for t in scales if t.numel())
 
 
 def get_ops(name: str, device_type: str) -> TorchOps:

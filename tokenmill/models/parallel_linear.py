@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.linear import LinearBase
-from tokenmill.weights.group_codes import GROUP, Codes, GroupCodes, Int8Groups
+from tokenmill.weights.group_codes import GROUP, C, GroupCodes, Int8Groups
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ParallelLinear(LinearBase, ABC):
         """This rank's part of the full checkpoint tensor for parameter `name` ("weight" or "bias")."""
 
     @abstractmethod
-    def load_codes(self, full: Codes) -> Codes | None:
+    def load_codes(self, full: C) -> C | None:
         """This rank's part of the full weight's codes (4-bit or 8-bit groups, weights/group_codes.py), or
         None where the cut would split a group of 32."""
 
@@ -73,7 +73,7 @@ class ColumnParallelLinear(ParallelLinear):
             start += p.size
         return torch.cat(pieces)
 
-    def load_codes(self, full: Codes) -> Codes:
+    def load_codes(self, full: C) -> C:
         if isinstance(full, Int8Groups):
             return Int8Groups(self.load("weight", full.q), self.load("weight", full.scale))
         return GroupCodes(*(self.load("weight", t) for t in (full.nibbles, full.scale, full.lo)))
@@ -95,7 +95,7 @@ class RowParallelLinear(ParallelLinear):
         p = self.part
         return full[:, p.keep.start * p.unit : p.keep.stop * p.unit]
 
-    def load_codes(self, full: Codes) -> Codes | None:
+    def load_codes(self, full: C) -> C | None:
         if full.shape[1] != self.part.size:
             raise ValueError(f"codes have {full.shape[1]} input columns, expected {self.part.size}")
         start, stop = self.part.keep.start * self.part.unit, self.part.keep.stop * self.part.unit

@@ -78,7 +78,7 @@ def load_int8_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups]
     """A GGUF file's own Q8_0 codes of its linear weights, for an int8 model to take as they are (None
     when it has none: weights/loader.py's load_int8_groups)."""
     arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
-    return loader.load_int8_groups(path, arch.layout)
+    return loader.load_int8_groups(path, arch.layout, cache_dir)
 
 
 def build(

@@ -11,6 +11,7 @@ a 6-bit integer, which the kernels round back to float16 (a relative error of at
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -142,9 +143,10 @@ class Int8Groups:
 
 
 def quantize_int8_groups(w: torch.Tensor) -> Int8Groups:
-    """Symmetric 8-bit codes of a float weight [N, K] (K a multiple of 32), as a Q8_0 block is made: per
-    group d = max|w| / 127 rounded to float16, q = round(w / d). A Q8_0 tensor's dequantized values come
-    back to its own codes and scales (bar a float16 tie)."""
+    """Symmetric 8-bit codes of a float weight [N, K] (K a multiple of 32) in a Q8_0 block's form: per
+    group d = max|w| / 127 in float16, and q = round(w / d) against that rounded d (halves to even;
+    llama.cpp divides by the unrounded d and rounds halves away from zero, which can differ by one in a
+    code). A Q8_0 tensor's dequantized values come back to its own codes and scales."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
@@ -165,5 +167,6 @@ def int8_groups_from_blocks(raw: np.ndarray, n: int, k: int) -> Int8Groups:
 
 
 # A linear weight's codes as a file gives them and a layer takes them: 4-bit groups (int4) or 8-bit
-# groups (int8 in Q8_0's form).
+# groups (int8 in Q8_0's form); C: one of the two, the same through a function.
 Codes = GroupCodes | Int8Groups
+C = TypeVar("C", GroupCodes, Int8Groups)

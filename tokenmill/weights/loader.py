@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
-from tokenmill.weights.group_codes import GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
+from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
 
 CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
 CODES_FORMAT = 1  # the same for the cached 4-bit codes (load_group_codes)
@@ -192,14 +192,37 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     linear of another type in such a file (the Q6_K ones of a Q4_K_M file, say) is quantized here from
     its float32 values, so that a fused layer's parts all come as codes. Cached beside the file's
     dequantized weights: the next start reads them without parsing the file."""
+    return _cached_codes(path, layout, cache_dir, "int4", GroupCodes, GGUFFile.group_codes, quantize_groups)
+
+
+def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
+    """The 8-bit codes of a GGUF file's Q8_0 linear weights (weights/group_codes.py's Int8Groups), named
+    and fused as load_group_codes names and fuses the 4-bit ones, for int8's group form to take as they
+    are; None for a Hugging Face directory or a file without Q8_0 linear weights. A linear of another
+    type in such a file is quantized into groups from its float32 values. Cached as the 4-bit codes are
+    (parsing a GGUF's metadata takes seconds; a file without Q8_0 linears is remembered as such)."""
+    return _cached_codes(
+        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups
+    )
+
+
+def _cached_codes(
+    path: Path,
+    layout: Layout,
+    cache_dir: Path | None,
+    kind: str,
+    cls: type[C],
+    take: Callable[[GGUFFile, str], C | None],
+    quantize: Callable[[torch.Tensor], C],
+) -> dict[str, C] | None:
     if path.is_dir():
         return None
-    cache = weights_cache_root(path, cache_dir) / f"int4-codes-{CODES_FORMAT}" / layout.name
+    cache = weights_cache_root(path, cache_dir) / f"{kind}-codes-{CODES_FORMAT}" / layout.name
     if (cache / "codes-done").exists():
         if (cache / "codes-done").read_text() == "none\n":
             return None
-        return _unpack_codes(load_file(cache / "codes.safetensors"))
-    codes = _read_group_codes(path, layout)
+        return _unpack_codes(load_file(cache / "codes.safetensors"), cls)
+    codes = _read_codes(path, layout, take, quantize)
     cache.mkdir(parents=True, exist_ok=True)
     # Each file whole or absent: the ranks of a tensor-parallel engine load at the same time.
     mine = f".{os.getpid()}.tmp"
@@ -211,21 +234,18 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     return codes
 
 
-def _pack_codes(codes: dict[str, GroupCodes]) -> dict[str, torch.Tensor]:
-    fields = ("nibbles", "scale", "lo")
-    return {f"{name}.{f}": getattr(g, f).contiguous() for name, g in codes.items() for f in fields}
+def _pack_codes(codes: dict[str, C]) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{f.name}": getattr(g, f.name).contiguous()
+        for name, g in codes.items()
+        for f in dataclasses.fields(g)
+    }
 
 
-def _unpack_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupCodes]:
-    names = [key.removesuffix(".nibbles") for key in tensors if key.endswith(".nibbles")]
-    return {n: GroupCodes(tensors[f"{n}.nibbles"], tensors[f"{n}.scale"], tensors[f"{n}.lo"]) for n in names}
-
-
-def _read_group_codes(path: Path, layout: Layout) -> dict[str, GroupCodes] | None:
-    return _read_codes(path, layout, GGUFFile.group_codes, quantize_groups)
-
-
-C = TypeVar("C", GroupCodes, Int8Groups)
+def _unpack_codes(tensors: dict[str, torch.Tensor], cls: type[C]) -> dict[str, C]:
+    fields = [f.name for f in dataclasses.fields(cls)]
+    names = [key.removesuffix(f".{fields[0]}") for key in tensors if key.endswith(f".{fields[0]}")]
+    return {n: cls(*(tensors[f"{n}.{f}"] for f in fields)) for n in names}
 
 
 def _read_codes(
@@ -236,47 +256,37 @@ def _read_codes(
 ) -> dict[str, C] | None:
     """A GGUF file's linear weights as codes: `take(file, name)` a tensor's own (None where its type has
     none; those are quantized by `quantize` from their float32 values), unpermuted and fused as the
-    weights are; None when no linear had codes of its own."""
+    weights are; None when no linear had codes of its own (found before anything is quantized)."""
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
+    linears = {}  # gguf name -> (layer index, the HF name's tail)
+    for name in gguf.tensor_names():
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            hf = _GGUF_BLOCK_NAMES.get(rest, "")
+            if hf.endswith("_proj.weight"):
+                linears[name] = (idx, hf)
+    own = {name: take(gguf, name) for name in linears}
+    if all(g is None for g in own.values()):
+        return None
     config = hf_config_from_gguf(gguf, has_output_tensor="output.weight" in names)
     permuted = config["model_type"] in ("llama", "mistral")
     codes: dict[str, C] = {}
-    from_file = 0
-    for name in gguf.tensor_names():
-        if not name.startswith("blk."):
-            continue
-        _, idx, rest = name.split(".", 2)
-        hf = _GGUF_BLOCK_NAMES.get(rest, "")
-        if not hf.endswith("_proj.weight"):
-            continue
-        g = take(gguf, name)
+    for name, (idx, hf) in linears.items():
+        rest = name.split(".", 2)[2]
+        g = own[name]
         if g is None:
             g = quantize(torch.from_numpy(gguf.tensor(name)))
-        else:
-            from_file += 1
         heads = {"attn_q.": "num_attention_heads", "attn_k.": "num_key_value_heads"}
         for prefix, key in heads.items():
             if permuted and rest.startswith(prefix):
                 g = type(g)(*(_unpermute(getattr(g, f.name), config[key]) for f in dataclasses.fields(g)))
         codes[f"layers.{idx}.{hf}"] = g
-    if not from_file:
-        return None
     # The layout fuses each field as it fuses the weights (q/k/v, gate/up: rows concatenated).
     kind = type(next(iter(codes.values())))
     fields = [f.name for f in dataclasses.fields(kind)]
     fused = {f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config) for f in fields}
     return {n.removesuffix(".weight"): kind(*(fused[f][n] for f in fields)) for n in fused[fields[0]]}
-
-
-def load_int8_groups(path: Path, layout: Layout) -> dict[str, Int8Groups] | None:
-    """The 8-bit codes of a GGUF file's Q8_0 linear weights (weights/group_codes.py's Int8Groups), under
-    the names the layout gives the weights without their ".weight" (fused as it fuses them), for an
-    int8 model to take as they are; None for a Hugging Face directory or a file without Q8_0 linear
-    weights. A linear of another type in such a file is quantized here into groups from its float32
-    values, so that a fused layer's parts all come as codes. Not cached: a Q8_0 block is read as it lies
-    (a copy of its bytes), which a cache would not make faster."""
-    return None if path.is_dir() else _read_codes(path, layout, GGUFFile.int8_groups, quantize_int8_groups)
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:

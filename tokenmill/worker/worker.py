@@ -19,7 +19,6 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
-from tokenmill.weights.group_codes import Int8Groups
 from tokenmill.weights.loader import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
@@ -86,20 +85,15 @@ class Worker:
             int4_activations=config.int4_activations,
             int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
             int8_scales=config.int8_scales,
-            int8_codes=self._int8_codes(config, path, cache_dir),
+            int8_codes=(lambda: registry.load_int8_codes(path, cache_dir))
+            if config.quantization == "int8"
+            else None,
         )
         del loaded
         if self.device.type == "cpu":
             release_freed_memory()  # the load's transients (worker/allocator.py)
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
-
-    @staticmethod
-    def _int8_codes(config: EngineConfig, path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
-        """A Q8_0 file's own codes where int8 may take its group form (int8_scales "auto" or "group")."""
-        if config.quantization != "int8" or config.int8_scales == "channel":
-            return None
-        return registry.load_int8_codes(path, cache_dir)
 
     def _calibration(self, config: EngineConfig) -> Calibration | None:
         """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (build_model
