@@ -6,10 +6,13 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "panels.h"
 
 namespace group_quant {
 
@@ -44,6 +47,21 @@ inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_
         xsum[m * groups + g] = sum;
       }
   });
+}
+
+// The arguments of a group panels' matmul: x [M, K] bfloat16 with contiguous rows (they may be strided),
+// the panels [ceil(N/32), K/32, group_bytes] uint8 as `packer` builds them, 0 < n <= their columns.
+// `what` names the kernel for the message of a build without AVX512-BF16.
+inline void check_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group_bytes,
+                         const char* what, const char* packer) {
+  TORCH_CHECK(panels::kBf16Loops, what, " need a build for AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "x must be [M, K] bfloat16 with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == group_bytes,
+              "panels: ", packer, "'s [N/32, K/32, ", group_bytes, "] uint8");
+  TORCH_CHECK(x.size(1) == packed.size(1) * kGroup, "K mismatch");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * panels::kCols, "n out of range");
 }
 
 }  // namespace group_quant

@@ -17,7 +17,8 @@
 //
 // The product: vpdpbusd sums (q + 128) * code over a quad in int32; each row's accumulators start at
 // -128 * sum(codes) of the group, so after the 8 quads they hold sum(q * code) exactly (|sum| < 2^20);
-// then y += scale * x_scale * sum in float32. Every row is summed in an order that does not depend on the
+// then y += scale * x_scale * sum in float32. Rows are taken 256 a sweep of the weights (they stay in
+// L2 while the weights stream), 4 a pass. Every row is summed in an order that does not depend on the
 // other rows, so a row's result is the same in any step.
 #include <torch/extension.h>
 #include <algorithm>
@@ -39,7 +40,6 @@ constexpr int64_t kHalfBytes = 16 * 4;                 // one k quad of 16 colum
 constexpr int64_t kQuads = kGroup / 4;                 // quads in a group
 constexpr int64_t kCodeBytes = kQuads * 2 * kHalfBytes;  // 1024
 constexpr int64_t kGroupBytes = kCodeBytes + kCols * 2;  // codes, then 32 float16 scales: 1088
-constexpr int64_t kRowBlock = 256;                     // rows a sweep of the weights (they stay in L2)
 
 #if defined(TM_AVX512_BF16)
 // The group's 17 cache lines, kAheadBytes ahead (only the pass that streams the panel from memory).
@@ -98,15 +98,8 @@ __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, 
 
 // x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 1088] uint8 (g8_pack), n: N.
 torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(panels::kBf16Loops, "the 8-bit group panels need a build for AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
-              "x must be [M, K] bfloat16 with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kGroupBytes,
-              "panels: g8_pack's [N/32, K/32, 1088] uint8");
+  group_quant::check_panels(x, packed, n, kGroupBytes, "the 8-bit group panels", "g8_pack");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K == packed.size(1) * kGroup, "K mismatch");
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
@@ -118,19 +111,11 @@ torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
   std::vector<float> xa(M * groups);
   std::vector<int32_t> xsum(M * groups);
   group_quant::quantize_groups(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
-  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, M - r0);
-    panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
-      const uint8_t* wp = w + p * panel_bytes;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t r = r0 + m0;
-        panels::with_rows4(rows - m0, [&](auto four) {
-          g8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
-                                         groups, wp, c + m0 * kCols, m0 == 0);
-        });
-      }
-    });
-  }
+  panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+    g8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups, groups, wp,
+                                   c, stream);
+  });
 #endif
   return y;
 }

@@ -52,7 +52,6 @@ constexpr int64_t kQuads = kGroup / 4;                      // quads in a group
 constexpr int64_t kCodeBytes = kQuads * kQuadBytes;         // 512
 constexpr int64_t kGroupBytes = kCodeBytes + 2 * kCols * 2;  // codes, scales, minima: 640
 constexpr int64_t kDequantRows = 16;  // above: the panel dequantized to bf16 once, the dot loops over it
-constexpr int64_t kRowBlock = 256;                          // int8 activations: rows a sweep of the weights
 
 using bf16 = at::BFloat16;
 
@@ -251,15 +250,8 @@ void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq
 // x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 640] uint8 (q4_pack), n: N.
 // Steps of up to exact_rows rows with bf16 activations, larger ones with int8 activations (header).
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t exact_rows) {
-  TORCH_CHECK(panels::kBf16Loops, "the 4-bit panel loops need a build for AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
-              "x must be [M, K] bfloat16 with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kGroupBytes,
-              "panels: q4_pack's [N/32, K/32, 640] uint8");
+  group_quant::check_panels(x, packed, n, kGroupBytes, "the 4-bit panel loops", "q4_pack");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K == packed.size(1) * kGroup, "K mismatch");
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
@@ -269,8 +261,8 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
   const uint8_t* w = packed.data_ptr<uint8_t>();
   bf16* yp = y.data_ptr<bf16>();
   if (M <= exact_rows && M > kDequantRows) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - r0);
+    for (int64_t r0 = 0; r0 < M; r0 += panels::kSweepRows) {
+      const int64_t rows = std::min(panels::kSweepRows, M - r0);
       panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
         thread_local std::vector<bf16> buf;
         buf.resize(K * kCols);
@@ -293,37 +285,21 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
         pairs[(m * K + k) / 2] = s[0] | static_cast<uint32_t>(s[2]) << 16;
         pairs[(m * K + k) / 2 + 1] = s[1] | static_cast<uint32_t>(s[3]) << 16;
       }
-    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - r0);
-      panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
-        const uint8_t* wp = w + p * panel_bytes;
-        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-          const int64_t r = r0 + m0;
-          panels::with_rows4(rows - m0, [&](auto four) {
-            exact_panel<decltype(four)::value>(pairs.data() + r * K / 2, K / 2, xsum.data() + r * groups, groups, wp,
-                                               c + m0 * kCols, m0 == 0);
-          });
-        }
-      });
-    }
+    panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+      exact_panel<decltype(four)::value>(pairs.data() + r * K / 2, K / 2, xsum.data() + r * groups, groups, wp, c,
+                                         stream);
+    });
     return y;
   }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xa(M * groups);
   quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
-  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, M - r0);
-    panels::for_each_panel(n, rows, grain, yp + r0 * n, [&](int64_t p, float* c) {
-      const uint8_t* wp = w + p * panel_bytes;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t r = r0 + m0;
-        panels::with_rows4(rows - m0, [&](auto four) {
-          int8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
-                                           groups, wp, c + m0 * kCols, m0 == 0);
-        });
-      }
-    });
-  }
+  panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+    int8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups, groups, wp,
+                                     c, stream);
+  });
 #endif
   return y;
 }

@@ -153,4 +153,23 @@ void for_each_panel(int64_t N, int64_t M, int64_t grain, T* y, const Compute& co
   });
 }
 
+constexpr int64_t kSweepRows = 256;  // rows a sweep of the weights by 4-row passes (they stay in L2)
+
+// Every panel of an N-column output for M rows, kSweepRows rows a sweep of the weights and passes of
+// up to 4 rows (the group panels: panel_q4.cpp, panel_g8.cpp): pass(four, r, wp, c, stream) with `four`
+// the pass's row count as a compile-time constant (with_rows4), r its first row, wp the panel's bytes
+// (panel_bytes from w), c the pass's rows of the panel's float32 output, and `stream` true for the
+// sweep's first pass over the panel (the one that reads it from memory, and prefetches).
+template <typename T, typename Pass>
+void sweep_rows4(int64_t N, int64_t M, int64_t grain, const uint8_t* w, int64_t panel_bytes, T* y, const Pass& pass) {
+  for (int64_t r0 = 0; r0 < M; r0 += kSweepRows) {
+    const int64_t rows = std::min(kSweepRows, M - r0);
+    for_each_panel(N, rows, grain, y + r0 * N, [&](int64_t p, float* c) {
+      const uint8_t* wp = w + p * panel_bytes;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4)
+        with_rows4(rows - m0, [&](auto four) { pass(four, r0 + m0, wp, c + m0 * kCols, m0 == 0); });
+    });
+  }
+}
+
 }  // namespace panels
