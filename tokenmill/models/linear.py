@@ -343,9 +343,9 @@ class GroupInt8Linear(LinearBase):
     blocks, as llama.cpp multiplies a Q8_0 GGUF file. A group's scale follows its own largest value on
     both sides, so an outlier costs the precision of its group, not of its whole row or column: a Q8_0
     file's own codes computed so cost +0.29% perplexity against bf16, where Int8Linear's per-channel
-    form (after smoothing) cost +1.09% on the same file (benchmarks/q8_0_accuracy.py; AMD Zen 4). Computed
-    by the group panels
-    (ops.group_int8_matmul_for) at every row count; built only where they run."""
+    form (after smoothing) cost +1.09% on the same file (benchmarks/q8_0_accuracy.py; AMD Zen 4).
+    Computed by the group panels (ops.group_int8_matmul_for) at every row count; built only where they
+    run."""
 
     prepared = True
 
