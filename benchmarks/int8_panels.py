@@ -3,9 +3,11 @@ oneDNN's u8 x s8 matmul, in one process. First all of SmolLM2-135M's 121 linears
 (each layer's activation quantization included, the same for both), beside the bf16 model's own
 few-row kernel for scale; then the int8 model at 1 and 32 streams with the panel kernel switched on and
 off, alternated. The panel kernel is used on AVX512-BF16 CPUs without AMX (models/ops.py,
-int8_matmul_for); elsewhere this script says so and measures nothing.
+int8_matmul_for), at every row count (256 a sweep), as the layers' only copy of the codes; this script
+keeps oneDNN's beside it to compare. Elsewhere it says so and measures nothing.
 
-    python benchmarks/int8_panels.py [--rows 1,2,4,8,16,32,64,128,256] [--streams 1,32] [--rounds 2]
+    python benchmarks/int8_panels.py [--rows 1,2,4,8,16,32,64,128,256,512,2048] [--streams 1,32]
+        [--rounds 2]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill import LLM
+from tokenmill.models import linear
 from tokenmill.models.linear import Int8Linear, PackedLinear
 from tokenmill.models.ops import get_ops
 
@@ -51,7 +54,7 @@ def microbenchmark(rows_list: list[int]) -> None:
     layers = [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain]
     onednn = [Without(m) for m in layers]
     bf16 = [PackedLinear(m, ops.small_matmul_for(m.weight.detach())) for m in plain]
-    limit = layers[0].small_rows
+    limit = layers[0].small_rows or 1 << 62  # None: every row count
     print(f"\nAll 121 linears ({INT8_BYTES / 1e6:.0f} MB of int8 codes), best of 5, quantization included:\n")
     print("| rows | oneDNN int8 ms | int8 panels ms | oneDNN / panels | panels GB/s | bf16 kernel ms |")
     print("|---|---|---|---|---|---|")
@@ -78,10 +81,11 @@ def in_model(streams: list[int], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512,2048")
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    linear.KEEP_ONEDNN_COPY = True  # oneDNN's copy kept beside the panels, to switch to
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
     ops = get_ops("cpu", "cpu")
     if ops.int8_matmul_for(torch.zeros(32, 32, dtype=torch.int8), torch.ones(32)) is None:

@@ -2,9 +2,12 @@
 one process: first all of SmolLM2-135M's 121 linears at a range of row counts, then the model itself
 at 1 and 32 streams with every packed linear's few-row kernel switched on and off, alternated. Which
 loops the panel kernel runs depends on the CPU (models/ops.py, PanelMatmul): vector loops and brgemm
-with AMX, dot loops (vdpbf16ps) with AVX512-BF16 and no AMX, vector loops alone elsewhere.
+with AMX, dot loops (vdpbf16ps) with AVX512-BF16 and no AMX (every row count, 256 a sweep: there the
+panels are a model's only copy of the weights, and this script keeps oneDNN's beside them to compare),
+vector loops alone elsewhere.
 
-    python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,96,128,256] [--streams 1,32] [--rounds 2]
+    python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,96,128,256,512,2048] [--streams 1,32]
+        [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.models import linear
 from tokenmill.models.linear import PackedLinear, amx_brgemm_available
 from tokenmill.models.ops import get_ops
 
@@ -51,7 +55,7 @@ def microbenchmark(rows_list: list[int]) -> None:
     onednn = [PackedLinear(m) for m in plain]
     panels = [ops.small_matmul_for(m.weight.detach()) for m in plain]
     assert all(p is not None for p in panels)
-    limit = panels[0].max_rows  # type: ignore[union-attr]
+    limit = panels[0].max_rows or 1 << 62  # type: ignore[union-attr]  # None: every row count
     print(f"\nAll 121 linears ({WEIGHT_BYTES / 1e6:.0f} MB of bf16 weights), best of 5:\n")
     print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | path |")
     print("|---|---|---|---|---|---|")
@@ -105,10 +109,11 @@ def in_model(streams: list[int], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128,256")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128,256,512,2048")
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    linear.KEEP_ONEDNN_COPY = True  # the model's linears keep oneDNN's copy to switch to
     cpu = cpu_description()
     dot = bool(get_ops("cpu", "cpu").k.panel_dot_available()) and not amx_brgemm_available()  # type: ignore[attr-defined]
     brgemm = amx_brgemm_available()

@@ -43,7 +43,14 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
     where its panel kernel runs, elsewhere up to 4 rows, above which the layer uses its bf16 copy; fp8: 1
     where its panel kernel runs, else its codes as bf16)."""
     from tokenmill.models.fp8_linear import Fp8Linear
-    from tokenmill.models.linear import GroupInt8Linear, Int8Linear, LinearBase, PackedLinear, QuantizedLinear
+    from tokenmill.models.linear import (
+        GroupInt8Linear,
+        Int8Linear,
+        LinearBase,
+        PackedLinear,
+        QuantizedLinear,
+        takes,
+    )
 
     total = 0
     # A quantized layer's bf16 copy (QuantizedLinear's, above its row limit; Fp8Linear's codes as bf16,
@@ -65,7 +72,7 @@ def weight_bytes(model: torch.nn.Module, rows: int) -> int:
             else:
                 total += 2 * m.in_features * m.out_features
         elif isinstance(m, Fp8Linear):  # one byte a code in its panels, else its codes read as bf16
-            if rows <= m.small_rows:
+            if takes(m.small_rows, rows):
                 total += m.in_features * m.out_features + 4 * m.out_features
             else:
                 total += 2 * m.in_features * m.out_features

@@ -52,10 +52,18 @@ def test_linear_computes_the_product_of_the_e4m3_numbers(ops: str, rows: int, bi
     assert 1e-3 < rel < 0.1, rel
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 256, 257])
-def test_fp8_panel_kernel_computes_the_product_of_the_e4m3_numbers_rounded_once(rows: int) -> None:
-    """Where the ops give an fp8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_f8.cpp), steps
-    of up to its 256 rows read the one-byte codes and round once; 257 rows take the bf16 copy (twice)."""
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 257, 600])
+@pytest.mark.parametrize("keep_onednn", [False, True])
+def test_fp8_panel_kernel_computes_the_product_of_the_e4m3_numbers_rounded_once(
+    rows: int, keep_onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the ops give an fp8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_f8.cpp), every
+    step reads the one-byte codes (256 rows a sweep) and rounds once, with no bf16 copy of the codes kept.
+    With that copy kept (as a benchmark comparing the two asks) and the kernel switched off, the copy's
+    oneDNN matmul rounds twice."""
+    from tokenmill.models import linear
+
+    monkeypatch.setattr(linear, "KEEP_ONEDNN_COPY", keep_onednn)
     o = get_ops("auto", "cpu")
     g = torch.Generator().manual_seed(rows)
     lin = nn.Linear(576, 96, bias=False).to(torch.bfloat16)
@@ -64,6 +72,9 @@ def test_fp8_panel_kernel_computes_the_product_of_the_e4m3_numbers_rounded_once(
     layer = Fp8Linear(lin, o.e4m3_rows, o.scale_rows_cols, o.fp8_matmul_for)
     if layer.small is None:
         pytest.skip("no fp8 panel kernel on this CPU (it needs an AVX512-BF16 build and no AMX)")
+    assert layer.small_rows is None and (layer.wide is not None) == keep_onednn
+    if keep_onednn:
+        layer.small_rows = 0
     x = (torch.randn(rows, 576, generator=g) * 3).to(torch.bfloat16)
     y = layer(x)
     w_codes, w_scale = to_e4m3(lin.weight.detach(), dim=1)
@@ -71,7 +82,7 @@ def test_fp8_panel_kernel_computes_the_product_of_the_e4m3_numbers_rounded_once(
     scales = x_scale.double() * w_scale.double().t()
     exact = (x_codes.double() @ w_codes.double().t()) * scales
     err = (y.double() - exact).abs()
-    if rows <= layer.small_rows:  # float32 sums of exact products (error ~K * 2^-24 of the magnitudes)
+    if layer.small_rows is None:  # float32 sums of exact products (error ~K * 2^-24 of the magnitudes)
         magnitude = (x_codes.double().abs() @ w_codes.double().abs().t()) * scales
         assert bool((err <= 2**-8 * 1.02 * exact.abs() + 576 * 2**-24 * magnitude).all())
     else:

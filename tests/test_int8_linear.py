@@ -3,10 +3,10 @@ as the step runs, stored as uint8 with zero point 128). The matmul's integer sum
 reference is exact too: the same integers and scales multiplied in float64. The layer may differ from
 it by rounding its output to bfloat16 (twice: after the matmul's column scales, and after the rows'
 scales) and by float32's share of the zero point's correction, on every path: oneDNN's int8 kernels on
-a CPU, a float matmul elsewhere; the panel kernel (AVX512-BF16 without AMX, up to 256 rows) rounds
-once. Run under ONEDNN_MAX_CPU_ISA=AVX2 (as tests/test_isa_paths.py does) the oneDNN cases are skipped:
-without VNNI the layer takes the exact float path, and the model keeps bf16 weights (its AVX2 int8
-kernels were not exact)."""
+a CPU, a float matmul elsewhere; the panel kernel (AVX512-BF16 without AMX, every row count, the only
+copy of the codes there) rounds once. Run under ONEDNN_MAX_CPU_ISA=AVX2 (as tests/test_isa_paths.py
+does) the oneDNN cases are skipped: without VNNI the layer takes the exact float path, and the model
+keeps bf16 weights (its AVX2 int8 kernels were not exact)."""
 
 from __future__ import annotations
 
@@ -69,10 +69,15 @@ def test_bias_is_added_after_the_scales() -> None:
     assert torch.allclose(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32, 256, 257])
-def test_int8_panel_kernel_is_the_exact_integer_product_rounded_once(rows: int) -> None:
-    """Where the ops give a few-row int8 kernel (AVX512-BF16 without AMX: kernels/csrc/panel_i8.cpp), steps
-    of up to its 256 rows take it and round once; 257 rows take oneDNN (two roundings)."""
+@pytest.mark.parametrize("rows", [1, 7, 32, 256, 257, 600])
+@pytest.mark.parametrize("keep_onednn", [False, True])
+def test_int8_panel_kernel_is_the_exact_integer_product_rounded_once(
+    rows: int, keep_onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the ops give an int8 panel kernel (AVX512-BF16 without AMX: kernels/csrc/panel_i8.cpp), every
+    step takes it (256 rows a sweep) and rounds once, and the layer keeps no other copy of the codes. With
+    oneDNN's copy kept (as benchmarks compare the two) and the kernel switched off, oneDNN rounds twice."""
+    monkeypatch.setattr(linear_mod, "KEEP_ONEDNN_COPY", keep_onednn)
     ops = get_ops("auto", "cpu")
     torch.manual_seed(rows)
     lin = nn.Linear(576, 960, bias=False)
@@ -80,14 +85,18 @@ def test_int8_panel_kernel_is_the_exact_integer_product_rounded_once(rows: int) 
     layer = Int8Linear(lin, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for)
     if layer.small is None:
         pytest.skip("no few-row int8 kernel on this CPU (it needs an AVX512-BF16 build and no AMX)")
-    assert layer.small_rows == 256
+    assert layer.small_rows is None
+    assert layer.sole != keep_onednn and hasattr(layer, "packed") == keep_onednn
+    assert not hasattr(layer, "qweight"), "one copy of the codes: the panels' (or oneDNN's)"
+    if keep_onednn:
+        layer.small_rows = 0  # as benchmarks/int8_panels.py switches the kernel off
     x = (torch.randn(rows, 576) * torch.rand(rows, 1) * 4).bfloat16()
     y = layer(x)
     assert y.shape == (rows, 960) and y.dtype == torch.bfloat16
     ref = exact(lin, layer, x)
     err = (y.double() - ref).abs()
     rowmax = ref.abs().amax(1, keepdim=True)
-    if rows <= layer.small_rows:
+    if layer.small_rows is None:
         assert bool((err <= 2**-8 * 1.02 * ref.abs()).all()), float((err / ref.abs()).max())
     else:
         assert bool((err <= BOUND * ref.abs() + 2**-10 * rowmax).all()), float((err / rowmax).max())

@@ -35,10 +35,11 @@ def test_padded_rows_give_the_unpadded_answer(rows: int) -> None:
 @pytest.mark.skipif(
     not onednn_packing_available(torch.zeros(1, dtype=torch.bfloat16)), reason="needs oneDNN bf16 packing"
 )
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 96, 97, 256, 257])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 32, 96, 97, 256, 257, 700])
 def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
-    """Steps of up to `small.max_rows` rows go through the C++ panel kernels (their own copy of the
-    weight), larger ones through oneDNN: both within bf16 rounding of the float64 product, bias added."""
+    """Steps of up to `small.max_rows` rows (every count on AVX512-BF16 without AMX, 256 rows a sweep) go
+    through the C++ panel kernels, larger ones through oneDNN: both within bf16 rounding of the float64
+    product, bias added."""
     from tokenmill.models.ops import get_ops
 
     ops = get_ops("cpu", "cpu")
@@ -46,7 +47,8 @@ def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
     lin = nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
     small = ops.small_matmul_for(lin.weight.detach())
     dot = not amx_brgemm_available() and ops.k.panel_dot_available()  # type: ignore[attr-defined]
-    assert small is not None and small.max_rows == (96 if amx_brgemm_available() else 256 if dot else 4)
+    assert small is not None and small.max_rows == (96 if amx_brgemm_available() else None if dot else 4)
+    assert ops.panels_take_every_row() == dot
     with_small, onednn_only = PackedLinear(lin, small), PackedLinear(lin)
     x = torch.randn(rows, 1536, generator=g).to(torch.bfloat16)
     exact = x.double() @ lin.weight.double().t() + lin.bias.double()
@@ -55,3 +57,38 @@ def test_few_row_kernel_and_onednn_agree(rows: int) -> None:
         assert float((y.double() - exact).norm() / exact.norm()) < 2**-8
     gap = (with_small(x).double() - onednn_only(x).double()).abs().max()
     assert float(gap) <= 2**-6 * float(exact.abs().max())
+
+
+def _dot_ops():  # noqa: ANN202 - the CPU ops where the panels take every row count, else a skip
+    from tokenmill.models.ops import get_ops
+
+    ops = get_ops("auto", "cpu")
+    if not ops.panels_take_every_row():
+        pytest.skip("the bf16 panels take every row count only on AVX512-BF16 builds without AMX")
+    return ops
+
+
+def test_panels_of_every_row_count_are_the_only_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the panels take every row count, a packed linear keeps no oneDNN copy of the weight (unless
+    a benchmark asks for one to compare), takes rows of any shape, and the model's copy limit, which is
+    for a second copy, does not drop them."""
+    from tokenmill.models import linear
+
+    ops = _dot_ops()
+    lin = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    sole = PackedLinear(lin, ops.small_matmul_for(lin.weight.detach()))
+    assert sole.packed is None
+    x = torch.randn(2, 300, 576).to(torch.bfloat16)  # three dimensions, two sweeps of rows
+    exact = x.double() @ lin.weight.double().t() + lin.bias.double()
+    y = sole(x)
+    assert y.shape == (2, 300, 960) and float((y.double() - exact).norm() / exact.norm()) < 2**-8
+    monkeypatch.setattr(linear, "KEEP_ONEDNN_COPY", True)
+    assert PackedLinear(lin, ops.small_matmul_for(lin.weight.detach())).packed is not None
+    monkeypatch.setattr(linear, "KEEP_ONEDNN_COPY", False)
+
+    monkeypatch.setattr(linear, "SMALL_COPY_LIMIT_BYTES", 0)
+    for sole_flag, kernel in ((True, True), (False, False)):
+        model = nn.Sequential(nn.Linear(576, 960).to(torch.bfloat16))
+        linear.pack_linears(model, ops.small_matmul_for, sole=sole_flag)
+        assert (model[0].small is not None) == kernel
+        assert (model[0].packed is None) == kernel

@@ -67,8 +67,21 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+# On CPUs whose panel kernels take every row count (models/ops.py: AVX512-BF16 without AMX) a linear
+# keeps its panels as its only copy of the weights: oneDNN's would double their memory for steps the
+# panels run as fast or faster (bf16 1.02-1.09x oneDNN's matmul at 256-2048 rows, int8 1.05-1.07x at
+# 512-2048; docs/benchmarks.md). Benchmarks that compare the two in one model set this first.
+KEEP_ONEDNN_COPY = False
+
+
+def takes(max_rows: int | None, rows: int) -> bool:
+    """Whether a kernel of `max_rows` rows (None: every row count) takes a step of `rows`."""
+    return max_rows is None or rows <= max_rows
+
+
 class PackedLinear(LinearBase):
-    """A bf16 linear whose weight lives in oneDNN's blocked layout (CPU inference only)."""
+    """A bf16 linear whose weight lives in oneDNN's blocked layout (CPU inference only), or only in the
+    panels of a kernel that takes every row count."""
 
     prepared = True
 
@@ -76,18 +89,29 @@ class PackedLinear(LinearBase):
     PACK_HINT = 64
 
     def __init__(self, linear: nn.Linear, small: SmallMatmul | None = None) -> None:
-        """`small`: a kernel for steps of at most `small.max_rows` rows, given its own copy of the
-        weight (ops.small_matmul_for): such steps are bound by reading the weights, which oneDNN's
-        matmul did at ~17 GB/s of the 25 this machine streams (kernels/csrc/panel_matmul.cpp)."""
+        """`small`: a kernel for steps of at most `small.max_rows` rows (None: any), given its own copy of
+        the weight (ops.small_matmul_for): such steps are bound by reading the weights, which oneDNN's
+        matmul did at ~17 GB/s of the 25 this machine streams (kernels/csrc/panel_matmul.cpp). A kernel
+        of every row count is the only copy (KEEP_ONEDNN_COPY)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_HINT)
+        sole = small is not None and small.max_rows is None and not KEEP_ONEDNN_COPY
+        self.packed = (
+            None if sole else torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.PACK_HINT)
+        )
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.small = small
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.small is not None and m <= self.small.max_rows and x.dim() == 2:
+        if self.packed is None:  # the panels alone
+            if x.dim() == 2 and x.dtype == torch.bfloat16:  # a step's rows: nothing else on this path
+                y = self.small(x)  # type: ignore[misc]
+            else:
+                rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+                y = self.small(rows).view(*x.shape[:-1], self.out_features).to(x.dtype)  # type: ignore[misc]
+            return y if self.bias is None else y.add_(self.bias)
+        if self.small is not None and takes(self.small.max_rows, m) and x.dim() == 2:
             y = self.small(x)
             return y if self.bias is None else y.add_(self.bias)
         padded = row_bucket(m) if x.dim() == 2 else m
@@ -98,15 +122,17 @@ class PackedLinear(LinearBase):
 
 
 class SmallMatmul(Protocol):
-    """x @ W^T for a few rows, with W in the kernel's own layout (a callable the ops provide)."""
+    """x @ W^T for a few rows (max_rows; None: any number), with W in the kernel's own layout (a callable
+    the ops provide)."""
 
-    max_rows: int
+    max_rows: int | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-# The few-row kernel keeps a second copy of each weight; models whose packed linears take more than
-# this keep only oneDNN's (the copy would cost more memory than a small model's speed is worth).
+# A few-row kernel that does not take every row count keeps a second copy of each weight beside oneDNN's;
+# models whose packed linears take more than this keep only oneDNN's (the copy would cost more memory than
+# a small model's speed is worth).
 SMALL_COPY_LIMIT_BYTES = 1 << 30
 SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
 
@@ -124,11 +150,11 @@ QuantFor = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], Quan
 
 
 class CodesMatmul(Protocol):
-    """A matmul of quantized activations for up to `max_rows` rows: (the rows' codes [M, K], their float32
-    scales [M, 1]) -> [M, N] bf16, the weights' codes and scales held by the kernel. W8A8: uint8 codes
-    q + 128 (ops.int8_matmul_for); fp8: e4m3 codes held in bf16 (ops.fp8_matmul_for)."""
+    """A matmul of quantized activations for up to `max_rows` rows (None: any): (the rows' codes [M, K],
+    their float32 scales [M, 1]) -> [M, N] bf16, the weights' codes and scales held by the kernel. W8A8:
+    uint8 codes q + 128 (ops.int8_matmul_for); fp8: e4m3 codes held in bf16 (ops.fp8_matmul_for)."""
 
-    max_rows: int
+    max_rows: int | None
 
     def __call__(self, x_codes: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor: ...
 
@@ -163,12 +189,13 @@ def small_copy_allowed(sites: list[LinearSite], bytes_per_weight: int | None = N
     return True
 
 
-def pack_linears(model: nn.Module, small_for: SmallFor | None = None) -> int:
+def pack_linears(model: nn.Module, small_for: SmallFor | None = None, sole: bool = False) -> int:
     """Replace every nn.Linear that can be packed; return how many were. `small_for(weight)` gives a
-    few-row kernel for a weight (ops.small_matmul_for), used when the model's linears fit
-    SMALL_COPY_LIMIT_BYTES."""
+    few-row kernel for a weight (ops.small_matmul_for): the only copy of the weights where it takes
+    every row count (`sole`, ops.panels_take_every_row), else a second copy, used when the model's
+    linears fit SMALL_COPY_LIMIT_BYTES."""
     sites = plain_linears(model, lambda _, child: onednn_packing_available(child.weight))
-    if small_for is not None and not small_copy_allowed(sites):
+    if small_for is not None and not (sole and not KEEP_ONEDNN_COPY) and not small_copy_allowed(sites):
         small_for = None
     for parent, name, _, child in sites:
         small = small_for(child.weight.detach()) if small_for is not None else None
@@ -274,7 +301,8 @@ class Int8Linear(LinearBase):
     oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI on Zen 4, AVX2 elsewhere): half the weight
     bytes of bf16, which is the time of a decode step's matmuls, and twice the bf16 rate where they
     compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers. `small`
-    (ops.int8_matmul_for): a kernel for steps of up to its max_rows rows, where it beats oneDNN's."""
+    (ops.int8_matmul_for): a kernel for steps of up to its max_rows rows, where it beats oneDNN's; one of
+    every row count holds the only copy of the codes (KEEP_ONEDNN_COPY)."""
 
     prepared = True
 
@@ -300,8 +328,13 @@ class Int8Linear(LinearBase):
         # The few-row kernel writes bfloat16 (the scales applied in float32, rounded once).
         wants_small = small_for is not None and dtype == torch.bfloat16
         self.small = small_for(self.qweight, scale) if wants_small else None  # type: ignore[misc]
-        self.small_rows = self.small.max_rows if self.small is not None else 0
-        if self.onednn:
+        # Rows the kernel takes (None: every count; 0: none, as benchmarks switch it off).
+        self.small_rows: int | None = self.small.max_rows if self.small is not None else 0
+        self.sole = self.small is not None and self.small_rows is None and not KEEP_ONEDNN_COPY
+        if self.sole:
+            self.onednn = False
+            del self.qweight  # the kernel's panels hold the codes: one copy of the weights
+        elif self.onednn:
             self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, [PackedLinear.PACK_HINT, k])
             self.w_zero_points = torch.zeros(n, dtype=torch.long)
             del self.qweight  # the packed copy is the one used; keep one copy of the weights
@@ -309,8 +342,10 @@ class Int8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         xq, xs = self.quantize(x)  # uint8 q + 128, float32 row scales
-        if m <= self.small_rows and x.dtype == torch.bfloat16:  # the kernel writes bf16
+        if self.sole or (takes(self.small_rows, m) and x.dtype == torch.bfloat16):
             y = self.small(xq, xs)  # type: ignore[misc]
+            if x.dtype != torch.bfloat16:  # the kernel writes bf16 (for a bf16 model: not on this path)
+                y = y.to(x.dtype)
         elif self.onednn:
             # Rows bucketed as PackedLinear's are (oneDNN keeps state per shape); padding rows are 0.
             padded = row_bucket(m)
@@ -475,14 +510,12 @@ def quantize_linears_int8(
 ) -> int:
     """Replace every plain linear by an Int8Linear; return the count. A CPU whose int8 kernels lack
     VNNI or AMX keeps its bf16 weights (int8 would be slower there, or inexact), saying so.
-    `small_for` (ops.int8_matmul_for): a few-row kernel, a second copy of the codes, used when they fit
-    SMALL_COPY_LIMIT_BYTES."""
+    `small_for` (ops.int8_matmul_for): the panel kernel where it runs, for every row count and the only
+    copy of the codes."""
     sites = plain_linears(model)
     if sites and not int8_matmuls_available(sites[0][3].weight.device):
         log.warning("quantization int8 needs VNNI or AMX for its int8 matmuls; keeping bf16 weights")
         return 0
-    if small_for is not None and not small_copy_allowed(sites, 1):
-        small_for = None
     for parent, name, _, child in sites:
         setattr(parent, name, Int8Linear(child, quantize, scale_rows, small_for))
     return len(sites)

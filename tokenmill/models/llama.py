@@ -426,6 +426,6 @@ def build_model(
         )
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
-    pack_linears(model, model.ops.small_matmul_for)
+    pack_linears(model, model.ops.small_matmul_for, model.ops.panels_take_every_row())
     model.finalize()
     return model.eval()

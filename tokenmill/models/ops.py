@@ -98,6 +98,11 @@ class TorchOps:
         path has none)."""
         return None
 
+    def panels_take_every_row(self) -> bool:
+        """Whether small_matmul_for's kernels (for bf16 CPU weights) take steps of any number of rows, so
+        that a linear keeps them as its only copy of the weight rather than beside oneDNN's."""
+        return False
+
     def quantized_matmul_for(
         self,
         bits: int,
@@ -141,9 +146,10 @@ class PanelMatmul:
       SmolLM2-135M's linears against oneDNN's packed matmul, same process: the vector loops 1.5x at 1-2
       rows; brgemm 1.36x at 4-8 rows, 1.24-1.31x at 16-32, 1.11-1.18x at 64-96, 0.96x at 128 (in the
       model 1 stream 1.41x a token, 32 streams offline 1.15-1.16x tokens/s).
-    - AVX512-BF16 without AMX (AMD Zen 4): the dot loops (vdpbf16ps) for every step up to 256 rows:
-      1.8-2.0x oneDNN at 1-8 rows, 1.3-1.6x at 16-32, 1.2-1.3x at 64, 1.08x at 256. Each row is summed in
-      the same order whatever the step's size, so a row's output does not depend on its neighbours.
+    - AVX512-BF16 without AMX (AMD Zen 4): the dot loops (vdpbf16ps) for every step, 256 rows a sweep of
+      the weights: 1.8-2.0x oneDNN at 1-8 rows, 1.3-1.6x at 16-32, 1.2-1.3x at 64, 1.08x at 256, 1.02-1.07x
+      at 512-2048 (a prompt's chunk), so no oneDNN copy is kept there (max_rows None). Each row is summed
+      in the same order whatever the step's size, so a row's output does not depend on its neighbours.
     - otherwise (AVX-512 without BF16, AVX2): vector loops up to 4 rows."""
 
     def __init__(self, k: object, weight: torch.Tensor, brgemm: bool) -> None:
@@ -151,7 +157,7 @@ class PanelMatmul:
         self.panels = k.panel_pack(weight)  # type: ignore[attr-defined]
         self.dot = not brgemm and bool(k.panel_dot_available())  # type: ignore[attr-defined]
         self.vector_rows = 2 if brgemm else 4
-        self.max_rows = 256 if self.dot else 96 if brgemm else 4
+        self.max_rows: int | None = None if self.dot else 96 if brgemm else 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dot and x.dtype == torch.bfloat16:
@@ -260,12 +266,13 @@ class G8Panels:
 
 
 class I8Panels:
-    """W8A8 x @ W^T for up to 256 rows by kernels/csrc/panel_i8.cpp: uint8 activation codes (q + 128, as
+    """W8A8 x @ W^T for any number of rows by kernels/csrc/panel_i8.cpp: uint8 activation codes (q + 128, as
     quantize_rows_u8 leaves them) times the int8 weight codes by vpdpbusd, the integer sums exact in int32,
     scaled by each row's and each column's scale in float32 and rounded once to bfloat16 (AVX512-BF16
-    builds, which have VNNI). Used where oneDNN's int8 matmul was measured slower (AMD Zen 4, no AMX)."""
+    builds, which have VNNI). Used where oneDNN's int8 matmul was measured slower (AMD Zen 4, no AMX): at
+    1-256 rows, and at 512-2048 (a prompt's chunk, 256 rows a sweep) 1.05-1.07x, so no oneDNN copy is kept."""
 
-    max_rows = 256
+    max_rows: int | None = None  # every row count
 
     def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, q.shape[0]
@@ -282,14 +289,15 @@ class I8Panels:
 
 
 class F8Panels:
-    """fp8 x @ W^T for up to 256 rows by kernels/csrc/panel_f8.cpp: the activations' e4m3 codes (held in
-    bf16, as e4m3_rows leaves them) times the weights' e4m3 codes kept one byte each, widened to bf16 as
-    they stream in (up to 8 rows; more rows widen each panel once into a buffer) and multiplied by
-    vdpbf16ps (exact products, float32 sums), scaled by each row's and each column's scale and rounded
-    once (AVX512-BF16 builds). Half the bytes of the bf16 path; used where the dot loops are
-    (AVX512-BF16 without AMX)."""
+    """fp8 x @ W^T for any number of rows (256 a sweep) by kernels/csrc/panel_f8.cpp: the activations'
+    e4m3 codes (held in bf16, as e4m3_rows leaves them) times the weights' e4m3 codes kept one byte each,
+    widened to bf16 as they stream in (up to 8 rows; more rows widen each panel once a sweep into a
+    buffer) and multiplied by vdpbf16ps (exact products, float32 sums), scaled by each row's and each
+    column's scale and rounded once (AVX512-BF16 builds). Half the bytes of the bf16 path; used where the
+    dot loops are (AVX512-BF16 without AMX), at every row count (1.03-1.27x the bf16 copy of the codes at
+    512-2048 rows, which is then not kept)."""
 
-    max_rows = 256
+    max_rows: int | None = None  # every row count
 
     def __init__(self, k: object, codes: torch.Tensor, scale: torch.Tensor) -> None:
         self.k, self.n = k, codes.shape[0]
@@ -364,6 +372,11 @@ class CpuFusedOps(TorchOps):
         from tokenmill.models.linear import amx_brgemm_available
 
         return PanelMatmul(self.k, weight, amx_brgemm_available())
+
+    def panels_take_every_row(self) -> bool:
+        from tokenmill.models.linear import amx_brgemm_available
+
+        return bool(self.k.panel_dot_available()) and not amx_brgemm_available()
 
     def _dot_loops_for(self, codes: torch.Tensor, k_multiple: int) -> bool:
         """Whether the panel kernels of the dot-loop family (the bf16 dot loops, 4-bit, 8-bit, W8A8 and fp8

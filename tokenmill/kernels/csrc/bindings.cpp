@@ -71,17 +71,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("group") = 2);
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
   m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops; 4-bit, 8-bit, W8A8 and fp8 panels)");
-  m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for 1-256 bfloat16 rows by vdpbf16ps (AVX512-BF16)");
+  m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for bfloat16 rows by vdpbf16ps (AVX512-BF16), 256 a sweep");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for bfloat16 rows, W in 4-bit panels (Q4Panels): bf16 activations up to exact_rows rows, int8 above");
   m.def("g8_matmul", &g8_matmul,
         "W8A8 in groups of 32: bfloat16 rows quantized per group of 32 x int8 panels with a scale per group "
         "(G8Panels, a Q8_0 block's form), as bfloat16");
   m.def("q8_matmul", &q8_matmul, "x @ W^T * scale for up to 4 bfloat16 rows, W in int8 panels (Q8Panels)");
   m.def("i8_matmul", &i8_matmul,
-        "W8A8: uint8 rows (q + 128) x int8 panels (group 4) for up to 256 rows, scaled per row and column, "
+        "W8A8: uint8 rows (q + 128) x int8 panels (group 4), 256 rows a sweep, scaled per row and column, "
         "as bfloat16");
   m.def("f8_matmul", &f8_matmul,
-        "fp8: e4m3 codes (in bf16) x e4m3 panels (bytes, group 2) for up to 256 rows, scaled per row and "
+        "fp8: e4m3 codes (in bf16) x e4m3 panels (bytes, group 2), 256 rows a sweep, scaled per row and "
         "column, as bfloat16");
   m.def("sample_rows", &sample_rows, "a token per row of logits at temperature T, by inverse CDF at u");
   m.def("prefill_attention", &prefill_attention,

@@ -1,5 +1,5 @@
 // fp8 matmuls of `quantization="fp8"` (e4m3 weights per output column, e4m3 activations per row, the
-// FP8_DYNAMIC scheme) for decode steps of up to 256 rows, on AVX512-BF16:
+// FP8_DYNAMIC scheme) for steps of any number of rows (256 a sweep of the weights), on AVX512-BF16:
 // y[M, N] = (sum_k x_code[m, k] w_code[n, k]) * x_scale[m] * w_scale[n], rounded once to bfloat16.
 //
 // The weights stay one byte each (e4m3 codes in the 32-column panels of the bf16 panel matmul, a k pair
@@ -30,8 +30,6 @@ using panels::kAheadBytes;
 using panels::kCols;
 using panels::kPairRow;  // one k pair of a panel: 64 one-byte codes
 using panels::prefetch_l2;
-
-constexpr int64_t kMaxRows = 256;  // as the bf16 dot loops
 
 #if defined(TM_AVX512_BF16)
 // 32 e4m3 codes -> 32 bf16 values (exact).
@@ -85,7 +83,7 @@ inline void f8_rows(const at::BFloat16* x, int64_t xs, const uint8_t* wp, int64_
 
 }  // namespace
 
-// x: [M <= 256, K] e4m3 activation codes held in bfloat16 (e4m3_rows_bf16's; rows may be strided);
+// x: [M, K] e4m3 activation codes held in bfloat16 (e4m3_rows_bf16's; rows may be strided);
 // x_scales: float32 [M] (or [M, 1]); panels: panel_pack of the [N, K] e4m3 codes viewed as int8;
 // w_scales: float32, one per panel column; n: N. Returns [M, N] bfloat16.
 torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor packed, torch::Tensor w_scales,
@@ -93,7 +91,6 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
   TORCH_CHECK(panels::kBf16Loops, "the fp8 panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 (e4m3 codes) with contiguous rows");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "fp8 panel loops: up to 256 rows");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(2) == kCols && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
               "panels: panel_pack's [N/32, K/2, 32, 2] of e4m3 codes (as int8), K as x's");
@@ -114,18 +111,20 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
   const float* rs = x_scales.data_ptr<float>();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
   const float* cs = w_scales.data_ptr<float>();
-  panels::for_each_panel(n, M, std::max<int64_t>(1, 65536 / panel_bytes), y.data_ptr<at::BFloat16>(),
-                         [&](int64_t p, float* c) {
-                           f8_rows(xp, xs, w + p * panel_bytes, pairs, c, M);
-                           const __m512 s0 = _mm512_loadu_ps(cs + p * kCols);
-                           const __m512 s1 = _mm512_loadu_ps(cs + p * kCols + 16);
-                           for (int64_t m = 0; m < M; ++m) {
-                             const __m512 r = _mm512_set1_ps(rs[m]);
-                             float* cm = c + m * kCols;
-                             _mm512_store_ps(cm, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm), r), s0));
-                             _mm512_store_ps(cm + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm + 16), r), s1));
-                           }
-                         });
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  panels::for_each_sweep(M, [&](int64_t r0, int64_t rows) {
+    panels::for_each_panel(n, rows, std::max<int64_t>(1, 65536 / panel_bytes), yp + r0 * n, [&](int64_t p, float* c) {
+      f8_rows(xp + r0 * xs, xs, w + p * panel_bytes, pairs, c, rows);
+      const __m512 s0 = _mm512_loadu_ps(cs + p * kCols);
+      const __m512 s1 = _mm512_loadu_ps(cs + p * kCols + 16);
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 r = _mm512_set1_ps(rs[r0 + m]);
+        float* cm = c + m * kCols;
+        _mm512_store_ps(cm, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm), r), s0));
+        _mm512_store_ps(cm + 16, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(cm + 16), r), s1));
+      }
+    });
+  });
 #endif
   return y;
 }

@@ -1,5 +1,5 @@
 // int8 x int8 matmuls of `quantization="int8"` (W8A8: weights per output column, activations per row,
-// quantized as the step runs) for decode steps of up to 256 rows, on AVX512-VNNI:
+// quantized as the step runs) for steps of any number of rows (256 a sweep of the weights), on AVX512-VNNI:
 // y[M, N] = (sum_k q_x[m, k] q_w[n, k]) * x_scale[m] * w_scale[n], rounded once to bfloat16.
 //
 // The codes are in 32-column panels with four k side by side ([N/32][K/4][32][4], panel_pack with group
@@ -28,7 +28,6 @@ using panels::kCols;
 using panels::prefetch_l2;
 
 constexpr int64_t kQuadRow = kCols * 4;  // one k quad across a panel: 128 bytes, two cache lines
-constexpr int64_t kMaxRows = 256;        // x's rows (256 x 1536 bytes) stay in L2
 
 #if defined(TM_AVX512_BF16)
 // One pass over a panel for M <= 8 rows, each row's sums in two accumulators (columns 0-15, 16-31), then
@@ -85,7 +84,7 @@ inline void i8_rows(const uint8_t* x, int64_t xs, const float* x_scale, const in
 
 }  // namespace
 
-// xq: [M <= 256, K] uint8 (q + 128, quantize_rows_u8's; rows may be strided); x_scales: float32 [M] (or
+// xq: [M, K] uint8 (q + 128, quantize_rows_u8's; rows may be strided); x_scales: float32 [M] (or
 // [M, 1]); panels: panel_pack(codes, 4) of the [N, K] int8 weight codes; offsets: int32 [ceil(N/32) * 32],
 // 128 x each column's code sum (0 past N); w_scales: float32, one per panel column; n: N.
 // Returns [M, N] bfloat16.
@@ -94,7 +93,6 @@ torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor 
   TORCH_CHECK(panels::kBf16Loops, "the int8 panel loops need a build for AVX512-BF16 (which has VNNI)");
   TORCH_CHECK(xq.dim() == 2 && xq.stride(1) == 1 && xq.scalar_type() == at::kByte,
               "xq must be [M, K] uint8 with contiguous rows");
-  TORCH_CHECK(xq.size(0) <= kMaxRows, "int8 panel loops: up to 256 rows");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(2) == kCols && packed.size(3) == 4 && packed.size(1) * 4 == xq.size(1),
               "panels: panel_pack's [N/32, K/4, 32, 4] of int8 codes, K as x's");
@@ -118,13 +116,15 @@ torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor 
   const int8_t* w = packed.data_ptr<int8_t>();
   const int32_t* off = offsets.data_ptr<int32_t>();
   const float* cs = w_scales.data_ptr<float>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   // ~64 KB of codes a task at least, as the other panel kernels.
-  panels::for_each_panel(n, M, std::max<int64_t>(1, 65536 / panel_bytes), y.data_ptr<at::BFloat16>(),
-                         [&](int64_t p, float* c) {
-                           const int8_t* wp = w + p * panel_bytes;
-                           i8_rows(x, xs, rs, wp, quads, off + p * kCols, cs + p * kCols, c, M,
-                                   reinterpret_cast<const char*>(wp) + kAheadBytes);
-                         });
+  panels::for_each_sweep(M, [&](int64_t r0, int64_t rows) {
+    panels::for_each_panel(n, rows, std::max<int64_t>(1, 65536 / panel_bytes), yp + r0 * n, [&](int64_t p, float* c) {
+      const int8_t* wp = w + p * panel_bytes;
+      i8_rows(x + r0 * xs, xs, rs + r0, wp, quads, off + p * kCols, cs + p * kCols, c, rows,
+              reinterpret_cast<const char*>(wp) + kAheadBytes);
+    });
+  });
 #endif
   return y;
 }

@@ -6,8 +6,9 @@
 // panels is one contiguous stream read front to back. Three ways through it:
 // - up to 4 rows, vector loops (any x86 level): each weight widened to float32 once for all rows, with a
 //   software prefetch 8 KB ahead into L2;
-// - on CPUs with AVX512-BF16 but no AMX (AMD Zen 4), up to 256 rows, dot loops: vdpbf16ps takes a k
-//   pair of the panel as it is and the row's bf16 pair, 32 multiply-adds an instruction, nothing widened;
+// - on CPUs with AVX512-BF16 but no AMX (AMD Zen 4), any number of rows (256 a sweep of the weights),
+//   dot loops: vdpbf16ps takes a k pair of the panel as it is and the row's bf16 pair, 32 multiply-adds
+//   an instruction, nothing widened;
 // - more rows (up to 96), on CPUs with AMX: oneDNN's brgemm micro-kernel (at::native::cpublas) on one
 //   panel at a time, faster at these sizes than oneDNN's own matmul over its packed weights (below).
 //
@@ -24,7 +25,9 @@
 // AMD EPYC Zen 4 (no AMX), all 121 linears against oneDNN's avx512_core_bf16 matmul: the dot loops
 // 1.8-2.0x at 1-8 rows, 1.3-1.6x at 16-32, 1.2-1.3x at 64, 1.1-1.2x at 96-128, 1.08x at 256; oneDNN's
 // brgemm per panel 1.05-1.6x (less at every size); the float32 vector loops in groups of 4 rows lose
-// from 16 rows on (0.7x), as they widen every weight once per group.
+// from 16 rows on (0.7x), as they widen every weight once per group. A prompt's chunk in sweeps of 256
+// rows: 1.07x at 512 rows, 1.03x at 1024, 1.02x at 2048, so on such CPUs the panels are the only copy
+// of the weights (models/linear.py PackedLinear).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -44,7 +47,6 @@ using panels::prefetch_l2;
 using panels::kPairRow;  // bf16 values of one k pair across a panel (128 bytes)
 constexpr int64_t kMaxVectorRows = 4;
 constexpr int64_t kMaxBrgemmRows = 96;
-constexpr int64_t kMaxDotRows = 256;  // x's rows (256 x 1536 bf16: 768 KB) stay in a 1 MB L2
 
 using bf16 = at::BFloat16;
 
@@ -212,7 +214,8 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
 
 bool panel_dot_available() { return panels::kBf16Loops; }
 
-// The dot loops for any 1-256 rows (bfloat16 x); only in builds for AVX512-BF16 (panel_dot_available).
+// The dot loops for any number of bfloat16 rows, 256 a sweep of the weights (x's rows of a sweep stay in
+// L2 while the panels stream); only in builds for AVX512-BF16 (panel_dot_available).
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n) {
   TORCH_CHECK(panel_dot_available(), "the dot loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
@@ -220,11 +223,14 @@ torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n)
               "panels: panel_pack's");
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1), "K mismatch");
   TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxDotRows, "dot loops: up to 256 bfloat16 rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "dot loops: bfloat16 rows");
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, n}, x.options());
 #if defined(TM_AVX512_BF16)
-  if (M > 0) dot_matmul(x.data_ptr<bf16>(), x.stride(0), panels.data_ptr<bf16>(), y.data_ptr<bf16>(), M, K, n);
+  const bf16* xp = x.data_ptr<bf16>();
+  panels::for_each_sweep(M, [&](int64_t r0, int64_t rows) {
+    dot_matmul(xp + r0 * x.stride(0), x.stride(0), panels.data_ptr<bf16>(), y.data_ptr<bf16>() + r0 * n, rows, K, n);
+  });
 #endif
   return y;
 }

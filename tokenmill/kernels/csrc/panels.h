@@ -81,7 +81,7 @@ inline void with_rows4(int64_t rows, const F& f) {
 #if defined(TM_AVX512_BF16)
 // One pass of the dot loops over a panel for M <= 8 rows: 16 accumulators, 2 per row (the panel's two
 // halves of 16 columns), each row summed over k in the same order whatever M is, so a row's result does
-// not depend on the rows beside it (seeded sampling stays reproducible in any batch up to 256 rows).
+// not depend on the rows beside it (seeded sampling stays reproducible in any batch).
 // pair(kp, v0, v1) gives the panel's k pair kp as bf16 (columns 0-15, 16-31): loaded as stored (bf16
 // panels) or widened from one-byte codes (panel_f8.cpp), so every caller shares these sums and their
 // order. Inlined and unrolled on purpose: as a function of its own GCC mirrored the accumulators on the
@@ -153,7 +153,16 @@ void for_each_panel(int64_t N, int64_t M, int64_t grain, T* y, const Compute& co
   });
 }
 
-constexpr int64_t kSweepRows = 256;  // rows a sweep of the weights by 4-row passes (they stay in L2)
+constexpr int64_t kSweepRows = 256;  // rows a sweep of the weights (256 x 1536 bf16: 768 KB, in a 1 MB L2)
+
+// f(r0, rows) for each sweep of up to kSweepRows rows from row r0: a kernel reads all its weights once a
+// sweep, the sweep's rows staying in L2 while the weights stream, so that any number of rows (a prompt's
+// chunk as well as a decode step) runs on the panels, and no second copy of the weights is needed for
+// big steps.
+template <typename F>
+inline void for_each_sweep(int64_t M, const F& f) {
+  for (int64_t r0 = 0; r0 < M; r0 += kSweepRows) f(r0, std::min(kSweepRows, M - r0));
+}
 
 // Every panel of an N-column output for M rows, kSweepRows rows a sweep of the weights and passes of
 // up to 4 rows (the group panels: panel_q4.cpp, panel_g8.cpp): pass(four, r, wp, c, stream) with `four`
@@ -162,14 +171,13 @@ constexpr int64_t kSweepRows = 256;  // rows a sweep of the weights by 4-row pas
 // sweep's first pass over the panel (the one that reads it from memory, and prefetches).
 template <typename T, typename Pass>
 void sweep_rows4(int64_t N, int64_t M, int64_t grain, const uint8_t* w, int64_t panel_bytes, T* y, const Pass& pass) {
-  for (int64_t r0 = 0; r0 < M; r0 += kSweepRows) {
-    const int64_t rows = std::min(kSweepRows, M - r0);
+  for_each_sweep(M, [&](int64_t r0, int64_t rows) {
     for_each_panel(N, rows, grain, y + r0 * N, [&](int64_t p, float* c) {
       const uint8_t* wp = w + p * panel_bytes;
       for (int64_t m0 = 0; m0 < rows; m0 += 4)
         with_rows4(rows - m0, [&](auto four) { pass(four, r0 + m0, wp, c + m0 * kCols, m0 == 0); });
     });
-  }
+  });
 }
 
 }  // namespace panels
