@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.llama import build_model, to_fused_state_dict
+from tokenmill.models.own_weights import own_remaining
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
 from tokenmill.weights.group_codes import GroupCodes, Int8Groups
@@ -84,5 +85,9 @@ def load_int8_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups]
 def build(
     cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *args: Any, **kwargs: Any
 ) -> torch.nn.Module:
-    """The architecture's module from its state dict (arguments: models/llama.py's build_model)."""
-    return ARCHITECTURES[cfg.architecture].build(cfg, state_dict, *args, **kwargs)
+    """The architecture's module from its state dict (arguments: models/llama.py's build_model), holding
+    its own copies of what it still uses of the state dict where that is little of it (own_weights.py),
+    so that a mapped checkpoint is freed once the caller drops it."""
+    model = ARCHITECTURES[cfg.architecture].build(cfg, state_dict, *args, **kwargs)
+    own_remaining(model, state_dict)
+    return model
