@@ -74,6 +74,7 @@ def in_model(streams: list[int], rounds: int) -> None:
 
     def use(kernel: bool) -> None:
         for m, limit in zip(layers, limits, strict=True):
+            assert not m.sole, "oneDNN's copy is kept (KEEP_ONEDNN_COPY) before the model is built"
             m.small_rows = limit if kernel else 0
 
     alternate_in_model(llm, streams, rounds, use, ("oneDNN int8", "int8 panels"))

@@ -2,7 +2,8 @@
 precision's layers built as the model builds them (the fused ops' kernels, the output head included),
 against bf16 in the same run.
 
-- bf16: oneDNN-packed linears with their few-row panel kernel (PackedLinear).
+- bf16: PackedLinear: oneDNN-packed linears with their few-row panel kernel, or on AVX512-BF16 CPUs
+  without AMX the panels alone at every row count.
 - int4: QuantizedLinear, 4-bit layers and an 8-bit head; with the 4-bit and 8-bit panels (AVX512-BF16
   without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
   up to 4 rows and a bf16 copy above.

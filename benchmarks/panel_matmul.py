@@ -7,7 +7,7 @@ panels are a model's only copy of the weights, and this script keeps oneDNN's be
 vector loops alone elsewhere.
 
     python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,96,128,256,512,2048] [--streams 1,32]
-        [--rounds 2]
+        [--rounds 2] [--llama8b]
 """
 
 from __future__ import annotations
@@ -30,43 +30,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linear_kernels import SHAPES  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
-WEIGHT_BYTES = sum(2 * o * i for o, i in SHAPES)
+# (out, in) of one Llama-3-8B layer's fused qkv, o, gate_up and down (--llama8b): a model whose K reaches
+# 14336, where one sweep's 256 rows of x (7 MB) no longer stay in L2.
+LLAMA8B_LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
-def linears_ms(fns: list, rows: int, reps: int = 5) -> float:  # noqa: ANN001
-    """Best of `reps` passes over all the linears at `rows` rows."""
-    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
+def linears_ms(fns: list, rows: int, reps: int = 5, shapes: list[tuple[int, int]] = SHAPES) -> float:  # noqa: ANN001
+    """Best of `reps` passes over all the linears (of `shapes`) at `rows` rows."""
+    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in shapes}}
     for _ in range(2):
-        for f, (_, i) in zip(fns, SHAPES, strict=True):
+        for f, (_, i) in zip(fns, shapes, strict=True):
             f(xs[i])
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        for f, (_, i) in zip(fns, SHAPES, strict=True):
+        for f, (_, i) in zip(fns, shapes, strict=True):
             f(xs[i])
         best = min(best, time.perf_counter() - t)
     return best * 1e3
 
 
-def microbenchmark(rows_list: list[int]) -> None:
+def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES) -> None:
     torch.manual_seed(0)
     ops = get_ops("cpu", "cpu")
-    plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in SHAPES]
+    plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in shapes]
     onednn = [PackedLinear(m) for m in plain]
     panels = [ops.small_matmul_for(m.weight.detach()) for m in plain]
     assert all(p is not None for p in panels)
     limit = panels[0].max_rows or 1 << 62  # type: ignore[union-attr]  # None: every row count
-    print(f"\nAll 121 linears ({WEIGHT_BYTES / 1e6:.0f} MB of bf16 weights), best of 5:\n")
+    weight_bytes = sum(2 * o * i for o, i in shapes)
+    what = "All 121 linears" if shapes is SHAPES else "One Llama-3-8B layer's 4 linears"
+    print(f"\n{what} ({weight_bytes / 1e6:.0f} MB of bf16 weights), best of 5:\n")
     print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | path |")
     print("|---|---|---|---|---|---|")
     for rows in rows_list:
         if rows > limit:
             print(f"| {rows} | | | | | above the panel kernel's {limit} rows: oneDNN |")
             continue
-        a, b = linears_ms(onednn, rows), linears_ms(panels, rows)  # type: ignore[arg-type]
+        a, b = linears_ms(onednn, rows, shapes=shapes), linears_ms(panels, rows, shapes=shapes)  # type: ignore[arg-type]
         small = panels[0]
         path = "dot loops" if small.dot else "vector loops" if rows <= small.vector_rows else "brgemm"  # type: ignore[union-attr]
-        gbs = WEIGHT_BYTES / b / 1e6
+        gbs = weight_bytes / b / 1e6
         print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {path} |", flush=True)
 
 
@@ -102,6 +106,7 @@ def in_model(streams: list[int], rounds: int) -> None:
 
     def use(kernel: bool) -> None:
         for m, k in zip(packed, kernels, strict=True):
+            assert m.packed is not None, "oneDNN's copy is kept (KEEP_ONEDNN_COPY) before the model is built"
             m.small = k if kernel else None
 
     alternate_in_model(llm, streams, rounds, use, ("oneDNN", "panel"))
@@ -112,12 +117,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,96,128,256,512,2048")
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--llama8b", action="store_true", help="one Llama-3-8B layer's shapes; no model part")
     args = ap.parse_args()
     linear.KEEP_ONEDNN_COPY = True  # the model's linears keep oneDNN's copy to switch to
     cpu = cpu_description()
     dot = bool(get_ops("cpu", "cpu").k.panel_dot_available()) and not amx_brgemm_available()  # type: ignore[attr-defined]
     brgemm = amx_brgemm_available()
     print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; brgemm path: {brgemm}; dot loops: {dot}")
+    if args.llama8b:
+        microbenchmark([int(r) for r in args.rows.split(",")], LLAMA8B_LAYER)
+        return
     microbenchmark([int(r) for r in args.rows.split(",")])
     in_model([int(s) for s in args.streams.split(",")], args.rounds)
 

@@ -2,7 +2,9 @@
 
 On a CPU with oneDNN, bfloat16 weights are reordered once into oneDNN's blocked layout: a matmul then
 skips the per-call weight reorder, which measured 1.5x faster here at batch 1 and at batch 256
-(benchmarks/linear_kernels.py). Elsewhere (CUDA, float32) the plain PyTorch linear is used.
+(benchmarks/linear_kernels.py). Where tokenmill's panel kernels take every step (AVX512-BF16 without
+AMX: models/ops.py) their panels are the only copy instead. Elsewhere (CUDA, float32) the plain PyTorch
+linear is used.
 """
 
 from __future__ import annotations
@@ -105,10 +107,10 @@ class PackedLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.packed is None:  # the panels alone
-            if x.dim() == 2 and x.dtype == torch.bfloat16:  # a step's rows: nothing else on this path
+            if x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1:  # a step's rows, as ever
                 y = self.small(x)  # type: ignore[misc]
-            else:
-                rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            else:  # the kernel reads bf16 rows with contiguous elements
+                rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
                 y = self.small(rows).view(*x.shape[:-1], self.out_features).to(x.dtype)  # type: ignore[misc]
             return y if self.bias is None else y.add_(self.bias)
         if self.small is not None and takes(self.small.max_rows, m) and x.dim() == 2:
@@ -298,11 +300,11 @@ class Int8Linear(LinearBase):
     quantized as each step runs): W8A8 with dynamic activation scales, at every batch size.
 
     The int32 sums are exact; the output is sum * row scale * column scale. On a CPU the matmul is
-    oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI on Zen 4, AVX2 elsewhere): half the weight
-    bytes of bf16, which is the time of a decode step's matmuls, and twice the bf16 rate where they
-    compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same integers. `small`
-    (ops.int8_matmul_for): a kernel for steps of up to its max_rows rows, where it beats oneDNN's; one of
-    every row count holds the only copy of the codes (KEEP_ONEDNN_COPY)."""
+    oneDNN's (AMX int8 tiles on Sapphire Rapids, AVX512-VNNI elsewhere; on AMD Zen 4 the panels below
+    instead): half the weight bytes of bf16, which is the time of a decode step's matmuls, and twice the
+    bf16 rate where they compute. Elsewhere (CUDA) `torch._int_mm`, or a float matmul of the same
+    integers. `small` (ops.int8_matmul_for): a kernel for steps of up to its max_rows rows, where it beats
+    oneDNN's; one of every row count holds the only copy of the codes (KEEP_ONEDNN_COPY)."""
 
     prepared = True
 

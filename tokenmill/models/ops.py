@@ -94,8 +94,8 @@ class TorchOps:
         return logits.max(dim=-1).indices
 
     def small_matmul_for(self, weight: torch.Tensor) -> PanelMatmul | None:
-        """A matmul kernel for decode steps of few rows with this [N, K] weight, or None (the plain
-        path has none)."""
+        """A matmul kernel for decode steps of few rows (on some CPUs every step: panels_take_every_row)
+        with this [N, K] weight, or None (the plain path has none)."""
         return None
 
     def panels_take_every_row(self) -> bool:
@@ -270,7 +270,7 @@ class I8Panels:
     quantize_rows_u8 leaves them) times the int8 weight codes by vpdpbusd, the integer sums exact in int32,
     scaled by each row's and each column's scale in float32 and rounded once to bfloat16 (AVX512-BF16
     builds, which have VNNI). Used where oneDNN's int8 matmul was measured slower (AMD Zen 4, no AMX): at
-    1-256 rows, and at 512-2048 (a prompt's chunk, 256 rows a sweep) 1.05-1.07x, so no oneDNN copy is kept."""
+    1-256 rows, and at 512-2048 (a prompt's chunk, 256 rows a sweep) 1.05-1.08x, so no oneDNN copy is kept."""
 
     max_rows: int | None = None  # every row count
 

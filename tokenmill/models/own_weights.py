@@ -29,11 +29,14 @@ def own_remaining(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> int:
     """Give the model its own copies of the CPU tensors it still shares with `state_dict` (parameters,
     buffers, and tensors modules keep as plain attributes, such as a packed linear's bias), when those are
     less than OWN_BELOW of the checkpoint's bytes; returns the bytes copied (0 when nothing was). Tensors
-    that shared one view keep sharing their copy, so tied weights stay tied."""
-    storages = {t.untyped_storage().data_ptr() for t in state_dict.values() if t.device.type == "cpu"}
+    that shared one view keep sharing their copy, so tied weights stay tied (two different views of one
+    tensor get a copy each: the models here hold none). Tensors kept only inside other objects (a list, a
+    kernel's attributes) are not seen; tests/test_own_weights.py checks that a built model's mapping goes."""
+    cpu = [t for t in state_dict.values() if t.device.type == "cpu"]
+    storages = {t.untyped_storage().data_ptr() for t in cpu}
     if not storages:
         return 0
-    total = sum(t.untyped_storage().nbytes() for t in state_dict.values() if t.device.type == "cpu")
+    total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cpu}.values())
 
     def shared(t: object) -> bool:
         return (
