@@ -7,7 +7,7 @@ panels are a model's only copy of the weights, and this script keeps oneDNN's be
 vector loops alone elsewhere.
 
     python benchmarks/panel_matmul.py [--rows 1,2,4,8,16,32,64,96,128,256,512,2048] [--streams 1,32]
-        [--rounds 2] [--llama8b]
+        [--rounds 2] [--llama8b | --shape smollm2-1.7b]
 """
 
 from __future__ import annotations
@@ -50,7 +50,16 @@ def linears_ms(fns: list, rows: int, reps: int = 5, shapes: list[tuple[int, int]
     return best * 1e3
 
 
-def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES) -> None:
+def layer_shapes(name: str) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused qkv, o, gate_up and down for a shape of weights/synthetic.py."""
+    from tokenmill.weights.synthetic import SHAPES as FAMILY
+
+    s = FAMILY[name]
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+    return [(qkv, s.hidden), (s.hidden, s.heads * s.head_dim), (2 * s.ffn, s.hidden), (s.hidden, s.ffn)]
+
+
+def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES, what: str = "") -> None:
     torch.manual_seed(0)
     ops = get_ops("cpu", "cpu")
     plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in shapes]
@@ -59,19 +68,22 @@ def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES)
     assert all(p is not None for p in panels)
     limit = panels[0].max_rows or 1 << 62  # type: ignore[union-attr]  # None: every row count
     weight_bytes = sum(2 * o * i for o, i in shapes)
-    what = "All 121 linears" if shapes is SHAPES else "One Llama-3-8B layer's 4 linears"
+    what = what or ("All 121 linears" if shapes is SHAPES else "One Llama-3-8B layer's 4 linears")
     print(f"\n{what} ({weight_bytes / 1e6:.0f} MB of bf16 weights), best of 5:\n")
-    print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | path |")
-    print("|---|---|---|---|---|---|")
+    # GB/s: the weights read once a pass (what bounds a few rows); GFLOP/s: 2 x rows x weights a pass
+    # (what bounds many: the two cores' bf16 multiply-add rate).
+    print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | panel GFLOP/s | path |")
+    print("|---|---|---|---|---|---|---|")
     for rows in rows_list:
         if rows > limit:
-            print(f"| {rows} | | | | | above the panel kernel's {limit} rows: oneDNN |")
+            print(f"| {rows} | | | | | | above the panel kernel's {limit} rows: oneDNN |")
             continue
         a, b = linears_ms(onednn, rows, shapes=shapes), linears_ms(panels, rows, shapes=shapes)  # type: ignore[arg-type]
         small = panels[0]
         path = "dot loops" if small.dot else "vector loops" if rows <= small.vector_rows else "brgemm"  # type: ignore[union-attr]
-        gbs = weight_bytes / b / 1e6
-        print(f"| {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {path} |", flush=True)
+        gbs, gflops = weight_bytes / b / 1e6, rows * weight_bytes / b / 1e6
+        cells = f"{a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {gflops:.0f}"
+        print(f"| {rows} | {cells} | {path} |", flush=True)
 
 
 def alternate_in_model(
@@ -118,6 +130,7 @@ def main() -> None:
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--llama8b", action="store_true", help="one Llama-3-8B layer's shapes; no model part")
+    ap.add_argument("--shape", help="one layer of a weights/synthetic.py shape (smollm2-1.7b); no model part")
     args = ap.parse_args()
     linear.KEEP_ONEDNN_COPY = True  # the model's linears keep oneDNN's copy to switch to
     cpu = cpu_description()
@@ -126,6 +139,10 @@ def main() -> None:
     print(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; brgemm path: {brgemm}; dot loops: {dot}")
     if args.llama8b:
         microbenchmark([int(r) for r in args.rows.split(",")], LLAMA8B_LAYER)
+        return
+    if args.shape:
+        shapes = layer_shapes(args.shape)
+        microbenchmark([int(r) for r in args.rows.split(",")], shapes, f"One {args.shape} layer's 4 linears")
         return
     microbenchmark([int(r) for r in args.rows.split(",")])
     in_model([int(s) for s in args.streams.split(",")], args.rounds)

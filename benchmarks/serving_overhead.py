@@ -5,6 +5,7 @@ baseline generates the same prompts with the same parameters in one `generate` c
 the server's output-token throughput as a share of the offline one (goal: at least 90%).
 
     python benchmarks/serving_overhead.py [--concurrency 32] [--num-requests 128] [--quantization int4]
+        [--model FILE.gguf]
 
 It also reports the CPU time each process spent per output token while the HTTP run lasted: the
 server's API process, its engine process, and this load generator. On a 2-core machine whatever the
@@ -117,11 +118,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-threads", type=int, default=None, help="torch threads of the engine process")
     ap.add_argument("--quantization", default=None, help="as the server's --quantization (int4, int8, fp8)")
+    ap.add_argument("--model", default=None, help="as the server's --model (default: the embedded one)")
     args = ap.parse_args()
     reqs = workload(args.num_requests, args.seed)
 
     # Offline first, in this process; then the server (its own processes) with this one idle.
-    llm = LLM(max_num_seqs=args.concurrency, quantization=args.quantization)
+    model = {"model": args.model} if args.model else {}
+    llm = LLM(max_num_seqs=args.concurrency, quantization=args.quantization, max_model_len=1024, **model)
     llm.generate(reqs[0][0], SamplingParams(max_tokens=4))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()
@@ -132,6 +135,7 @@ def main() -> None:
 
     extra = ["--threads", str(args.server_threads)] if args.server_threads else []
     extra += ["--quantization", args.quantization] if args.quantization else []
+    extra += ["--model", args.model] if args.model else []
     with running_server("--max-num-seqs", str(args.concurrency), "--max-model-len", "1024", *extra) as srv:
         asyncio.run(run_http(srv.base_url, reqs[:4], 4))  # warm-up
         procs = {"API process": srv.pid, "engine process": max(children(srv.pid), default=srv.pid)}

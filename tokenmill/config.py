@@ -185,7 +185,9 @@ class EngineConfig:
     model: str = setting(DEFAULT_MODEL, help="catalog name, .gguf path or Hugging Face directory")
     dtype: str = setting("bfloat16", help='"bfloat16" or "float32" ("float16" where the device does it well)')
     device: str = setting("cpu", help="torch device of the workers")
-    max_model_len: int | None = setting(None, help="context length (default: the model's, capped at 8192)")
+    max_model_len: int | None = setting(
+        None, help="context length (default: the model's, capped at 8192 and at what the KV pool holds)"
+    )
     num_threads: int | None = setting(
         None, flag="threads", help="torch threads per worker (default: all cores)"
     )

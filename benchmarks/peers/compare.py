@@ -298,7 +298,9 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
     for flag in ("--model", "--quantization", "--int4-activations", "--int8-scales", "--kv-cache-dtype"):
         ap.add_argument(flag)
     known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
-    kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 1024}
+    # A short context in a small pool: only the weights are counted here (a 1.7B model's KV is
+    # 196 KB a token, so 0.05 GB holds 272 tokens).
+    kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 128}
     if known.model:
         kw["model"] = known.model
     if known.int4_activations:

@@ -7,7 +7,10 @@ venv, set up by setup_vllm.sh, on the HF directory from export_hf.py); tokens pe
 and output tokens, and output tokens alone.
 
     python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,tokenmill-int8,vllm]
-        [--kv-cache-memory-gb 4]
+        [--kv-cache-memory-gb 4] [--model FILE.gguf --hf-dir DIR]
+
+--model and --hf-dir put another model in place of the embedded one (the same weights twice: a GGUF for
+tokenmill, its bf16 export for vLLM; make_synthetic.py makes both for bigger shapes).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--engines", default="tokenmill,vllm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="tokenmill's model (default: the embedded one)")
+    ap.add_argument("--hf-dir", type=Path, help="vLLM's model directory (default PEERS_DIR/smollm2-135m-hf)")
     ap.add_argument(
         "--kv-cache-memory-gb",
         type=float,
@@ -75,7 +80,7 @@ def main() -> None:
         help="KV budget of both engines (tokenmill's kv_cache_memory_gb, vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
     args = ap.parse_args()
-    hf_dir = PEERS / "smollm2-135m-hf"
+    hf_dir = args.hf_dir.expanduser() if args.hf_dir else PEERS / "smollm2-135m-hf"
     vllm_python = str(PEERS / "vllm-venv" / "bin" / "python")
     pythons = {e: vllm_python if e.startswith("vllm") else sys.executable for e in args.engines.split(",")}
     # "tokenmill-int8" / "tokenmill-fp8" / "vllm-fp8": that engine with that KV cache dtype.
@@ -84,6 +89,8 @@ def main() -> None:
     for e in engines:  # the same KV budget for both: a bigger pool runs more requests at once
         if e.startswith("tokenmill"):
             options[e]["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+            if args.model:
+                options[e]["model"] = args.model
     if any(e.startswith("vllm") for e in engines) and not (Path(vllm_python).exists() and hf_dir.exists()):
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh and export_hf.py first")
     reqs = workload(args.num_requests, 49152, args.seed)

@@ -28,6 +28,9 @@ from tokenmill.worker.step import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
+# Below this many tokens a pool too small for the model's context is an error, not a shorter context.
+MIN_FITTED_LEN = 512
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -73,11 +76,23 @@ class EngineCore:
         block_bytes = max(s.block_bytes for s in specs)
         num_blocks = cc.num_blocks or int(cc.kv_cache_memory_gb * 2**30 // block_bytes)
         need = -(-self.max_model_len // cc.block_size)
+        fits = num_blocks * cc.block_size
         if num_blocks < need:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens) cannot hold one request of "
-                f"max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb or lower max_model_len"
-            )
+            if config.max_model_len is not None or fits < MIN_FITTED_LEN:
+                raise ValueError(
+                    f"the KV cache ({num_blocks} blocks of {cc.block_size} tokens) cannot hold one "
+                    f"request of max_model_len={self.max_model_len} tokens (it holds {fits}); raise "
+                    "kv_cache_memory_gb or lower max_model_len"
+                )
+            # The context length was not asked for, only defaulted from the model: a big model's
+            # default pool (its KV is 196 KB a token at 1.7B parameters) then serves a shorter one
+            # rather than refusing to start, and says so.
+            log.warning(
+                "the KV cache (%d blocks of %d tokens) holds %d tokens, fewer than the model's context of "
+                "%d: max_model_len set to %d (raise kv_cache_memory_gb for more)",
+                num_blocks, cc.block_size, fits, self.max_model_len, fits,
+            )  # fmt: skip
+            self.max_model_len = fits
         self.executor.allocate_kv_cache(num_blocks, cc.block_size)
         self.kv = KVCacheManager(
             num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events
