@@ -32,11 +32,11 @@ def files(model_path: Path, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("synthetic")
     return {
         t: synthetic.synthesize(model_path, out / f"tiny-{t}.gguf", TINY, t, seed=7, std=STD)
-        for t in ("bf16", "q8_0", "q4_1")
+        for t in ("bf16", "f16", "q8_0", "q4_1")
     }
 
 
-@pytest.mark.parametrize("type_name", ["bf16", "q8_0", "q4_1"])
+@pytest.mark.parametrize("type_name", ["bf16", "f16", "q8_0", "q4_1"])
 def test_same_weights_and_outputs_as_transformers(files: dict[str, Path], type_name: str) -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
     path = files[type_name]
