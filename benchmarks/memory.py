@@ -8,7 +8,7 @@ included). "before" is the layout of earlier sittings: oneDNN's copy of every li
 panels (models/linear.py KEEP_ONEDNN_COPY) and the checkpoint's mapping left as the build leaves it
 (models/own_weights.py off). "now" is the default.
 
-    python benchmarks/memory.py [--only bf16,int8] [--kv-gb 0.1]
+    python benchmarks/memory.py [--only bf16,int8] [--kv-gb 0.1] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated precisions of the table")
     ap.add_argument("--kv-gb", type=float, default=0.1, help="the KV pool (small, so the weights show)")
+    ap.add_argument("--model", help="another model than the embedded one (make_synthetic.py's, say)")
     args = ap.parse_args()
     names = list(CONFIGS) if args.only is None else [n.strip() for n in args.only.split(",")]
     print(f"CPU: {cpu_description()}; KV pool {args.kv_gb} GB (included in heap+anon)")
@@ -101,6 +102,8 @@ def main() -> None:
     mb = 1 / 2**20
     for name in names:
         kw = {**CONFIGS[name], "kv_cache_memory_gb": args.kv_gb, "max_model_len": 4096}
+        if args.model:  # a bigger model's KV: a context the small pool holds (1.7B: 544 tokens a 0.1 GB)
+            kw.update(model=args.model, max_model_len=256)
         before = None
         for layout in ("before", "now"):
             r = run(kw, layout)
