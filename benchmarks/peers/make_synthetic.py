@@ -40,13 +40,13 @@ def main() -> None:
         sys.exit(f"error: unknown type {bad[0]!r}; choose from {', '.join(synthetic.TYPES)}")
     if args.hf and "bf16" not in types:
         types.insert(0, "bf16")
-    out = Path(args.peers_dir).expanduser() / "synthetic"
+    peers = Path(args.peers_dir).expanduser()
     src = catalog.resolve(catalog.DEFAULT_MODEL)
     vocab = 49152
     print(f"{shape.name}: {shape.parameters(vocab) / 1e9:.2f}B parameters, random (seed {args.seed})")
     paths = {}
     for t in types:
-        dst = out / f"{shape.name}-random{args.seed}-{t}.gguf"
+        dst = synthetic.default_path(shape, t, args.seed, peers)
         if not dst.exists():
             t0 = time.perf_counter()
             synthetic.synthesize(src, dst, shape, t, args.seed)
@@ -54,7 +54,7 @@ def main() -> None:
         paths[t] = dst
         print(f"{t}: {dst}")
     if args.hf:
-        hf_dir = out / f"{shape.name}-random{args.seed}-hf"
+        hf_dir = paths["bf16"].with_name(f"{shape.name}-random{args.seed}-hf")
         subprocess.run(
             [sys.executable, str(HERE / "export_hf.py"), "--gguf", str(paths["bf16"]), "--out", str(hf_dir)],
             check=True,

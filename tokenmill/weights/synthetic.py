@@ -104,6 +104,7 @@ def _values(name: str, dims: tuple[int, ...], seed: int, std: float) -> np.ndarr
 
 
 def default_path(shape: Shape, type_name: str, seed: int, cache_dir: Path) -> Path:
+    """Where make_synthetic.py keeps a file: named by shape, seed and type, so one is made once."""
     return cache_dir / "synthetic" / f"{shape.name}-random{seed}-{type_name}.gguf"
 
 
