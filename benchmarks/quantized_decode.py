@@ -11,6 +11,10 @@ step / read bandwidth is the fastest a step can be. The read bandwidth is measur
 with as many threads as the engine uses (a sum over 1 GiB).
 
     python benchmarks/quantized_decode.py [--streams 1,32] [--reps 3] [--only int8,"int8 groups"]
+        [--model FILE.gguf]
+
+--model: another model for every configuration (bf16 its weights as loaded; the quantized ones take a
+GGUF's own codes where they can), such as benchmarks/peers/make_synthetic.py's; the embedded one without.
 """
 
 from __future__ import annotations
@@ -45,11 +49,14 @@ def main() -> None:
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated precisions of the table to run (bf16 always runs)")
+    ap.add_argument("--model", help="a model path for every configuration (default: the embedded one)")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     args = ap.parse_args()
     wanted = None if args.only is None else {"bf16", *(w.strip() for w in args.only.split(","))}
     streams = [int(s) for s in args.streams.split(",")]
     bw = read_bandwidth_gbs()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}; read bandwidth {bw:.1f} GB/s")
+    print(f"model: {args.model or 'the embedded one'}")
     print(
         "| precision | streams | tok/s | vs bf16 | ms/step | weight MB/step | KV MB/step | limit ms/step "
         "| of limit |"
@@ -60,6 +67,9 @@ def main() -> None:
     for name, kw in CONFIGS:
         if wanted is not None and name not in wanted:
             continue
+        if args.model:  # a context that holds the prompts and their 64 tokens, which a big model's pool fits
+            kw = {"model": args.model, "max_model_len": 512, **kw}
+        kw = {**kw, "kv_cache_memory_gb": args.kv_cache_memory_gb}
         llm = LLM(max_num_seqs=max(streams), enable_prefix_caching=False, **kw)
         model = llm.engine.executor.worker.model
         cfg = llm.engine.executor.worker.model_config

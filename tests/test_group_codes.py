@@ -120,7 +120,13 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     assert codes is not None
     loaded = registry.load_checkpoint(q8_0_model_path, torch.float32, tmp_path)
     linears = {k.removesuffix(".weight") for k in loaded.state_dict if k.endswith("_proj.weight")}
-    assert set(codes) == linears
+    assert set(codes) == linears | {"lm_head"}
+    # The head is tied: its codes are the embedding's own Q8_0 blocks.
+    assert "lm_head.weight" not in loaded.state_dict
+    head = GGUFFile(q8_0_model_path).int8_groups("token_embd.weight")
+    assert head is not None
+    assert torch.equal(codes["lm_head"].q, head.q) and torch.equal(codes["lm_head"].scale, head.scale)
+    loaded.state_dict["lm_head.weight"] = loaded.state_dict["embed_tokens.weight"]
     for name, g in codes.items():
         assert torch.equal(g.dequantize(), loaded.state_dict[f"{name}.weight"]), name
     assert loader.read_hf_config(q8_0_model_path) == loader.read_hf_config(model_path)
@@ -136,6 +142,32 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     done = sorted(p.read_text() for p in tmp_path.glob("*/int8-codes-*/*/codes-done"))
     assert done == ["codes\n", "none\n"]  # both remembered: a later start parses neither file
     assert loader.load_int8_groups(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["Q8_0 head", "head of another type"])
+def test_an_untied_heads_codes_are_output_weights(
+    model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own: bool
+) -> None:
+    """A file with its own output.weight: the head's codes are that tensor's Q8_0 blocks, or, where it
+    has none (another type), its float32 values quantized into groups; either way they stand for the
+    values the file loads for the head."""
+    from tokenmill.weights import synthetic
+
+    shape = synthetic.Shape("untied", hidden=64, layers=1, ffn=128, heads=2, kv_heads=1, tied=False)
+    path = synthetic.synthesize(model_path, tmp_path / "untied-q8_0.gguf", shape, "q8_0", seed=3)
+    f = GGUFFile(path)
+    if not own:  # as if output.weight were of a type without 8-bit codes
+        take = GGUFFile.int8_groups
+        none_for_head = lambda g, n: take(g, n) if n != "output.weight" else None  # noqa: E731
+        monkeypatch.setattr(GGUFFile, "int8_groups", none_for_head)
+    codes = loader.load_int8_groups(path, registry.FUSED, tmp_path)
+    assert codes is not None
+    head = codes["lm_head"]
+    assert np.array_equal(head.dequantize().numpy(), f.tensor("output.weight"))
+    if own:
+        given = f.int8_groups("output.weight")
+        assert given is not None and torch.equal(head.q, given.q) and torch.equal(head.scale, given.scale)
+    assert not np.array_equal(f.tensor("output.weight"), f.tensor("token_embd.weight"))  # not the embedding
 
 
 def test_requantize_writes_every_quantized_matrix_in_the_new_type(tmp_path: Path) -> None:
@@ -227,7 +259,8 @@ def _codes_and_weights(
         weights[f"layers.{i}.input_layernorm.weight"] = torch.ones(cfg.hidden_size)
         weights[f"layers.{i}.post_attention_layernorm.weight"] = torch.ones(cfg.hidden_size)
     weights["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
-    weights["lm_head.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+    codes["lm_head"] = quantizer(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    weights["lm_head.weight"] = codes["lm_head"].dequantize()
     weights["norm.weight"] = torch.ones(cfg.hidden_size)
     return codes, weights
 
@@ -246,7 +279,10 @@ def test_shards_codes_are_cut_as_their_weights_are(tp: int, pp: int, quantizer) 
         for stage in range(pp):
             model = _model(cfg, Shard.of(cfg, tp, rank, pp, stage))
             part, cut = shard_codes(model, codes), shard_weights(model, weights)
-            assert {f"{n}.weight" for n in part} == {k for k in cut if k.endswith("_proj.weight")}
+            # The head's codes on the last stage only, cut to the rank's vocabulary rows as its weight is.
+            linears = {k for k in cut if k.endswith("_proj.weight") or k == "lm_head.weight"}
+            assert {f"{n}.weight" for n in part} == linears
+            assert ("lm_head" in part) == (stage == pp - 1)
             for name, g in part.items():
                 assert torch.equal(g.dequantize(), cut[f"{name}.weight"]), (rank, stage, name)
 

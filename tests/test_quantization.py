@@ -177,9 +177,9 @@ def test_int8_scales_setting_is_checked() -> None:
 
 @pytest.mark.slow
 def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_path: Path, caplog) -> None:
-    """int8_scales "auto" on a Q8_0 file: every linear computes in the group panels, the layers' with the
-    file's own codes and scales, bit for bit as packed from the file (the output head is quantized into
-    groups from the bf16 embedding); "channel" keeps the per-channel form; their KV is named apart.
+    """int8_scales "auto" on a Q8_0 file: every linear computes in the group panels with the file's own
+    codes and scales, bit for bit as packed from the file (the tied output head with the embedding's
+    Q8_0 blocks); "channel" keeps the per-channel form; their KV is named apart.
     Where the group panels do not run (AMX, no AVX512-BF16), both are the per-channel form (bf16
     weights where int8 matmuls lack VNNI), and "group" says why."""
     from tokenmill.models.linear import GroupInt8Linear, Int8Linear, int8_matmuls_available
@@ -201,6 +201,8 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
                 qkv = worker.model.layers[0].self_attn.qkv_proj
                 expected = codes["layers.0.self_attn.qkv_proj"]
                 assert torch.equal(qkv.kernel.panels, g8_pack(expected.q, expected.scale))
+                head = codes["lm_head"]
+                assert torch.equal(worker.model.lm_head.kernel.panels, g8_pack(head.q, head.scale))
                 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
                 assert out[0].outputs[0].text.strip()  # it decodes
             elif int8_matmuls_available(torch.device("cpu")):  # else int8 keeps bf16 weights

@@ -7,6 +7,7 @@ kernel launches, not FLOPs, dominates the step time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -300,11 +301,17 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
 def shard_codes(model: LlamaForCausalLM, codes: dict[str, C]) -> dict[str, C]:
     """The codes (4-bit or 8-bit groups) of the model's (or its shard's) linears, under local names, each
     parallel linear's part cut by the layer itself; a layer whose cut would split a group of 32 gets none
-    (its own weight is quantized instead)."""
+    (its own weight is quantized instead). The output head's ("lm_head", where given) go to the last
+    stage, cut to the rank's vocabulary rows as its weight is."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
-    layers = model.shard.layers
+    layers, vocab = model.shard.layers, model.shard.vocab
     out = {}
     for name, full in codes.items():
+        if name == "lm_head":
+            if model.shard.last_stage:
+                rows = (getattr(full, f.name)[vocab.start : vocab.stop] for f in dataclasses.fields(full))
+                out[name] = type(full)(*rows)
+            continue
         _, idx, rest = name.split(".", 2)
         if int(idx) not in layers:
             continue

@@ -70,6 +70,10 @@ class GGUFFile:
     def tensor(self, name: str) -> np.ndarray:
         return self._dequantize(self._by_name[name])
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in PyTorch's order ([out, in] for a matrix), without reading its data."""
+        return tuple(int(d) for d in reversed(self._by_name[name].shape.tolist()))
+
     def group_codes(self, name: str) -> GroupCodes | None:
         """A 4-bit tensor's own codes, scales and minima (Q4_0, Q4_1, Q4_K; weights/group_codes.py), in
         PyTorch's [out, in] order; None for a tensor of any other type."""

@@ -27,10 +27,18 @@ from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
-from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
+from tokenmill.weights.group_codes import (
+    GROUP,
+    C,
+    GroupCodes,
+    Int8Groups,
+    quantize_groups,
+    quantize_int8_groups,
+)
 
 CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
-CODES_FORMAT = 1  # the same for the cached 4-bit codes (load_group_codes)
+# The same for the cached codes (load_group_codes, load_int8_groups); 2: the int8 codes hold the head's.
+CODES_FORMAT = 2
 
 # GGUF tensor names (per block) to Hugging Face names.
 _GGUF_BLOCK_NAMES = {
@@ -198,11 +206,14 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
 def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
     """The 8-bit codes of a GGUF file's Q8_0 linear weights (weights/group_codes.py's Int8Groups), named
     and fused as load_group_codes names and fuses the 4-bit ones, for int8's group form to take as they
-    are; None for a Hugging Face directory or a file without Q8_0 linear weights. A linear of another
-    type in such a file is quantized into groups from its float32 values. Cached as the 4-bit codes are
-    (parsing a GGUF's metadata takes seconds; a file without Q8_0 linears is remembered as such)."""
+    are; None for a Hugging Face directory or a file without Q8_0 linear weights. The output head's come
+    too, as "lm_head": from output.weight, or the embedding's where the head is tied to it (its own
+    Q8_0 codes, as llama.cpp multiplies them, rather than its values rounded to bf16 and quantized
+    again). A linear of another type in such a file is quantized into groups from its float32 values.
+    Cached as the 4-bit codes are (parsing a GGUF's metadata takes seconds; a file without Q8_0 linears
+    is remembered as such)."""
     return _cached_codes(
-        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups
+        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups, head=True
     )
 
 
@@ -214,6 +225,7 @@ def _cached_codes(
     cls: type[C],
     take: Callable[[GGUFFile, str], C | None],
     quantize: Callable[[torch.Tensor], C],
+    head: bool = False,
 ) -> dict[str, C] | None:
     if path.is_dir():
         return None
@@ -222,7 +234,7 @@ def _cached_codes(
         if (cache / "codes-done").read_text() == "none\n":
             return None
         return _unpack_codes(load_file(cache / "codes.safetensors"), cls)
-    codes = _read_codes(path, layout, take, quantize)
+    codes = _read_codes(path, layout, take, quantize, head)
     cache.mkdir(parents=True, exist_ok=True)
     # Each file whole or absent: the ranks of a tensor-parallel engine load at the same time.
     mine = f".{os.getpid()}.tmp"
@@ -253,10 +265,12 @@ def _read_codes(
     layout: Layout,
     take: Callable[[GGUFFile, str], C | None],
     quantize: Callable[[torch.Tensor], C],
+    head: bool = False,
 ) -> dict[str, C] | None:
     """A GGUF file's linear weights as codes: `take(file, name)` a tensor's own (None where its type has
     none; those are quantized by `quantize` from their float32 values), unpermuted and fused as the
-    weights are; None when no linear had codes of its own (found before anything is quantized)."""
+    weights are, and with `head` the output head's as "lm_head"; None when no layer's linear had codes
+    of its own (found before anything is quantized)."""
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
     linears = {}  # gguf name -> (layer index, the HF name's tail)
@@ -286,7 +300,15 @@ def _read_codes(
     kind = type(next(iter(codes.values())))
     fields = [f.name for f in dataclasses.fields(kind)]
     fused = {f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config) for f in fields}
-    return {n.removesuffix(".weight"): kind(*(fused[f][n] for f in fields)) for n in fused[fields[0]]}
+    out = {n.removesuffix(".weight"): kind(*(fused[f][n] for f in fields)) for n in fused[fields[0]]}
+    if head:  # output.weight, or the tied embedding (GGUF keeps no copy of a tied head)
+        name = "output.weight" if "output.weight" in names else "token_embd.weight"
+        g = take(gguf, name)
+        if g is None and gguf.tensor_shape(name)[1] % GROUP == 0:
+            g = quantize(torch.from_numpy(gguf.tensor(name)))
+        if g is not None:  # else the layer quantizes its own weight, or takes another form
+            out["lm_head"] = g
+    return out
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:
