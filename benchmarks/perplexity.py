@@ -36,13 +36,16 @@ CONFIGS = [
         "int8 weights and activations, unsmoothed (int8_smoothing=0)",
         {"quantization": "int8", "int8_smoothing": 0},
     ),
-    ("int4 weights (quantization=int4: a 4-bit GGUF file's own codes)", {"quantization": "int4"}),
+    (
+        "int4 weights (quantization=int4: a 4-bit GGUF file's own codes), bf16 activations (W4A16)",
+        {"quantization": "int4", "int4_activations": "bf16"},
+    ),
     (
         "int4 weights requantized from bf16 (as from a Hugging Face directory)",
         {"quantization": "int4", "requantize": True},
     ),
     (
-        "int4 weights, int8 activations above 4 rows (int4_activations=int8)",
+        "int4 weights, int8 activations above 4 rows (int4_activations=int8, the default: W4A8)",
         {"quantization": "int4", "int4_activations": "int8"},
     ),
     ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),

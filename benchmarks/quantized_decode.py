@@ -37,8 +37,8 @@ CONFIGS = [
     ("bf16", {}),
     ("int8", {"quantization": "int8"}),
     ("int8 groups", {"quantization": "int8", "int8_scales": "group"}),
-    ("int4", {"quantization": "int4"}),
-    ("int4, int8 activations", {"quantization": "int4", "int4_activations": "int8"}),
+    ("int4 a16", {"quantization": "int4", "int4_activations": "bf16"}),  # W4A16
+    ("int4 a8", {"quantization": "int4", "int4_activations": "int8"}),  # W4A8, the default
     ("fp8", {"quantization": "fp8"}),
 ]
 OUT = 64

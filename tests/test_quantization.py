@@ -114,7 +114,7 @@ def test_the_bf16_copy_takes_the_few_row_kernel_above_max_rows(rows: int) -> Non
 def test_int4_activations_setting_is_checked() -> None:
     from tokenmill.config import EngineConfig
 
-    assert EngineConfig().int4_activations == "bf16"  # exact products unless asked
+    assert EngineConfig().int4_activations == "int8"  # W4A8 above 4 rows, as llama.cpp; bf16 if asked
     with pytest.raises(ValueError, match="int4_activations"):
         EngineConfig(quantization="int4", int4_activations="fp8")
 

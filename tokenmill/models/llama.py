@@ -351,7 +351,7 @@ def build_model(
     comm: Collectives | None = None,
     calibration: Calibration | None = None,
     smoothing_alpha: float = 0.7,
-    int4_activations: str = "bf16",
+    int4_activations: str = "int8",
     int4_codes: dict[str, GroupCodes] | None = None,
     int8_scales: str = "auto",
     int8_codes: Callable[[], dict[str, Int8Groups] | None] | None = None,
