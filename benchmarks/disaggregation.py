@@ -66,7 +66,8 @@ from machine import cpu_description
 from tokenmill.bench.client import ClientConfig, OpenAIClient, discover_model
 from tokenmill.bench.records import RequestRecord
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import catalog
+from tokenmill.weights.tokenizer_source import load_tokenizer
 from tokenmill.worker.kv_transfer.transfer_engine import TransferClient, TransferServer, shared_kv_tensor
 
 _WORD_LINES = (
@@ -475,7 +476,7 @@ def mixed(args: argparse.Namespace) -> None:
           f"{args.max_model_len}")  # fmt: skip
     for name, a in configs.items():
         print(f"{name}: tokenmill serve {' '.join(a)}")
-    tok = loader.load_tokenizer(catalog.resolve(args.model), None)
+    tok = load_tokenizer(catalog.resolve(args.model), None)
     results: dict[str, Result] = {}
     with tempfile.TemporaryDirectory(prefix="disaggregation_") as tmp:
         folder = Path(args.log_dir) if args.log_dir else Path(tmp)

@@ -47,7 +47,7 @@ from tokenmill.structured import GrammarBackend, allocate_bitmask, apply_bitmask
 from tokenmill.structured.grammar_source import JSON_LAYOUT
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.catalog import resolve
-from tokenmill.weights.loader import load_tokenizer
+from tokenmill.weights.tokenizer_source import load_tokenizer
 
 
 @dataclass

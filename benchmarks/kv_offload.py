@@ -31,7 +31,8 @@ from machine import cpu_description
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import catalog
+from tokenmill.weights.tokenizer_source import load_tokenizer
 
 _WORD_LINES = (
     "the a of and to in is that for on with as by at from it this which be are was an or not have has",
@@ -271,7 +272,7 @@ def main() -> None:
     if unknown := set(configs) - {"host", "disk", "host+disk"}:
         ap.error(f"unknown configurations {sorted(unknown)}; use recompute, host, disk, host+disk")
 
-    tok = loader.load_tokenizer(catalog.resolve(args.model), None)
+    tok = load_tokenizer(catalog.resolve(args.model), None)
     convs = conversations(tok, args)
     # Answers are exactly max_tokens long, so every prompt's length is known before any run.
     longest = [len(cv.prompt(args.turns - 1, [[0] * args.max_tokens] * args.turns)) + args.max_tokens

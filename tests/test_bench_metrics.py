@@ -209,7 +209,7 @@ class WordCounter:
 
 
 def test_prompts_have_exact_token_counts_with_the_real_tokenizer(model_path) -> None:
-    from tokenmill.weights.loader import load_tokenizer
+    from tokenmill.weights.tokenizer_source import load_tokenizer
 
     tok = load_tokenizer(model_path, None)
     maker = PromptMaker(tok, random.Random(0))

@@ -19,7 +19,8 @@ from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineDeadError, ZmqEngineClient
 from tokenmill.frontend.async_llm import AsyncLLM
-from tokenmill.weights import catalog, loader
+from tokenmill.weights import catalog
+from tokenmill.weights.tokenizer_source import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +139,7 @@ def test_a_vanished_worker_fails_requests_instead_of_hanging(sig: int, why: str,
         async def main():
             client = ZmqEngineClient(url, heartbeat_timeout=3.0)
             await client.start()
-            llm = AsyncLLM(client, loader.load_tokenizer(catalog.resolve(EngineConfig().model), None))
+            llm = AsyncLLM(client, load_tokenizer(catalog.resolve(EngineConfig().model), None))
             os.kill(proc.pid, sig)
             t0 = time.monotonic()
             try:

@@ -114,7 +114,7 @@ def test_drafting_is_on_where_it_measured_faster_and_the_other_way_is_retried():
 def test_a_draft_with_another_vocabulary_is_refused(model_path):
     import tokenizers
 
-    from tokenmill.weights.loader import load_tokenizer
+    from tokenmill.weights.tokenizer_source import load_tokenizer
     from tokenmill.worker.spec_decode.draft_model import check_draft_vocabulary
 
     target = load_tokenizer(model_path, None)

@@ -23,7 +23,7 @@ from tokenmill.structured import (
     apply_bitmask,
 )
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights.loader import load_tokenizer
+from tokenmill.weights.tokenizer_source import load_tokenizer
 
 EXTRA_IDS = 64  # a model head wider than the tokenizer: these ids must never be allowed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -503,3 +504,33 @@ def test_bad_requests_are_400s_naming_the_problem(client: openai.OpenAI, case: s
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **kwargs)
     error = e.value.body
     assert e.value.status_code == 400 and error["param"] == param and words in error["message"], error
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads mappings from /proc (Linux)")
+def test_the_api_process_never_loads_torch(server, client: openai.OpenAI) -> None:
+    """The API server holds no weights: it reads the tokenizer and checks grammars without PyTorch
+    (weights/tokenizer_source.py, structured/__init__.py), which kept ~100 MB resident beside the engine
+    process's own copy. After a schema, a tool call, a plain chat and a bad spec, libtorch is still
+    not mapped in it (the engine process, its child, has it: the check can see it)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    _chat(client, False, messages=ASK, max_tokens=20, response_format=fmt)
+    _chat(client, True, messages=ASK, max_tokens=5)
+    _chat(client, False, messages=ASK, max_tokens=20, tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={"type": "x"})
+    assert "libtorch" not in Path(f"/proc/{server.pid}/maps").read_text()
+    children = _children(server.pid)
+    assert any("libtorch" in Path(f"/proc/{c}/maps").read_text() for c in children), children

@@ -207,13 +207,13 @@ def load_counter(spec: str | None, model: str | None) -> tuple[TokenCounter | No
                     f"catalog model {target!r} is not installed: run tokenmill models pull {target}"
                 )
         else:
-            from tokenmill.weights.loader import load_tokenizer
+            from tokenmill.weights.tokenizer_source import load_tokenizer
 
             return load_tokenizer(path, None), f"{target} ({path.name})"
     elif spec:
         p = Path(spec)
         if p.is_file() and p.suffix == ".gguf":
-            from tokenmill.weights.loader import load_tokenizer
+            from tokenmill.weights.tokenizer_source import load_tokenizer
 
             return load_tokenizer(p, None), str(p)
         if p.is_file() and p.name == "tokenizer.json":

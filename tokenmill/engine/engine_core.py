@@ -20,7 +20,7 @@ from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.models.config import ModelConfig
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.weights import loader
+from tokenmill.weights.tokenizer_source import load_tokenizer
 from tokenmill.worker.executor import Executor, UniProcExecutor, WorkerDiedError, make_executor
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
 from tokenmill.worker.kv_spec import KVCacheSpec
@@ -69,7 +69,7 @@ class EngineCore:
             self.tokenizer: Tokenizer = self.executor.worker.tokenizer
         else:
             cache_dir = Path(config.cache_dir) if config.cache_dir else None
-            self.tokenizer = loader.load_tokenizer(Path(self.info["source"]), cache_dir)
+            self.tokenizer = load_tokenizer(Path(self.info["source"]), cache_dir)
         cc = config.cache
         # One pool for all workers, sized so the worker with the costliest blocks fits its share.
         specs = self.executor.kv_cache_specs(cc.block_size)

@@ -58,9 +58,10 @@ class AsyncLLM:
             where = f"the worker at {worker_url}" if worker_url else "the engine"
             raise ValueError(f"{where} serves {served!r}, not {config.model!r}: pass --model {served}")
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
-        from tokenmill.weights import loader  # reads GGUF with numpy/torch: only when starting
+        # Reads the GGUF file's metadata with numpy (no torch in this process): only when starting.
+        from tokenmill.weights.tokenizer_source import load_tokenizer
 
-        return cls(client, loader.load_tokenizer(path, cache_dir))
+        return cls(client, load_tokenizer(path, cache_dir))
 
     @property
     def max_model_len(self) -> int:

@@ -16,14 +16,15 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.structured.errors import GrammarError, one_line
 from tokenmill.structured.grammar_source import WHAT, grammar_of, spec_key
-from tokenmill.structured.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.structured.matcher import GrammarMatcher
     from tokenmill.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class GrammarBackend:
         self._unwritable = frozenset(range(256)) - written
         # Short messages, without the grammar's internals (they go back to HTTP clients).
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
-        self._eos_row = _eos_only_row(self.eos_ids, vocab_size)
+        # The matchers' row (a torch tensor), made for the first: a server that only checks specs (the
+        # API process) never imports torch.
+        self._eos_row: torch.Tensor | None = None
         self._cache: OrderedDict[tuple[str, str | tuple[str, ...]], llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -69,7 +72,11 @@ class GrammarBackend:
 
     def matcher(self, spec: StructuredOutputs, max_rollback: int = 0) -> GrammarMatcher:
         """A fresh matcher at the start of the spec's grammar; rollback() undoes up to `max_rollback`."""
+        from tokenmill.structured.matcher import GrammarMatcher
+
         inner = self._compiled(spec).deep_copy()
+        if self._eos_row is None:  # the same row whichever thread makes it first
+            self._eos_row = _eos_only_row(self.eos_ids, self.vocab_size)
         return GrammarMatcher(inner, self.eos_ids, self._eos_row, self.vocab_size, max_rollback)
 
     def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
@@ -134,6 +141,8 @@ class GrammarBackend:
 
 
 def _eos_only_row(eos: frozenset[int], vocab_size: int) -> torch.Tensor:
+    import torch
+
     words = [0] * ((vocab_size + 31) // 32)
     for t in eos:
         words[t // 32] |= 1 << (t % 32)

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from tokenmill.weights.group_codes import (
-    FOUR_BIT_TYPES,
-    GroupCodes,
-    Int8Groups,
-    codes_from_blocks,
-    int8_groups_from_blocks,
-)
+if TYPE_CHECKING:
+    from tokenmill.weights.group_codes import GroupCodes, Int8Groups
 
 # Tensor types we dequantize; the issue asks for at least these, the gguf package knows more.
 SUPPORTED_TYPES = {
@@ -77,6 +72,10 @@ class GGUFFile:
     def group_codes(self, name: str) -> GroupCodes | None:
         """A 4-bit tensor's own codes, scales and minima (Q4_0, Q4_1, Q4_K; weights/group_codes.py), in
         PyTorch's [out, in] order; None for a tensor of any other type."""
+        # The codes are torch tensors: imported here, so that reading metadata (a frontend's tokenizer)
+        # does not import torch.
+        from tokenmill.weights.group_codes import FOUR_BIT_TYPES, codes_from_blocks
+
         t = self._by_name[name]
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype not in FOUR_BIT_TYPES or len(t.shape) != 2:
@@ -87,6 +86,8 @@ class GGUFFile:
     def int8_groups(self, name: str) -> Int8Groups | None:
         """A Q8_0 tensor's own codes and float16 scales (weights/group_codes.py), in PyTorch's [out, in]
         order; None for a tensor of any other type."""
+        from tokenmill.weights.group_codes import int8_groups_from_blocks
+
         t = self._by_name[name]
         if GGMLQuantizationType(t.tensor_type) != GGMLQuantizationType.Q8_0 or len(t.shape) != 2:
             return None

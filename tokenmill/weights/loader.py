@@ -10,7 +10,6 @@ start only memory-maps it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.paths import default_cache_dir
 from tokenmill.tokenizer.tokenizer import Tokenizer
+from tokenmill.weights.cache_paths import complete_caches, dtype_cache_path, weights_cache_root
 from tokenmill.weights.gguf_config import hf_config_from_gguf
 from tokenmill.weights.gguf_file import GGUFFile
 from tokenmill.weights.group_codes import (
@@ -36,7 +36,6 @@ from tokenmill.weights.group_codes import (
     quantize_int8_groups,
 )
 
-CACHE_FORMAT = 2  # bump when the cached layout changes (2: config.json in Hugging Face form)
 # The same for the cached codes (load_group_codes, load_int8_groups); 2: the int8 codes hold the head's.
 CODES_FORMAT = 2
 
@@ -86,7 +85,8 @@ def load(path: Path, dtype: torch.dtype, cache_dir: Path | None, layout: Layout)
     """Load from a .gguf file (cached) or a Hugging Face directory."""
     if path.is_dir():
         return _load_hf_dir(path, dtype, layout)
-    cache = _cache_path(path, dtype, cache_dir or default_cache_dir()) / layout.name
+    name = str(dtype).removeprefix("torch.")
+    cache = dtype_cache_path(path, name, cache_dir or default_cache_dir()) / layout.name
     if (cache / "done").exists():
         return _load_cached(cache, path)
     loaded = _load_gguf(path, dtype, layout)
@@ -99,46 +99,10 @@ def read_hf_config(path: Path, cache_dir: Path | None = None) -> dict[str, Any]:
     file from its cache when there is one (parsing the file's metadata takes seconds: its vocabulary)."""
     if path.is_dir():
         return json.loads((path / "config.json").read_text())
-    for cached in _cached(path, cache_dir):
+    for cached in complete_caches(path, cache_dir):
         return json.loads((cached / "config.json").read_text())
     gguf = GGUFFile(path)
     return hf_config_from_gguf(gguf, has_output_tensor="output.weight" in set(gguf.tensor_names()))
-
-
-def load_tokenizer(path: Path, cache_dir: Path | None) -> Tokenizer:
-    """Only the tokenizer (for a frontend process): from the cache, the HF directory or GGUF metadata."""
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    for cached in _cached(path, cache_dir):
-        return Tokenizer.from_dir(cached)
-    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
-
-
-def _cached(path: Path, cache_dir: Path | None) -> list[Path]:
-    """The complete caches of a GGUF file (any dtype, any layout): each holds its config and tokenizer."""
-    root = weights_cache_root(path, cache_dir)
-    return [done.parent for done in sorted(root.glob("*/*/done"))]
-
-
-def weights_cache_root(path: Path, cache_dir: Path | None) -> Path:
-    """The cache folder of one checkpoint's weights as they are now, for what is derived from them (the
-    dequantized tensors and 4-bit codes of a GGUF file; int8's calibration maxima, models/smoothing.py).
-    Keyed by the file, or for a Hugging Face directory by its files' sizes and times: a changed
-    checkpoint gets a new folder."""
-    root = cache_dir or default_cache_dir()
-    if not path.is_dir():
-        return _cache_path(path, torch.float32, root).parent
-    files = sorted(f for f in path.iterdir() if f.is_file())
-    stats = [f"{f.name}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]
-    key = "|".join([str(path.resolve()), *stats, str(CACHE_FORMAT)])
-    return root / f"{path.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _cache_path(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir / f"{path.stem}-{digest}" / str(dtype).removeprefix("torch.")
 
 
 def _load_cached(cache: Path, source: Path) -> Checkpoint:

@@ -19,7 +19,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
-from tokenmill.weights.loader import weights_cache_root
+from tokenmill.weights.cache_paths import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
