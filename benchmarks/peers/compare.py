@@ -7,7 +7,8 @@ concurrency, with the ratio tokenmill / peer, and the share of this machine's me
 figure reaches: the step time (streams / output tokens/s) against the fastest a decode step could be,
 reading the weights as that engine stores them and every stream's KV cache at its mean context
 (benchmarks/step_bytes.py; the read bandwidth measured before the first server and after the last, the
-higher taken).
+higher taken). Beside it, each server's memory once ready and after the load (proc_memory.py: the PSS of
+all its processes), where /proc tells.
 
     .venv/bin/python benchmarks/peers/compare.py                      # the three, c=32 and c=1
     .venv/bin/python benchmarks/peers/compare.py --engines tokenmill,llamacpp --duration 60
@@ -42,6 +43,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
 
 from machine import cpu_description  # noqa: E402
+from proc_memory import group_memory_mb  # noqa: E402
 from step_bytes import gguf_weight_bytes, hf_weight_bytes, limit_ms, read_bandwidth_gbs, weight_bytes  # noqa: E402
 
 ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
@@ -463,7 +465,7 @@ def run_engine(args: argparse.Namespace, srv: Server, out: Path, console) -> dic
     try:
         ready_s, text = run.wait_ready(args.startup_timeout)
         console.print(f"  ready in {ready_s:.0f} s; probe completion: {text!r}")
-        result.update(ready_s=ready_s, probe=text, levels={})
+        result.update(ready_s=ready_s, probe=text, levels={}, memory_ready_mb=group_memory_mb(run.proc.pid))
         for c in args.concurrency:
             t0 = time.perf_counter()
             lv = run_bench(args, run.base, c, out / srv.engine / f"c{c}", out / srv.engine / "bench.log")
@@ -477,6 +479,14 @@ def run_engine(args: argparse.Namespace, srv: Server, out: Path, console) -> dic
                 )
             if run.proc.poll() is not None:
                 raise RuntimeError(f"{srv.engine} died during the benchmark (code {run.proc.returncode})")
+        # After the load: the weights, the KV the streams touched, the buffers of the largest step.
+        result["memory_mb"] = mem = group_memory_mb(run.proc.pid)
+        if mem:
+            console.print(
+                f"  resident after the load: PSS {mem['pss']:.0f} MB, RSS {mem['rss']:.0f} MB, peak (sum of"
+                f" the processes' own) {mem['peak']:.0f} MB, {mem['processes']:.0f} processes",
+                highlight=False,
+            )
     except RuntimeError as e:
         result["error"] = str(e)
         console.print(f"  [red]{e}[/red]; last lines of {srv.log}:\n{tail(srv.log)}")
@@ -531,6 +541,29 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
             )  # fmt: skip
         t.add_section()
     console.print(t)
+    print_memory(console, results, args)
+
+
+def print_memory(console, results: dict, args: argparse.Namespace) -> None:
+    """Each server's memory (proc_memory.py: its processes together), ready and after the load."""
+    from rich.table import Table
+
+    t = Table(title="server memory, MB (PSS over its processes; peak: the sum of their own peaks)")
+    for col in ("engine", "ready", "after the load", "tokenmill / this", "peak", "processes"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    ours = (results.get("tokenmill", {}).get("memory_mb") or {}).get("pss")
+    for engine in args.engines:
+        ready = results.get(engine, {}).get("memory_ready_mb") or {}
+        mem = results.get(engine, {}).get("memory_mb") or {}
+        if not mem:
+            continue
+        ratio = f"{ours / mem['pss']:.2f}x" if ours and engine != "tokenmill" else "-"
+        t.add_row(
+            engine, f"{ready.get('pss', 0):.0f}" if ready else "-", f"{mem['pss']:.0f}", ratio,
+            f"{mem['peak']:.0f}", f"{mem['processes']:.0f}",
+        )  # fmt: skip
+    if t.row_count:
+        console.print(t)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
