@@ -17,6 +17,8 @@ A decode step of M streams runs these matmuls at M rows; a prompt chunk at its t
 
 `--head`: the output head alone (49152 x 576): bf16 is then what int4's 8-bit head used to run above 4
 rows (its dequantized copy, packed as a bf16 linear is), int4 the 8-bit panels without that copy.
+`--shape NAME --layers N`: N layers and the head of a weights/synthetic.py shape (smollm2-1.7b) instead;
+the GB/s columns are the weights each kernel reads a sweep over its time (what bounds a few rows).
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ from tokenmill.models.ops import get_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
+from step_bytes import weight_bytes  # noqa: E402
 
 # (out, in) of one SmolLM2 layer's fused qkv, o, gate_up, down; 30 layers; then the output head.
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+VOCAB = 49152  # the family's tokenizer: the output head's rows
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(VOCAB, 576)]
 
 
 def time_ms(mods: list[nn.Module], shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
     """The best of `reps` sweeps through every layer (each layer's input freshly random per sweep would
     cost more than the small matmuls; one input per width is reused)."""
-    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in (576, 1536)}
+    xs = {i: torch.randn(rows, i, dtype=torch.bfloat16) for i in {i for _, i in shapes}}
     for m, (_, i) in zip(mods, shapes, strict=True):
         m(xs[i])
     best = float("inf")
@@ -60,9 +64,17 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,5,8,16,32,64,128,256,512")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--head", action="store_true", help="the output head alone")
+    ap.add_argument("--shape", help="a weights/synthetic.py shape's layers and head (smollm2-1.7b)")
+    ap.add_argument("--layers", type=int, default=4, help="with --shape: how many of its layers")
     args = ap.parse_args()
-    shapes = SHAPES[-1:] if args.head else SHAPES
-    print(cpu_description())
+    shapes = SHAPES
+    if args.shape:
+        from panel_matmul import layer_shapes
+
+        shapes = layer_shapes(args.shape) * args.layers + [(VOCAB, layer_shapes(args.shape)[1][0])]
+    if args.head:
+        shapes = shapes[-1:]
+    print(cpu_description(), f"; {args.shape or 'smollm2-135m'}: {len(shapes)} matmuls")
     ops = get_ops("cpu", "cpu")
     torch.manual_seed(0)
     plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in shapes]
@@ -70,11 +82,11 @@ def main() -> None:
     configs: dict[str, list[nn.Module]] = {
         "bf16": [PackedLinear(m, ops.small_matmul_for(m.weight.detach())) for m in plain],
         "int4": [
-            QuantizedLinear(m, 8 if o == 49152 else 4, 4, ops.quantized_matmul_for, ops.small_matmul_for)
+            QuantizedLinear(m, 8 if o == VOCAB else 4, 4, ops.quantized_matmul_for, ops.small_matmul_for)
             for m, (o, _) in zip(plain, shapes, strict=True)
         ],
         "int4a8": [
-            QuantizedLinear(m, 8 if o == 49152 else 4, 4, quant_a8, ops.small_matmul_for)
+            QuantizedLinear(m, 8 if o == VOCAB else 4, 4, quant_a8, ops.small_matmul_for)
             for m, (o, _) in zip(plain, shapes, strict=True)
         ],
         "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
@@ -86,13 +98,16 @@ def main() -> None:
         path = "panels at every row count" if layer.max_rows is None else "bf16 copy above 4 rows"
         print(f"{label}: {path}")
     names = list(configs)
+    sizes = {n: weight_bytes(nn.ModuleList(configs[n]), 1) for n in names}  # what one row reads
     header = " ".join(f"{n + ' ms':>9}" for n in names) + " " + " ".join(f"{n:>6}" for n in names[1:])
-    print(f"{'rows':>5} {header}")
+    print(f"weights a sweep, MB: {', '.join(f'{n} {b / 1e6:.0f}' for n, b in sizes.items())}")
+    print(f"{'rows':>5} {header} " + " ".join(f"{n + ' GB/s':>10}" for n in names))
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             ms = [time_ms(configs[n], shapes, rows, args.reps) for n in names]
             ratios = " ".join(f"{ms[0] / t:5.2f}x" for t in ms[1:])
-            print(f"{rows:5d} " + " ".join(f"{t:9.2f}" for t in ms) + " " + ratios)
+            rates = " ".join(f"{sizes[n] / t / 1e6:10.1f}" for n, t in zip(names, ms, strict=True))
+            print(f"{rows:5d} " + " ".join(f"{t:9.2f}" for t in ms) + " " + ratios + " " + rates)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -544,23 +545,59 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
     print_memory(console, results, args)
 
 
+def llamacpp_kv_tokens(log: Path) -> int | None:
+    """The tokens llama.cpp's server holds KV for, from its log: its slots x each slot's context, which
+    it rounds up to a multiple of 256 (-np 32 -c 5120 gives 32 x 256, not 5120)."""
+    m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", tail(log, 10**6))  # the whole log
+    return int(m[1]) * int(m[2]) if m else None
+
+
+def kv_pool_mb(
+    engine: str, args: argparse.Namespace, bytes_: dict[str, dict], kv_tokens: int | None
+) -> float | None:
+    """The KV cache an engine was given, MB: tokenmill's --kv-cache-memory-gb (GiB, default 1), vLLM's
+    VLLM_CPU_KVCACHE_SPACE (GiB), llama.cpp's `kv_tokens` (llamacpp_kv_tokens) x its bytes a token.
+    Each is allocated whole at start, so the memory beyond it is what the engine itself costs."""
+    if engine == "tokenmill":
+        ap = argparse.ArgumentParser(add_help=False)
+        ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+        known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
+        return known.kv_cache_memory_gb * 2**30 / 1e6
+    if engine == "vllm":
+        return args.vllm_kv_gb * 2**30 / 1e6
+    per_token = bytes_.get(engine, {}).get("kv_per_token")
+    if per_token is None or kv_tokens is None:
+        return None
+    return kv_tokens * per_token / 1e6
+
+
 def print_memory(console, results: dict, args: argparse.Namespace) -> None:
-    """Each server's memory (proc_memory.py: its processes together), ready and after the load."""
+    """Each server's memory (proc_memory.py: its processes together), ready and after the load, and
+    after the load less the KV cache it was given (kv_pool_mb)."""
     from rich.table import Table
 
-    t = Table(title="server memory, MB (PSS over its processes; peak: the sum of their own peaks)")
-    for col in ("engine", "ready", "after the load", "tokenmill / this", "peak", "processes"):
+    t = Table(title="server memory, MB (PSS over all its processes; peak: the sum of their own peaks)")
+    cols = ("engine", "ready", "after the load", "KV pool", "beyond the KV", "tokenmill / this", "peak")
+    for col in cols:
         t.add_column(col, justify="left" if col == "engine" else "right")
-    ours = (results.get("tokenmill", {}).get("memory_mb") or {}).get("pss")
+    beyond = {}
     for engine in args.engines:
-        ready = results.get(engine, {}).get("memory_ready_mb") or {}
-        mem = results.get(engine, {}).get("memory_mb") or {}
+        r = results.get(engine, {})
+        if r.get("memory_mb") and r.get("kv_pool_mb") is not None:
+            beyond[engine] = r["memory_mb"]["pss"] - r["kv_pool_mb"]
+    ours = beyond.get("tokenmill")
+    for engine in args.engines:
+        r = results.get(engine, {})
+        ready, mem, kv = r.get("memory_ready_mb") or {}, r.get("memory_mb") or {}, r.get("kv_pool_mb")
         if not mem:
             continue
-        ratio = f"{ours / mem['pss']:.2f}x" if ours and engine != "tokenmill" else "-"
+        peer = engine != "tokenmill" and engine in beyond
+        ratio = f"{ours / beyond[engine]:.2f}x" if ours and peer else "-"
         t.add_row(
-            engine, f"{ready.get('pss', 0):.0f}" if ready else "-", f"{mem['pss']:.0f}", ratio,
-            f"{mem['peak']:.0f}", f"{mem['processes']:.0f}",
+            engine, f"{ready.get('pss', 0):.0f}" if ready else "-", f"{mem['pss']:.0f}",
+            f"{kv:.0f}" if kv is not None else "-",
+            f"{beyond[engine]:.0f}" if engine in beyond else "-", ratio,
+            f"{mem['peak']:.0f}",
         )  # fmt: skip
     if t.row_count:
         console.print(t)
@@ -662,6 +699,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     before, bandwidth = bandwidth, max(bandwidth, after)
     add_limits(results, bytes_, bandwidth, args)
+    for engine, r in results.items():
+        r["kv_tokens"] = llamacpp_kv_tokens(servers[engine].log) if engine.startswith("llamacpp") else None
+        r["kv_pool_mb"] = kv_pool_mb(engine, args, bytes_, r["kv_tokens"])
     print_table(console, results, args)
     summary = {
         "cpu": cpu,
