@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from reference import hf_greedy
 
 from tokenmill import LLM, SamplingParams
@@ -101,9 +102,28 @@ def test_seeded_by_name(model_path: Path, files: dict[str, Path], tmp_path: Path
     assert all(a[k] == b[k] for k in a)
 
 
+def test_a_wider_head_as_llama_cpps_quantizer_keeps_it(model_path: Path, tmp_path: Path) -> None:
+    """head_type: the embedding (here the tied head) in its own type, every other matrix in the file's;
+    the values are the same draws, quantized in each type."""
+    path = synthetic.synthesize(model_path, tmp_path / "h.gguf", TINY, "q4_0", seed=7, head_type="q8_0")
+    assert path.name == "h.gguf"
+    types = {t.name: GGMLQuantizationType(t.tensor_type) for t in GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == GGMLQuantizationType.Q8_0
+    matrices = {n: t for n, t in types.items() if n.startswith("blk.") and t != GGMLQuantizationType.F32}
+    assert matrices and set(matrices.values()) == {GGMLQuantizationType.Q4_0}
+    same = synthetic.synthesize(model_path, tmp_path / "s.gguf", TINY, "q8_0", seed=7)
+    embd = "token_embd.weight"
+    assert np.array_equal(GGUFFile(path).tensor(embd), GGUFFile(same).tensor(embd))
+    named = synthetic.default_path(TINY, "q4_0", 7, tmp_path, "q8_0")
+    assert named.name == "tiny-random7-q4_0-head-q8_0.gguf"
+    assert synthetic.default_path(TINY, "q4_0", 7, tmp_path, "q4_0").name == "tiny-random7-q4_0.gguf"
+
+
 def test_bad_arguments(model_path: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown type"):
         synthetic.synthesize(model_path, tmp_path / "x.gguf", TINY, "q3_k")
+    with pytest.raises(ValueError, match="unknown type"):
+        synthetic.synthesize(model_path, tmp_path / "x.gguf", TINY, "q4_0", head_type="q6_k")
     with pytest.raises(ValueError, match="not a multiple"):
         synthetic.synthesize(model_path, tmp_path / "x.gguf", synthetic.Shape("odd", 100, 1, 64, 3, 1))
     assert not list(tmp_path.iterdir())

@@ -29,13 +29,18 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2-1.7b", choices=sorted(synthetic.SHAPES))
     ap.add_argument("--types", default="bf16", help=f"comma-separated, of {', '.join(synthetic.TYPES)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--head-type",
+        help="the embedding and head's type (llama.cpp's quantizer keeps them wider: q8_0 stands in for"
+        " its Q6_K); default: as the other matrices",
+    )
     ap.add_argument("--hf", action="store_true", help="also a bf16 Hugging Face directory for vLLM")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", "~/.cache/tokenmill-peers"))
     args = ap.parse_args()
 
     shape = synthetic.SHAPES[args.shape]
     types = [t.strip() for t in args.types.split(",") if t.strip()]
-    bad = [t for t in types if t not in synthetic.TYPES]
+    bad = [t for t in [*types, args.head_type or "bf16"] if t not in synthetic.TYPES]
     if bad:
         sys.exit(f"error: unknown type {bad[0]!r}; choose from {', '.join(synthetic.TYPES)}")
     if args.hf and "bf16" not in types:
@@ -46,10 +51,11 @@ def main() -> None:
     print(f"{shape.name}: {shape.parameters(vocab) / 1e9:.2f}B parameters, random (seed {args.seed})")
     paths = {}
     for t in types:
-        dst = synthetic.default_path(shape, t, args.seed, peers)
+        head = None if t == "bf16" else args.head_type  # vLLM's bf16 file stays whole
+        dst = synthetic.default_path(shape, t, args.seed, peers, head)
         if not dst.exists():
             t0 = time.perf_counter()
-            synthetic.synthesize(src, dst, shape, t, args.seed)
+            synthetic.synthesize(src, dst, shape, t, args.seed, head_type=head)
             print(f"  wrote {dst} ({dst.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s")
         paths[t] = dst
         print(f"{t}: {dst}")

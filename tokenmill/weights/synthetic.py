@@ -103,9 +103,12 @@ def _values(name: str, dims: tuple[int, ...], seed: int, std: float) -> np.ndarr
     return rng.standard_normal(dims, dtype=np.float32) * np.float32(std)
 
 
-def default_path(shape: Shape, type_name: str, seed: int, cache_dir: Path) -> Path:
-    """Where make_synthetic.py keeps a file: named by shape, seed and type, so one is made once."""
-    return cache_dir / "synthetic" / f"{shape.name}-random{seed}-{type_name}.gguf"
+def default_path(
+    shape: Shape, type_name: str, seed: int, cache_dir: Path, head_type: str | None = None
+) -> Path:
+    """Where make_synthetic.py keeps a file: named by shape, seed and types, so one is made once."""
+    head = f"-head-{head_type}" if head_type and head_type != type_name else ""
+    return cache_dir / "synthetic" / f"{shape.name}-random{seed}-{type_name}{head}.gguf"
 
 
 def synthesize(
@@ -115,14 +118,24 @@ def synthesize(
     type_name: str = "bf16",
     seed: int = 0,
     std: float = INIT_STD,
+    head_type: str | None = None,
 ) -> Path:
     """Write a `shape` model with random weights in `type_name` (TYPES) to `dst`, its tokenizer and
     chat template from `tokenizer_src` (a llama-architecture GGUF); norms and other vectors float32.
+    `head_type`: another type for the embedding and output head, as llama.cpp's quantizer keeps them
+    (a tied embedding is the head: Q6_K in its Q4 files, which the gguf package cannot write; Q8_0
+    stands in for it).
     `std` other than INIT_STD is for tests: in a tiny model 0.02 leaves every layer's contribution
     too small to tell apart from the embedding. The file appears whole or not at all. Returns dst."""
-    if type_name not in TYPES:
-        raise ValueError(f"unknown type {type_name!r}; choose from {', '.join(TYPES)}")
+    for t in (type_name, head_type or type_name):
+        if t not in TYPES:
+            raise ValueError(f"unknown type {t!r}; choose from {', '.join(TYPES)}")
     qtype, file_type = TYPES[type_name]
+    head_qtype = TYPES[head_type or type_name][0]
+
+    def type_of(name: str) -> GGMLQuantizationType:
+        return head_qtype if name in ("token_embd.weight", "output.weight") else qtype
+
     if shape.hidden % shape.heads:
         raise ValueError(f"{shape.name}: hidden size {shape.hidden} is not a multiple of {shape.heads} heads")
     reader = GGUFReader(tokenizer_src)
@@ -155,12 +168,13 @@ def synthesize(
     layout = list(_tensors(shape, vocab))
     for name, dims, matrix in layout:
         if matrix:
-            byte_shape = quant_shape_to_byte_shape(dims, qtype)
+            q = type_of(name)
+            byte_shape = quant_shape_to_byte_shape(dims, q)
             nbytes = int(np.prod(byte_shape))
-            if qtype == GGMLQuantizationType.F16:
+            if q == GGMLQuantizationType.F16:
                 writer.add_tensor_info(name, dims, np.dtype(np.float16), nbytes)
             else:
-                writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+                writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=q)
         else:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
     writer.write_header_to_file()
@@ -168,7 +182,8 @@ def synthesize(
     writer.write_ti_data_to_file()
     for name, dims, matrix in layout:
         if matrix:
-            writer.write_tensor_data(np.ascontiguousarray(quantize(_values(name, dims, seed, std), qtype)))
+            values = _values(name, dims, seed, std)
+            writer.write_tensor_data(np.ascontiguousarray(quantize(values, type_of(name))))
         else:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
     writer.close()
