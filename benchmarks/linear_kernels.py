@@ -71,7 +71,9 @@ def main() -> None:
     if args.shape:
         from panel_matmul import layer_shapes
 
-        shapes = layer_shapes(args.shape) * args.layers + [(VOCAB, layer_shapes(args.shape)[1][0])]
+        layer = layer_shapes(args.shape)
+        hidden = layer[0][1]  # the qkv projection's input
+        shapes = layer * args.layers + [(VOCAB, hidden)]
     if args.head:
         shapes = shapes[-1:]
     print(cpu_description(), f"; {args.shape or 'smollm2-135m'}: {len(shapes)} matmuls")

@@ -291,16 +291,24 @@ def peer_kv_bytes_per_value(engine: str, args: argparse.Namespace) -> tuple[floa
     return _GGML_CACHE_BYTES[known.cache_type_k], _GGML_CACHE_BYTES[known.cache_type_v]
 
 
+def tokenmill_options(args: argparse.Namespace) -> argparse.Namespace:
+    """What --tokenmill-args sets of the options this script reads (the rest are left to the server)."""
+    from tokenmill.config import CacheConfig
+
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag in ("--model", "--quantization", "--int4-activations", "--int8-scales", "--kv-cache-dtype"):
+        ap.add_argument(flag)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=CacheConfig().kv_cache_memory_gb)
+    return ap.parse_known_args(shlex.split(args.tokenmill_args))[0]
+
+
 def _tokenmill_bytes(args: argparse.Namespace) -> dict:
     import gc
 
     from tokenmill import LLM
     from tokenmill.worker.allocator import release_freed_memory
 
-    ap = argparse.ArgumentParser(add_help=False)
-    for flag in ("--model", "--quantization", "--int4-activations", "--int8-scales", "--kv-cache-dtype"):
-        ap.add_argument(flag)
-    known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
+    known = tokenmill_options(args)
     # A short context in a small pool: only the weights are counted here (a 1.7B model's KV is
     # 196 KB a token, so 0.05 GB holds 272 tokens).
     kw = {"quantization": known.quantization, "kv_cache_memory_gb": 0.05, "max_model_len": 128}
@@ -548,21 +556,19 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
 def llamacpp_kv_tokens(log: Path) -> int | None:
     """The tokens llama.cpp's server holds KV for, from its log: its slots x each slot's context, which
     it rounds up to a multiple of 256 (-np 32 -c 5120 gives 32 x 256, not 5120)."""
-    m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", tail(log, 10**6))  # the whole log
+    text = log.read_text(errors="replace") if log.exists() else ""
+    m = re.search(r"n_slots = (\d+), n_ctx_slot = (\d+)", text)
     return int(m[1]) * int(m[2]) if m else None
 
 
 def kv_pool_mb(
     engine: str, args: argparse.Namespace, bytes_: dict[str, dict], kv_tokens: int | None
 ) -> float | None:
-    """The KV cache an engine was given, MB: tokenmill's --kv-cache-memory-gb (GiB, default 1), vLLM's
+    """The KV cache an engine was given, MB: tokenmill's --kv-cache-memory-gb (GiB), vLLM's
     VLLM_CPU_KVCACHE_SPACE (GiB), llama.cpp's `kv_tokens` (llamacpp_kv_tokens) x its bytes a token.
     Each is allocated whole at start, so the memory beyond it is what the engine itself costs."""
     if engine == "tokenmill":
-        ap = argparse.ArgumentParser(add_help=False)
-        ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-        known, _ = ap.parse_known_args(shlex.split(args.tokenmill_args))
-        return known.kv_cache_memory_gb * 2**30 / 1e6
+        return tokenmill_options(args).kv_cache_memory_gb * 2**30 / 1e6
     if engine == "vllm":
         return args.vllm_kv_gb * 2**30 / 1e6
     per_token = bytes_.get(engine, {}).get("kv_per_token")
