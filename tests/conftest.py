@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weights_caches import drop_weights_caches
 
 from tokenmill.weights import catalog
 
@@ -19,12 +20,14 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def q8_0_model_path(model_path: Path, tmp_path_factory) -> Path:
+def q8_0_model_path(model_path: Path, tmp_path_factory):
     """The embedded model written again with its linear weights in Q8_0 blocks (weights/requantize.py:
     the gguf package's own quantizer on the dequantized Q4_1 values), as a Q8_0 GGUF file holds them."""
     from tokenmill.weights.requantize import requantize
 
-    return requantize(model_path, tmp_path_factory.mktemp("q8_0") / "smollm2-135m-q8_0.gguf")
+    path = requantize(model_path, tmp_path_factory.mktemp("q8_0") / "smollm2-135m-q8_0.gguf")
+    yield path
+    drop_weights_caches(path)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from reference import hf_greedy
+from weights_caches import drop_weights_caches
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.weights import synthetic
@@ -29,12 +30,15 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def files(model_path: Path, tmp_path_factory) -> dict[str, Path]:
+def files(model_path: Path, tmp_path_factory):
     out = tmp_path_factory.mktemp("synthetic")
-    return {
+    made = {
         t: synthetic.synthesize(model_path, out / f"tiny-{t}.gguf", TINY, t, seed=7, std=STD)
         for t in ("bf16", "f16", "q8_0", "q4_1")
     }
+    yield made
+    for path in made.values():
+        drop_weights_caches(path)
 
 
 @pytest.mark.parametrize("type_name", ["bf16", "f16", "q8_0", "q4_1"])

@@ -1,0 +1,15 @@
+"""Cleaning up after tests that load model files of their own."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tokenmill.weights.cache_paths import weights_cache_root
+
+
+def drop_weights_caches(path: Path) -> None:
+    """Remove what loading a test's own model file left in the user's cache (its dequantized weights,
+    codes, calibration), keyed by the file's path and so never found again once the file is gone: ~400
+    MB a run for the Q8_0 file of conftest.py, which piled up over test runs."""
+    shutil.rmtree(weights_cache_root(path, None), ignore_errors=True)
