@@ -8,6 +8,8 @@ against bf16 in the same run.
   without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
   up to 4 rows and a bf16 copy above.
 - int4a8: the same with int4_activations="int8" (W4A8 above 4 rows, where the 4-bit panels run).
+- q4_0a8: int4a8 with a Q4_0 file's codes (the `gguf` package's quantizer; w = (q - 8) scale), which
+  the 4-bit panels hold without minima: 4.5 bits a weight rather than 5.
 - int8: Int8Linear (W8A8, per channel and row).
 - int8g: GroupInt8Linear (W8A8 in groups of 32 on both sides, Q8_0's blocks), where its panels run.
 
@@ -29,11 +31,14 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
 from tokenmill.models.ops import get_ops
+from tokenmill.weights.group_codes import GroupCodes, codes_from_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
@@ -42,6 +47,12 @@ from step_bytes import weight_bytes  # noqa: E402
 # (out, in) of one SmolLM2 layer's fused qkv, o, gate_up, down; 30 layers; then the output head.
 VOCAB = 49152  # the family's tokenizer: the output head's rows
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(VOCAB, 576)]
+
+
+def q4_0_codes(w: torch.Tensor) -> GroupCodes:
+    """A weight's codes as a Q4_0 GGUF tensor holds them (the `gguf` package's quantizer)."""
+    blocks = gguf.quants.quantize(w.detach().float().numpy(), GGMLQuantizationType.Q4_0)
+    return codes_from_blocks(blocks, GGMLQuantizationType.Q4_0, *w.shape)
 
 
 def time_ms(mods: list[nn.Module], shapes: list[tuple[int, int]], rows: int, reps: int) -> float:
@@ -93,6 +104,12 @@ def main() -> None:
         ],
         "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
     }
+    configs["q4_0a8"] = [
+        QuantizedLinear(m, 8, 4, quant_a8, ops.small_matmul_for)  # the head in 8 bits, as int4's
+        if o == VOCAB
+        else QuantizedLinear(m, 4, 4, quant_a8, ops.small_matmul_for, codes=q4_0_codes(m.weight))
+        for m, (o, _) in zip(plain, shapes, strict=True)
+    ]
     groups = [GroupInt8Linear.of(m, ops.group_int8_matmul_for) for m in plain]
     if all(g is not None for g in groups):  # where the group panels run
         configs["int8g"] = groups  # type: ignore[assignment]

@@ -476,6 +476,40 @@ def test_q4_panels_dequantized_above_16_rows(kernels, rows: int, n: int, k: int)
         assert torch.equal(kernels.q4_matmul(rows17, panels, n, EXACT)[0 if r >= 16 else r], out[r])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 300])
+@pytest.mark.parametrize("exact_rows", [EXACT, 4])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64)])
+def test_q4_panels_without_minima(kernels, rows: int, exact_rows: int, n: int, k: int) -> None:
+    """A Q4_0 block's weights, w = (q - 8) scale, in the panels without minima (576 bytes a group, 10%
+    fewer): every path (bf16 products up to 16 rows, dequantized above; int8 activations above 4 rows)
+    gives the same bits as the panels that hold the minima, which the tests above check against float64.
+    Scales span float16's range down to its subnormals, where -8 scale still holds exactly."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import q4_pack, q4_symmetric
+
+    q, _, _, x = q4_case(rows, n, k)
+    g = torch.Generator().manual_seed(rows + n)
+    powers = 2.0 ** torch.randint(-24, 4, (n, k // 32), generator=g)
+    scale = (powers * (1 + torch.rand(n, k // 32, generator=g))).to(torch.float16).float()
+    lo = -8 * scale
+    assert q4_symmetric(scale, lo) and not q4_symmetric(scale, lo * 1.001)
+    short, full = q4_pack(q, scale, None), q4_pack(q, scale, lo)
+    assert short.shape == (-(-n // 32), k // 32, 576) and full.shape[-1] == 640
+    out = kernels.q4_matmul(x, short, n, exact_rows)
+    assert torch.equal(out, kernels.q4_matmul(x, full, n, exact_rows))
+    assert bool(out.isfinite().all())
+
+
+def test_q4_panels_reject_other_widths(kernels) -> None:
+    """Panels of neither width are a clear error, not a read past the weights."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 4-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="q4_pack"):
+        kernels.q4_matmul(x, torch.zeros(1, 2, 600, dtype=torch.uint8), 32, EXACT)
+
+
 def group_codes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 codes and scales the group panels quantize bf16 rows [M, K] to, per row and group of 32:
     scale max|x| / 127, codes rounded half to even, 127 / max|x| divided in float32 as the kernel does

@@ -165,11 +165,12 @@ class PanelMatmul:
         return self.k.panel_matmul(x, self.panels, self.n, self.vector_rows)  # type: ignore[attr-defined]
 
 
-def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None) -> torch.Tensor:
     """4-bit codes q [N, K] (0..15) with their per-32-k scales and minima [N, K/32] as the panels of
     kernels/csrc/panel_q4.cpp: [ceil(N/32), K/32, 640] bytes, per panel and group 8 k quads of 64 bytes
     (byte 4j + t: column j's code at k = 4 * quad + t in the low nibble, column 16 + j's in the high one),
-    then 32 float16 scales and 32 float16 minima. Columns past N are zero."""
+    then 32 float16 scales and 32 float16 minima. `lo` None: every minimum is -8 scale (a Q4_0 block's),
+    and the panels leave them out, [ceil(N/32), K/32, 576]. Columns past N are zero."""
     n, k = q.shape
     panels, groups, pad = -(-n // 32), k // 32, -n % 32
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(panels, 2, 16, groups, 8, 4)
@@ -179,7 +180,14 @@ def q4_pack(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Ten
         v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(panels, 32, groups).permute(0, 2, 1)
         return v.to(torch.float16).contiguous().view(torch.uint8)
 
-    return torch.cat([codes, per_group(scale), per_group(lo)], -1).contiguous()
+    parts = [codes, per_group(scale)] + ([] if lo is None else [per_group(lo)])
+    return torch.cat(parts, -1).contiguous()
+
+
+def q4_symmetric(scale: torch.Tensor, lo: torch.Tensor) -> bool:
+    """Whether every minimum is -8 scale as the 4-bit panels hold them (in float16): the form without
+    minima then gives the same bits as the one with them, from 10% fewer bytes."""
+    return torch.equal(lo.to(torch.float16).float(), scale.to(torch.float16).float() * -8)
 
 
 def g8_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -223,7 +231,8 @@ class Q4Panels:
         int8_activations: bool = False,
     ) -> None:
         self.k, self.n = k, q.shape[0]
-        self.panels = q4_pack(q, scale, lo)
+        # A Q4_0 file's weights (w = (q - 8) scale) need no minima: 4.5 bits a weight rather than 5.
+        self.panels = q4_pack(q, scale, None if q4_symmetric(scale, lo) else lo)
         self.int8_activations = int8_activations
         # The kernel keeps bf16 activations up to exact_rows rows.
         self.exact_rows = 4 if int8_activations else 2**62
