@@ -170,6 +170,51 @@ def test_an_untied_heads_codes_are_output_weights(
     assert not np.array_equal(f.tensor("output.weight"), f.tensor("token_embd.weight"))  # not the embedding
 
 
+@pytest.mark.parametrize("head_type", [None, "q8_0"], ids=["pure Q4_0", "Q8_0 head"])
+def test_a_4bit_files_head_computes_with_its_own_codes(
+    model_path: Path, tmp_path: Path, head_type: str | None
+) -> None:
+    """A file that keeps its (tied) output head in Q4_0 like its layers, as `llama-quantize --pure`
+    writes it: the 4-bit codes hold the embedding's own blocks as "lm_head", and an int4 model's head
+    takes them (4 bits, the file's weights exactly) rather than an 8-bit copy of their values; a head of
+    another type gives no codes and stays at 8 bits."""
+    from tokenmill.weights import synthetic
+
+    shape = synthetic.Shape("pure", hidden=64, layers=1, ffn=128, heads=2, kv_heads=1)
+    path = synthetic.synthesize(model_path, tmp_path / "q4.gguf", shape, "q4_0", seed=4, head_type=head_type)
+    codes = registry.load_int4_codes(path, tmp_path)
+    assert codes is not None and any(n.endswith("qkv_proj") for n in codes)
+    f = GGUFFile(path)
+    if head_type is None:
+        own = f.group_codes("token_embd.weight")
+        assert own is not None
+        head = codes["lm_head"]
+        assert torch.equal(head.nibbles, own.nibbles) and torch.equal(head.scale, own.scale)
+        assert np.array_equal(head.dequantize().numpy(), f.tensor("token_embd.weight"))
+    else:
+        assert "lm_head" not in codes
+    loaded = registry.load_checkpoint(path, torch.bfloat16, tmp_path)
+    model = registry.build(
+        loaded.config, loaded.state_dict, torch.bfloat16, torch.device("cpu"), 64,
+        quantization="int4", int4_codes=codes,
+    )  # fmt: skip
+    lm_head = model.lm_head
+    assert isinstance(lm_head, QuantizedLinear)
+    assert (lm_head.bits, lm_head.from_codes) == ((4, True) if head_type is None else (8, False))
+    # Whatever kernel runs here (3 rows: bf16 activations), the head computes with the file's weights:
+    # within the output's bf16 rounding and the weights' (PyTorch's int4 and int8 kernels hold their
+    # scales in bf16), and for 8 bits a rounding of each weight to its row's 255 levels.
+    x = torch.randn(3, shape.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w = torch.from_numpy(f.tensor("token_embd.weight")).double()
+    exact = x.double() @ w.T
+    with torch.inference_mode():
+        out = lm_head(x).double()
+    tolerance = 2**-8 * (exact.abs() + x.double().abs() @ w.abs().T)
+    if head_type is not None:
+        tolerance += x.double().abs().sum(-1, keepdim=True) * w.abs().amax(1) / 254
+    assert bool(((out - exact).abs() <= tolerance).all())
+
+
 def test_requantize_writes_every_quantized_matrix_in_the_new_type(tmp_path: Path) -> None:
     x = np.random.default_rng(4).standard_normal((N, K)).astype(np.float32)
     src = tmp_path / "src.gguf"

@@ -394,12 +394,14 @@ def build_model(
         else:
             smooth_model(model, calibration, smoothing_alpha)
     if quantization == "int4":
-        # The output head stays at 8 bits: it is the embedding (Q8_0 in GGUF files), and every
-        # logit depends on it.
+        # The output head stays at 8 bits: it is the embedding (Q8_0 or Q6_K in llama.cpp's Q4 files),
+        # and every logit depends on it; but a file that keeps it in 4 bits too gives its own codes
+        # (load_group_codes), which the head takes: the file's weights exactly, in half the bytes.
+        head_codes = "lm_head" in (int4_codes or {})
         quantize_linears(
             model,
             QUANT_MAX_ROWS,
-            bits_for={"lm_head": 8},
+            bits_for={"lm_head": 4 if head_codes else 8},
             default_bits=4,
             quant_for=functools.partial(
                 model.ops.quantized_matmul_for, int8_activations=int4_activations == "int8"

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,8 +36,9 @@ from tokenmill.weights.group_codes import (
     quantize_int8_groups,
 )
 
-# The same for the cached codes (load_group_codes, load_int8_groups); 2: the int8 codes hold the head's.
-CODES_FORMAT = 2
+# The same for the cached codes (load_group_codes, load_int8_groups); 2: the int8 codes hold the head's;
+# 3: the 4-bit codes hold the head's where the file keeps it in a 4-bit type.
+CODES_FORMAT = 3
 
 # GGUF tensor names (per block) to Hugging Face names.
 _GGUF_BLOCK_NAMES = {
@@ -162,9 +163,15 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     layout gives the weights without their ".weight" (fused as it fuses them), for an int4 model to
     take as they are; None for a Hugging Face directory or a file without 4-bit linear weights. A
     linear of another type in such a file (the Q6_K ones of a Q4_K_M file, say) is quantized here from
-    its float32 values, so that a fused layer's parts all come as codes. Cached beside the file's
-    dequantized weights: the next start reads them without parsing the file."""
-    return _cached_codes(path, layout, cache_dir, "int4", GroupCodes, GGUFFile.group_codes, quantize_groups)
+    its float32 values, so that a fused layer's parts all come as codes. Where the file keeps its output
+    head (output.weight, or the tied embedding) in a 4-bit type too, as `llama-quantize --pure` writes
+    it, its codes come as "lm_head": the head then computes with the file's own 4-bit weights (half the
+    bytes of an 8-bit copy of them, and no second rounding); of another type, the head is left to be
+    quantized (8 bits). Cached beside the file's dequantized weights: the next start reads them without
+    parsing the file."""
+    return _cached_codes(
+        path, layout, cache_dir, "int4", GroupCodes, GGUFFile.group_codes, quantize_groups, head="own"
+    )
 
 
 def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
@@ -177,7 +184,7 @@ def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     Cached as the 4-bit codes are (parsing a GGUF's metadata takes seconds; a file without Q8_0 linears
     is remembered as such)."""
     return _cached_codes(
-        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups, head=True
+        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups, head="any"
     )
 
 
@@ -189,7 +196,7 @@ def _cached_codes(
     cls: type[C],
     take: Callable[[GGUFFile, str], C | None],
     quantize: Callable[[torch.Tensor], C],
-    head: bool = False,
+    head: Literal["own", "any"] | None = None,
 ) -> dict[str, C] | None:
     if path.is_dir():
         return None
@@ -229,12 +236,13 @@ def _read_codes(
     layout: Layout,
     take: Callable[[GGUFFile, str], C | None],
     quantize: Callable[[torch.Tensor], C],
-    head: bool = False,
+    head: Literal["own", "any"] | None = None,
 ) -> dict[str, C] | None:
     """A GGUF file's linear weights as codes: `take(file, name)` a tensor's own (None where its type has
     none; those are quantized by `quantize` from their float32 values), unpermuted and fused as the
-    weights are, and with `head` the output head's as "lm_head"; None when no layer's linear had codes
-    of its own (found before anything is quantized)."""
+    weights are; with `head` the output head's as "lm_head": "own" only where its type has codes, "any"
+    quantized otherwise. None when no layer's linear had codes of its own (found before anything is
+    quantized)."""
     gguf = GGUFFile(path)
     names = set(gguf.tensor_names())
     linears = {}  # gguf name -> (layer index, the HF name's tail)
@@ -268,7 +276,7 @@ def _read_codes(
     if head:  # output.weight, or the tied embedding (GGUF keeps no copy of a tied head)
         name = "output.weight" if "output.weight" in names else "token_embd.weight"
         g = take(gguf, name)
-        if g is None and gguf.tensor_shape(name)[1] % GROUP == 0:
+        if g is None and head == "any" and gguf.tensor_shape(name)[1] % GROUP == 0:
             g = quantize(torch.from_numpy(gguf.tensor(name)))
         if g is not None:  # else the layer quantizes its own weight, or takes another form
             out["lm_head"] = g
