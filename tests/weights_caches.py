@@ -10,6 +10,7 @@ from tokenmill.weights.cache_paths import weights_cache_root
 
 def drop_weights_caches(path: Path) -> None:
     """Remove what loading a test's own model file left in the user's cache (its dequantized weights,
-    codes, calibration), keyed by the file's path and so never found again once the file is gone: ~400
-    MB a run for the Q8_0 file of conftest.py, which piled up over test runs."""
+    codes, calibration): ~400 MB for the Q8_0 file of conftest.py, which piled up over test runs while
+    the caches were keyed by the file's path (now by its contents, so a run's would be found by the
+    next, but a test run should not leave it in the user's cache)."""
     shutil.rmtree(weights_cache_root(path, None), ignore_errors=True)
