@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -171,7 +172,8 @@ def test_dynamic_batcher_delay_is_bounded(tmp_path) -> None:
         return dt
 
     dt = run(main())
-    assert inst.batches == [2] and 0.09 <= dt < 0.3
+    # It waited out the delay, and no longer than a bound (a busy machine's slack, not a timing claim).
+    assert inst.batches == [2] and 0.09 <= dt < 1.0
 
 
 def test_queue_policy_rejects_overflow_and_timeouts(tmp_path) -> None:
@@ -215,24 +217,43 @@ def test_priority_levels_go_first(tmp_path) -> None:
 
 
 def test_more_instances_raise_throughput(tmp_path) -> None:
+    """A second instance executes beside the first (what raises throughput for a model that waits),
+    counted by the instances themselves rather than timed: a wall-clock ratio flaked on a busy machine."""
     cfg = cfg_for(tmp_path, "", max_batch=0)
     cfg.max_batch_size = 0
 
-    def elapsed(n: int) -> float:
+    class Overlap(Recorder):
+        running = most = 0
+        lock = threading.Lock()
+
+        def execute(self, reqs):
+            with Overlap.lock:
+                Overlap.running += 1
+                Overlap.most = max(Overlap.most, Overlap.running)
+            try:
+                return super().execute(reqs)
+            finally:
+                with Overlap.lock:
+                    Overlap.running -= 1
+
+    def most_at_once(n: int) -> tuple[int, list[int]]:
+        Overlap.running = Overlap.most = 0
+        instances = [Overlap(delay=0.05) for _ in range(n)]
+
         async def main():
-            s = DefaultScheduler(cfg, [Recorder(delay=0.05) for _ in range(n)], ModelStats("m", "1"))
-            t0 = time.perf_counter()
-            await asyncio.gather(
+            s = DefaultScheduler(cfg, instances, ModelStats("m", "1"))
+            outs = await asyncio.gather(
                 *(s.submit(InferRequest({"X": np.ones((1,), np.float32)})) for _ in range(8))
             )
-            dt = time.perf_counter() - t0
             await s.close()
-            return dt
+            assert len(outs) == 8
 
-        return run(main())
+        run(main())
+        return Overlap.most, [len(i.batches) for i in instances]
 
-    one, two = elapsed(1), elapsed(2)
-    assert one > 0.38 and two < one * 0.65
+    assert most_at_once(1) == (1, [8])
+    most, shares = most_at_once(2)
+    assert most == 2 and sum(shares) == 8 and min(shares) >= 1
 
 
 def test_sequence_batcher_pins_and_orders(tmp_path) -> None:
@@ -412,25 +433,30 @@ def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
 
 
 def test_requests_are_served_in_arrival_order(tmp_path) -> None:
-    # Clients sending back to back must not starve each other (a request that just finished may not
-    # re-take the instance before the ones already waiting).
+    """Clients sending back to back must not starve each other: a client whose request just finished
+    may not re-take the instance before the requests already waiting, so four such clients are served
+    in turn (checked on the order of execution, not on times, which a busy machine stretches)."""
     cfg = cfg_for(tmp_path, "", max_batch=0)
+    order: list[int] = []
+
+    class ByClient(Recorder):
+        def execute(self, reqs):
+            order.extend(int(r.inputs["X"][0]) for r in reqs)
+            return super().execute(reqs)
 
     async def main():
-        s = DefaultScheduler(cfg, [Recorder(delay=0.01)], ModelStats("m", "1"))
-        worst = []
+        s = DefaultScheduler(cfg, [ByClient(delay=0.01)], ModelStats("m", "1"))
 
-        async def client():
+        async def client(c: int):
             for _ in range(5):
-                t = time.perf_counter()
-                await s.submit(InferRequest({"X": np.ones((1,), np.float32)}))
-                worst.append(time.perf_counter() - t)
+                await s.submit(InferRequest({"X": np.full((1,), c, np.float32)}))
 
-        await asyncio.gather(*(client() for _ in range(4)))
+        await asyncio.gather(*(client(c) for c in range(4)))
         await s.close()
-        return max(worst)
 
-    assert run(main()) < 0.12  # about 4 executions of 10 ms; starvation would be ~0.2 s
+    run(main())
+    assert len(order) == 20
+    assert all(len(set(order[i : i + 4])) == 4 for i in range(17)), order  # each turn serves all four
 
 
 def test_delay_action_serves_timed_out_requests_last(tmp_path) -> None:
