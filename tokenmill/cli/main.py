@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from tokenmill.cli.bench import bench_app
+from tokenmill.cli.cache import cache_app
 from tokenmill.cli.common import console, err, fail
 from tokenmill.cli.config_options import ENGINE_SECTIONS, SERVER_SECTIONS, config_command
 from tokenmill.cli.plan import plan_app
@@ -25,6 +26,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
 app.add_typer(size_app, name="size")
 app.add_typer(plan_app, name="plan")
+app.add_typer(cache_app, name="cache")
 
 
 @models_app.callback()

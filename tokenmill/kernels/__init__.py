@@ -136,6 +136,8 @@ def _load(lv: IsaLevel, d: Path) -> ModuleType:
         if library.is_file() and spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
+            with contextlib.suppress(OSError):  # its time is the build's last use (`tokenmill cache`)
+                os.utime(marker)
             return module
     from torch.utils.cpp_extension import load
 

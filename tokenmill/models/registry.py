@@ -15,6 +15,8 @@ from tokenmill.models.llama import build_model, to_fused_state_dict
 from tokenmill.models.own_weights import own_remaining
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
+from tokenmill.weights.cache_inventory import note_source
+from tokenmill.weights.cache_paths import weights_cache_root
 from tokenmill.weights.group_codes import GroupCodes, Int8Groups
 
 # Hugging Face class names -> model_type. All three are Llama-shaped: one implementation covers them
@@ -65,6 +67,7 @@ def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> L
     """A checkpoint's config, weights (in its architecture's layout) and tokenizer."""
     arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
     ck = loader.load(path, dtype, cache_dir, arch.layout)
+    note_source(weights_cache_root(path, cache_dir), path)  # for `tokenmill cache`: in use, and when
     return LoadedModel(ModelConfig.from_hf(ck.hf_config), ck.state_dict, ck.tokenizer, ck.source)
 
 

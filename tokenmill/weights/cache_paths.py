@@ -25,16 +25,32 @@ def file_digest(path: Path, cache_dir: Path) -> str:
     where = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     memo = cache_dir / "file-ids" / hashlib.sha256(where.encode()).hexdigest()[:32]
     try:
-        return memo.read_text().strip()
+        return memo.read_text().split("\n", 1)[0].strip()
     except FileNotFoundError:
         pass
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-    tmp.write_text(digest + "\n")
+    tmp.write_text(f"{digest}\n{where}\n")  # the second line lets `tokenmill cache` tell a memo is stale
     os.replace(tmp, memo)  # whole or absent: ranks loading together may race to write it
     return digest
+
+
+def memo_is_stale(memo: Path) -> bool:
+    """Whether a file_digest memo names a file that is gone or changed (or predates the line naming it)."""
+    try:
+        lines = memo.read_text().split("\n")
+    except OSError:
+        return False
+    if len(lines) < 2 or "|" not in lines[1]:
+        return True
+    where, size, mtime = lines[1].rsplit("|", 2)
+    try:
+        st = Path(where).stat()
+    except OSError:
+        return True
+    return f"{st.st_size}|{st.st_mtime_ns}" != f"{size}|{mtime}"
 
 
 def dtype_cache_path(path: Path, dtype_name: str, cache_dir: Path) -> Path:

@@ -19,6 +19,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
+from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
@@ -90,6 +91,8 @@ class Worker:
             else None,
         )
         del loaded
+        # int8's calibration may have made the folder of a Hugging Face directory just now.
+        note_source(weights_cache_root(path, cache_dir), path)
         if self.device.type == "cpu":
             release_freed_memory()  # the load's transients (worker/allocator.py)
         self.runner: ModelRunner | None = None
@@ -194,6 +197,8 @@ class Worker:
             int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
         )
         del loaded
+        # int8's calibration may have made the folder of a Hugging Face directory just now.
+        note_source(weights_cache_root(path, cache_dir), path)
         if self.device.type == "cpu":
             release_freed_memory()
         log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
