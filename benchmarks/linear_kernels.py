@@ -7,7 +7,7 @@ against bf16 in the same run.
 - int4: QuantizedLinear, 4-bit layers and an 8-bit head; with the 4-bit and 8-bit panels (AVX512-BF16
   without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
   up to 4 rows and a bf16 copy above.
-- int4a8: the same with int4_activations="int8" (W4A8 above 4 rows, where the 4-bit panels run).
+- int4a8: the same with int4_activations="int8" (W4A8 above 2 rows, where the 4-bit panels run).
 - q4_0a8: int4a8 with a Q4_0 file's codes (the `gguf` package's quantizer; w = (q - 8) scale), which
   the 4-bit panels hold without minima: 4.5 bits a weight rather than 5.
 - int8: Int8Linear (W8A8, per channel and row).

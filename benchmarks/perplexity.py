@@ -45,7 +45,7 @@ CONFIGS = [
         {"quantization": "int4", "requantize": True},
     ),
     (
-        "int4 weights, int8 activations above 4 rows (int4_activations=int8, the default: W4A8)",
+        "int4 weights, int8 activations above 2 rows (int4_activations=int8, the default: W4A8)",
         {"quantization": "int4", "int4_activations": "int8"},
     ),
     ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),

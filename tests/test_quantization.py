@@ -60,7 +60,7 @@ def test_the_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
 ) -> None:
     """Where the panels run, a bf16 layer sends steps of any size to them and holds no dequantized copy.
     4 bits: with bf16 activations its answers stay within bf16 rounding of the copy's (measured 0.4-0.8%
-    of the largest output), with int8 activations above 4 rows within their rounding too (0.6-0.75%;
+    of the largest output), with int8 activations above 2 rows within their rounding too (0.6-0.75%;
     1.0-1.1% before the minimum's term took the rounded activations' sums).
     8 bits (the int4 model's output head; each panel dequantized to bf16 above 4 rows): within bf16
     rounding of the copy's (the kernel's column scales are bf16, the copy's float32)."""
@@ -114,7 +114,7 @@ def test_the_bf16_copy_takes_the_few_row_kernel_above_max_rows(rows: int) -> Non
 def test_int4_activations_setting_is_checked() -> None:
     from tokenmill.config import EngineConfig
 
-    assert EngineConfig().int4_activations == "int8"  # W4A8 above 4 rows, as llama.cpp; bf16 if asked
+    assert EngineConfig().int4_activations == "int8"  # W4A8 above 2 rows, as llama.cpp; bf16 if asked
     with pytest.raises(ValueError, match="int4_activations"):
         EngineConfig(quantization="int4", int4_activations="fp8")
 

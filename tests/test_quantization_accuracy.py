@@ -2,7 +2,7 @@
 Python's own documentation topics, tokenmill/quality/perplexity.py), decoded as the engine decodes
 (batched steps). Bounds from benchmarks/perplexity.py's measurement with room for other CPUs' rounding:
 int4 reproduces the Q4_1 file's weights and multiplies them exactly by bf16 activations (+0.04% here;
-with int8 activations above 4 rows, its default, +0.45%), int8 quantizes activations per row (+0.8% here
+with int8 activations above 2 rows, its default, +0.45%), int8 quantizes activations per row (+0.8% here
 with its default smoothing, +5.3% without: tokenmill/models/smoothing.py), fp8 rounds weights and
 activations to e4m3 (+2.5%); the 8-bit KV caches measured +0.25% (int8) and +1.0% (fp8 e4m3, three
 mantissa bits). Figures from AMD Zen 4; the bounds leave room for other CPUs' rounding."""
@@ -32,7 +32,7 @@ def test_quantized_perplexity_stays_near_bf16(bf16_ppl: float, quantization: str
 
 
 def test_int4_with_int8_activations_stays_near_bf16(bf16_ppl: float) -> None:
-    """int4_activations="int8", the default (W4A8 above 4 rows, where the 4-bit panels run; elsewhere a
+    """int4_activations="int8", the default (W4A8 above 2 rows, where the 4-bit panels run; elsewhere a
     no-op): +0.45% here, +0.16% in benchmarks/perplexity.py's longer run. The bound fails the product
     that took the minimum's term from the exact bf16 sums rather than from the rounded activations'
     (+3.0% here, +1.5-1.75% in the longer run: kernels/csrc/panel_q4.cpp, quantize_groups)."""

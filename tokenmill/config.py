@@ -220,8 +220,8 @@ class EngineConfig:
     )
     int4_activations: str = setting(
         "int8",
-        help='with quantization int4, the activations of steps above 4 rows: "int8" (per row and group of '
-        "32, as llama.cpp multiplies Q4 by Q8_0: W4A8, faster from 5 rows, +0.16% perplexity against "
+        help='with quantization int4, the activations of steps above 2 rows: "int8" (per row and group of '
+        "32, as llama.cpp multiplies Q4 by Q8_0: W4A8, faster from 3 rows, +0.16% perplexity against "
         'bf16) or "bf16" (exact products, W4A16: +0.04%, but slower than bf16 weights from 17 rows); only '
         "where the 4-bit panel kernels run (AVX512-BF16 without AMX)",
     )

@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops: TorchOps = TorchOps()
         # The strength its weights were smoothed with for int8 (models/smoothing.py), or None.
         self.smoothed_alpha: float | None = None
-        # Whether int4 steps above 4 rows quantize their activations to int8 (int4_activations="int8").
+        # Whether int4 steps above 2 rows quantize their activations to int8 (int4_activations="int8").
         self.int4_a8 = False
         # Whether int8 took its group form (int8_scales): a scale per group of 32 on both sides.
         self.int8_groups = False
@@ -360,7 +360,7 @@ def build_model(
     the given ones, cut to the shard. `calibration`: what to smooth the activations on before
     quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
     int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
-    int4 steps above 4 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
+    int4 steps above 2 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
     the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
     int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
     (config.py); `int8_codes`: reads a Q8_0 file's own codes (registry.load_int8_codes; called only

@@ -114,7 +114,7 @@ class TorchOps:
         """A kernel for steps of up to its max_rows rows (None: any) with weight-only quantized weights,
         or None (PyTorch's int4/int8 matmuls are used): 4 bits, w = q * scale + lo (q [N, K] in 0..15,
         scale and lo [N, K/32]); 8 bits, w = q * scale (q [N, K] int8, scale [N]). `int8_activations`:
-        4-bit steps above 4 rows quantize their activations to int8 (W4A8)."""
+        4-bit steps above 2 rows quantize their activations to int8 (W4A8)."""
         return None
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
@@ -217,8 +217,8 @@ class Q4Panels:
     read as one stream, so the layer needs no bf16 copy for larger steps or prompts. The activations
     stay bf16 (W4A16: up to 16 rows each code becomes the bf16 number 128 + q and vdpbf16ps gives
     exact products; above, each panel is dequantized to bf16 once per sweep), or with
-    `int8_activations` above 4 rows are quantized to int8 per row and group of 32 and multiplied by
-    vpdpbusd (W4A8: faster from 5 rows, less accurate). Weights whose minima are all -8 x their
+    `int8_activations` above 2 rows are quantized to int8 per row and group of 32 and multiplied by
+    vpdpbusd (W4A8: faster from 3 rows, less accurate). Weights whose minima are all -8 x their
     scales (a Q4_0 file's) are held without them, 10% fewer bytes for the same bits. AMD Zen 4
     figures: docs/benchmarks.md."""
 
@@ -236,8 +236,9 @@ class Q4Panels:
         # A Q4_0 file's weights (w = (q - 8) scale) need no minima: 4.5 bits a weight rather than 5.
         self.panels = q4_pack(q, scale, None if q4_symmetric(scale, lo) else lo)
         self.int8_activations = int8_activations
-        # The kernel keeps bf16 activations up to exact_rows rows.
-        self.exact_rows = 4 if int8_activations else 2**62
+        # The kernel keeps bf16 activations up to exact_rows rows: one or two streams' decode steps, where
+        # W4A8 is only 1.02-1.04x faster (AMD Zen 4, 1.7B shape), stay exact; from 3 rows it is 1.3-1.5x.
+        self.exact_rows = 2 if int8_activations else 2**62
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.q4_matmul(x, self.panels, self.n, self.exact_rows)  # type: ignore[attr-defined]

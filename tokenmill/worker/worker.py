@@ -114,7 +114,7 @@ class Worker:
         alpha = getattr(self.model, "smoothed_alpha", None)
         q = self.config.quantization
         if q == "int4" and getattr(self.model, "int4_a8", False):
-            return "int4-a8"  # int8 activations above 4 rows change the keys and values
+            return "int4-a8"  # int8 activations above 2 rows change the keys and values
         if q == "int8" and getattr(self.model, "int8_groups", False):
             return "int8-groups"  # a scale per group of 32 (int8_scales), not smoothed
         return f"{q}-smoothed-{alpha}" if q and alpha else q

@@ -24,7 +24,7 @@
 //     panel in L2, w =
 //     q * scale + lo rounded to bf16 (the weights a dequantized bf16 copy would hold), and the bf16 dot
 //     loops run over it: 0.84-0.89x the bf16 model's linears there (the dequantization is the rest).
-// - steps above exact_rows (int4_activations="int8", W4A8: above 4 rows): the activations quantized to int8 per row
+// - steps above exact_rows (int4_activations="int8", W4A8: above 2 rows): the activations quantized to int8 per row
 //   and group of 32 k (one float32 scale each, the block of a Q8_0 tensor, which is what llama.cpp
 //   multiplies its Q4 weights by), and vpdpbusd (64 multiply-adds an instruction, twice vdpbf16ps's)
 //   sums the weight codes (unsigned) times the activation codes (signed) exactly in int32, per group;
