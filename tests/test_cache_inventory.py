@@ -41,6 +41,7 @@ def test_weights_are_stale_once_their_source_changes_or_goes(tmp_path: Path) -> 
     folders = {f: _weights_folder(f, cache) for f in (kept, changed, gone)}
     unrecorded = cache / "old-path-keyed-0123456789abcdef"  # made before sources were recorded
     _write(unrecorded / "bfloat16" / "llama" / "model.safetensors", b"y" * 10)
+    _write(unrecorded / "bfloat16" / "llama" / "done", b"ok\n")
     old_codes = folders[kept] / "int4-codes-2"  # an older codes format is never read again
     _write(old_codes / "llama" / "codes.safetensors", b"z")
     _write(folders[kept] / "int4-codes-3" / "llama" / "codes.safetensors", b"z")
@@ -48,8 +49,10 @@ def test_weights_are_stale_once_their_source_changes_or_goes(tmp_path: Path) -> 
     _write(changed, os.urandom(4096))
     os.utime(changed, ns=(changed.stat().st_mtime_ns + 10**9,) * 2)
     gone.unlink()
+    foreign = _write(cache / "my-kv-offload" / "block-0.bin", b"k" * 10).parent  # a user's folder under it
     entries = _by_path(scan(cache, set(), codes_format=3))
 
+    assert entries[foreign].kind == "other" and entries[foreign].stale is None
     assert entries[folders[kept]].stale is None
     assert entries[folders[kept]].sources == [str(kept.resolve())]
     assert entries[folders[kept]].parts == [old_codes]
@@ -66,7 +69,7 @@ def test_weights_are_stale_once_their_source_changes_or_goes(tmp_path: Path) -> 
     assert set(prunable(list(entries.values()), 1.0)) == plain
     later = time.time() + 2 * 86400
     aged = set(prunable(list(entries.values()), 1.0, now=later))
-    assert {folders[kept], unrecorded} <= aged and cache / "file-ids" not in aged
+    assert {folders[kept], unrecorded} <= aged and cache / "file-ids" not in aged and foreign not in aged
 
 
 def test_kernel_builds_of_other_sources_are_stale(tmp_path: Path) -> None:

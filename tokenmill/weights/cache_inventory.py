@@ -27,7 +27,7 @@ _noted: set[tuple[str, str]] = set()  # (folder, source) pairs this process has 
 @dataclass
 class CacheEntry:
     path: Path
-    kind: str  # "weights", "kernels", "requantized", "file ids"
+    kind: str  # "weights", "kernels", "requantized", "file ids"; "other": not tokenmill's, left alone
     size: int  # bytes of the files below it
     last_used: float  # seconds since the epoch
     sources: list[str] = field(default_factory=list)
@@ -100,6 +100,16 @@ def _weights_entry(folder: Path, cache_dir: Path, codes_format: int) -> CacheEnt
     return entry
 
 
+def _is_weights_folder(folder: Path) -> bool:
+    """What loader.py and smoothing.py write: a record of sources, a finished dtype cache, codes, maxima."""
+    return (
+        (folder / SOURCES_FILE).exists()
+        or any(folder.glob("*/*/done"))
+        or any(folder.glob("*-codes-*"))
+        or any(folder.glob("int8-maxima-*"))
+    )
+
+
 def scan(cache_dir: Path, current_kernels: set[Path], codes_format: int) -> list[CacheEntry]:
     """Every entry of the cache folder, largest first. `current_kernels`: the kernel build folders
     this install loads (any other was built from other sources); `codes_format`: the codes' format."""
@@ -126,8 +136,11 @@ def scan(cache_dir: Path, current_kernels: set[Path], codes_format: int) -> list
             for f in sorted(top.iterdir()):
                 size, newest = _size_and_newest(f)
                 entries.append(CacheEntry(f, "requantized", size, newest))
-        elif top.is_dir():
+        elif top.is_dir() and _is_weights_folder(top):
             entries.append(_weights_entry(top, cache_dir, codes_format))
+        else:  # not tokenmill's (a user's own folder under it, say): listed, never removed
+            size, newest = _size_and_newest(top)
+            entries.append(CacheEntry(top, "other", size, newest))
     return sorted(entries, key=lambda e: -e.size)
 
 
@@ -140,6 +153,8 @@ def prunable(
     cut = None if older_than_days is None else now - older_than_days * 86400
     out: list[Path] = []
     for e in entries:
+        if e.kind == "other":
+            continue
         if e.stale or (cut is not None and e.last_used < cut and e.kind != "file ids"):
             out.append(e.path)
         else:
