@@ -8,8 +8,9 @@
 // (as a Q4_1 block holds them, so its weights come back exactly; bfloat16's 8 bits cost +0.33 points of perplexity):
 // 640 bytes for 1024 weights, 5 bits a weight, as in Q4_1. Weights whose minimum is -8 scale in every
 // group (a Q4_0 block's, w = (q - 8) scale) leave the minima out: 576 bytes, 4.5 bits a weight as in
-// Q4_0, and one stream 10% shorter for a step that reads every weight once; the kernels take the minimum
-// as -8 scale, the value the other form would hold, so both forms give the same bits. Built by
+// Q4_0, and one stream 10% shorter for a step that reads every weight once; the bf16-activation paths
+// take the minimum as -8 scale, the value the other form would hold, so both forms give the same bits
+// there (W4A8's differ: below). Built by
 // models/ops.py (q4_pack) with plain torch ops. One AND and one shift split a quad into the two halves' codes, one byte a code, four k of a
 // column in each 32-bit lane: the layout of vpdpbusd; a lane's two 16-bit words give vdpbf16ps's pairs.
 //
@@ -31,6 +32,9 @@
 //   y += scale * x_scale * sum + lo * x_scale * sum(x codes): the weights times the rounded activations,
 //   as llama.cpp's Q4_1 x Q8_1 product. 1.0-1.3x the bf16 model's linears at 5-512 rows on Zen 4 (head
 //   included), for a small accuracy cost (+0.16% perplexity against W4A16's +0.04%; docs/benchmarks.md).
+//   Without minima the int32 sums start at -8 x the row's code sum, so they end as sum(x codes (q - 8))
+//   and y += scale * x_scale * sum: one scaling a group rather than two terms, as llama.cpp's Q4_0 x
+//   Q8_0, and 1.08-1.11x faster at 8-128 rows on Zen 4 (the minima's term was a tenth of the arithmetic).
 // Every path sums each row in an order that does not depend on the other rows, so a row's result is the
 // same in any step that takes the same path (1-16 rows, 17 or more; above exact_rows with int8).
 #include <torch/extension.h>
@@ -156,7 +160,8 @@ __attribute__((always_inline)) inline void exact_panel(const uint32_t* x, int64_
 // the codes stand for; both per row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
 template <bool Sym, int M>
 __attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K, const float* xa, const float* xsum,
-                                                     int64_t groups, const uint8_t* wp, float* c, bool stream) {
+                                                     const int32_t* isum, int64_t groups, const uint8_t* wp, float* c,
+                                                     bool stream) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[M][2];
 #pragma GCC unroll 4
@@ -165,8 +170,11 @@ __attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K
     const uint8_t* wg = wp + g * kGroupBytes<Sym>;
     if (stream) prefetch_group<Sym>(wg);
     __m512i acc[M][2];
+    // Without minima (Sym) the weight is (q - 8) scale: the sums start at -8 x the row's code sum, so they
+    // end as sum(codes x (q - 8)), exact in int32, and the group needs one scaling, not a minimum's term.
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+    for (int m = 0; m < M; ++m)
+      acc[m][0] = acc[m][1] = Sym ? _mm512_set1_epi32(-8 * isum[m * groups + g]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int64_t q = 0; q < kQuads; ++q) {
       const __m512i v = _mm512_loadu_si512(wg + q * kQuadBytes);
@@ -181,14 +189,25 @@ __attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K
         acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], c1, xm);
       }
     }
-    __m512 s0, s1, lo0, lo1;
-    group_scales<Sym>(wg, s0, s1, lo0, lo1);
+    if constexpr (Sym) {
+      const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+      const __m512 s0 = f16x16(sc), s1 = f16x16(sc + 16);
 #pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {
-      const __m512 r = _mm512_set1_ps(xa[m * groups + g]), xg = _mm512_set1_ps(xsum[m * groups + g]);
-      const __m512 p0 = _mm512_cvtepi32_ps(acc[m][0]), p1 = _mm512_cvtepi32_ps(acc[m][1]);
-      y[m][0] = _mm512_fmadd_ps(p0, _mm512_mul_ps(s0, r), _mm512_fmadd_ps(lo0, xg, y[m][0]));
-      y[m][1] = _mm512_fmadd_ps(p1, _mm512_mul_ps(s1, r), _mm512_fmadd_ps(lo1, xg, y[m][1]));
+      for (int m = 0; m < M; ++m) {
+        const __m512 r = _mm512_set1_ps(xa[m * groups + g]);
+        y[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][0]), _mm512_mul_ps(s0, r), y[m][0]);
+        y[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][1]), _mm512_mul_ps(s1, r), y[m][1]);
+      }
+    } else {
+      __m512 s0, s1, lo0, lo1;
+      group_scales<Sym>(wg, s0, s1, lo0, lo1);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m512 r = _mm512_set1_ps(xa[m * groups + g]), xg = _mm512_set1_ps(xsum[m * groups + g]);
+        const __m512 p0 = _mm512_cvtepi32_ps(acc[m][0]), p1 = _mm512_cvtepi32_ps(acc[m][1]);
+        y[m][0] = _mm512_fmadd_ps(p0, _mm512_mul_ps(s0, r), _mm512_fmadd_ps(lo0, xg, y[m][0]));
+        y[m][1] = _mm512_fmadd_ps(p1, _mm512_mul_ps(s1, r), _mm512_fmadd_ps(lo1, xg, y[m][1]));
+      }
     }
   }
 #pragma GCC unroll 4
@@ -264,10 +283,11 @@ void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
 // the exact bf16 sum for the minimum's term instead leaves the rounding errors meeting q * scale, with
 // q 0..15 (mean ~7.5), rather than the weight itself, which Q4 centres on zero: ~3x the error's variance
 // (+1.5% perplexity against +0.4% for SmolLM2-135M, docs/benchmarks.md, sixteenth sitting).
-void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, float* xsum) {
-  std::vector<int32_t> sums(M * (K / kGroup));
-  group_quant::quantize_groups(x, xs, M, K, xq, xa, sums.data());
-  for (size_t i = 0; i < sums.size(); ++i) xsum[i] = xa[i] * static_cast<float>(sums[i]);
+// Panels without minima take the codes' integer sums instead (int8_pass).
+void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, float* xsum,
+                     int32_t* sums) {
+  group_quant::quantize_groups(x, xs, M, K, xq, xa, sums);
+  for (int64_t i = 0; i < M * (K / kGroup); ++i) xsum[i] = xa[i] * static_cast<float>(sums[i]);
 }
 
 // y = x @ W^T over panels of one form (Sym: without minima), steps as q4_matmul's header says.
@@ -311,11 +331,12 @@ void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_r
   }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xa(M * groups);
-  quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
+  std::vector<int32_t> isum(M * groups);
+  quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data(), xsum.data(), isum.data());
   panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
                       [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
     int8_pass<Sym, decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
-                                          groups, wp, c, stream);
+                                          isum.data() + r * groups, groups, wp, c, stream);
   });
 }
 #endif
