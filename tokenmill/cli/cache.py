@@ -101,7 +101,7 @@ def cache_prune(
 ) -> None:
     """Remove stale entries: weights whose sources are gone or changed, codes of an older format,
     kernel builds of other sources, memos of files that are gone. What goes is rebuilt when needed."""
-    from tokenmill.weights.cache_inventory import prunable, remove
+    from tokenmill.weights.cache_inventory import prunable, remove, size_of
 
     if older_than is not None and older_than < 0:
         fail("--older-than must be at least 0 days")
@@ -110,17 +110,14 @@ def cache_prune(
     if not paths:
         console.print(f"{root}: nothing to remove")
         return
-    sizes = {e.path: e.size for e in entries}
-    for p in paths:
-        console.print(f"  {p.relative_to(root).as_posix()}  {_size(sizes.get(p, _du(p)))}")
-    total = sum(sizes.get(p, _du(p)) for p in paths)
+    known = {e.path: e.size for e in entries}
+    sizes = [known[p] if p in known else size_of(p) for p in paths]  # a stale part: measured here
+    for p, n in zip(paths, sizes, strict=True):
+        console.print(f"  {p.relative_to(root).as_posix()}  {_size(n)}")
+    total = sum(sizes)
     if dry_run:
         console.print(f"would free {_size(total)} ({len(paths)} entries)")
         return
     if not yes and not typer.confirm(f"remove these {len(paths)} entries ({_size(total)})?"):
         raise typer.Exit(1)
     console.print(f"freed {_size(remove(paths))}")
-
-
-def _du(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size

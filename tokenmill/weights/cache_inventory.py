@@ -77,6 +77,11 @@ def _size_and_newest(path: Path) -> tuple[int, float]:
     return size, newest
 
 
+def size_of(path: Path) -> int:
+    """Bytes of a file, or of every file below a folder."""
+    return _size_and_newest(path)[0]
+
+
 def _weights_entry(folder: Path, cache_dir: Path, codes_format: int) -> CacheEntry:
     size, newest = _size_and_newest(folder)
     record = _read_sources(folder)
@@ -166,7 +171,7 @@ def remove(paths: list[Path]) -> int:
     """Delete these files and folders; returns the bytes freed."""
     freed = 0
     for p in paths:
-        freed += _size_and_newest(p)[0] if p.exists() else 0
+        freed += size_of(p) if p.exists() else 0
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
