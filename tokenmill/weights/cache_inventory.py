@@ -44,7 +44,8 @@ def note_source(folder: Path, source: Path) -> None:
         return
     _noted.add(key)
     try:
-        record = _read_sources(folder)
+        # Sources that no longer exist go (a removed clone's virtualenv): the record stays short.
+        record = {src: t for src, t in _read_sources(folder).items() if Path(src).exists()}
         record[key[1]] = time.time()
         tmp = folder / f"{SOURCES_FILE}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(record, indent=1) + "\n")

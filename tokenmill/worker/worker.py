@@ -197,8 +197,6 @@ class Worker:
             int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
         )
         del loaded
-        # int8's calibration may have made the folder of a Hugging Face directory just now.
-        note_source(weights_cache_root(path, cache_dir), path)
         if self.device.type == "cpu":
             release_freed_memory()
         log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
