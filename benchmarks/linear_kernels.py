@@ -4,9 +4,10 @@ against bf16 in the same run.
 
 - bf16: PackedLinear: oneDNN-packed linears with their few-row panel kernel, or on AVX512-BF16 CPUs
   without AMX the panels alone at every row count.
-- int4: QuantizedLinear, 4-bit layers and an 8-bit head; with the 4-bit and 8-bit panels (AVX512-BF16
-  without AMX) at every row count, bf16 activations (W4A16), elsewhere PyTorch's int4 and int8 matmuls
-  up to 4 rows and a bf16 copy above.
+- int4: QuantizedLinear, 4-bit layers and an 8-bit head; with the 4-bit panels (AVX512-BF16 without
+  AMX) at every row count, bf16 activations (W4A16), and the head in the group panels with 16-bit
+  activation codes (GroupInt8Linear, as models/llama.py builds it there); elsewhere PyTorch's int4 and
+  int8 matmuls up to 4 rows and a bf16 copy above.
 - int4a8: the same with int4_activations="int8" (W4A8 above 2 rows, where the 4-bit panels run).
 - q4_0a8: int4a8 with a Q4_0 file's codes (the `gguf` package's quantizer; w = (q - 8) scale), which
   the 4-bit panels hold without minima: 4.5 bits a weight rather than 5.
@@ -18,7 +19,9 @@ A decode step of M streams runs these matmuls at M rows; a prompt chunk at its t
     python benchmarks/linear_kernels.py [--rows 1,4,8,32,64,256,512] [--reps 5] [--head]
 
 `--head`: the output head alone (49152 x 576): bf16 is then what int4's 8-bit head used to run above 4
-rows (its dequantized copy, packed as a bf16 linear is), int4 the 8-bit panels without that copy.
+rows (its dequantized copy, packed as a bf16 linear is), int4ch the per-channel 8-bit panels (Q8Panels,
+exact products) it ran before the twenty-third sitting, int4 the group panels with 16-bit activation codes
+it runs now, int8g the same panels with 8-bit codes.
 `--shape NAME --layers N`: N layers and the head of a weights/synthetic.py shape (smollm2-1.7b) instead;
 the GB/s columns are the weights each kernel reads a sweep over its time (what bounds a few rows).
 """
@@ -92,30 +95,42 @@ def main() -> None:
     torch.manual_seed(0)
     plain = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for o, i in shapes]
     quant_a8 = functools.partial(ops.quantized_matmul_for, int8_activations=True)
+    wide = functools.partial(ops.group_int8_matmul_for, wide_rows=2**62)
+
+    def per_channel(m: nn.Linear) -> nn.Module:  # int4's 8-bit head before the twenty-third sitting
+        return QuantizedLinear(m, 8, 4, ops.quantized_matmul_for, ops.small_matmul_for)
+
+    def head(m: nn.Linear) -> nn.Module:
+        """int4's 8-bit head as models/llama.py builds it: the group panels with 16-bit activation codes
+        where they run, else the per-channel 8-bit layer."""
+        return GroupInt8Linear.of(m, wide) or per_channel(m)
+
+    def int4(m: nn.Linear, out: int, quant_for: object, codes: GroupCodes | None = None) -> nn.Module:
+        return head(m) if out == VOCAB else QuantizedLinear(m, 4, 4, quant_for, ops.small_matmul_for, codes)
+
     configs: dict[str, list[nn.Module]] = {
         "bf16": [PackedLinear(m, ops.small_matmul_for(m.weight.detach())) for m in plain],
-        "int4": [
-            QuantizedLinear(m, 8 if o == VOCAB else 4, 4, ops.quantized_matmul_for, ops.small_matmul_for)
-            for m, (o, _) in zip(plain, shapes, strict=True)
-        ],
-        "int4a8": [
-            QuantizedLinear(m, 8 if o == VOCAB else 4, 4, quant_a8, ops.small_matmul_for)
-            for m, (o, _) in zip(plain, shapes, strict=True)
-        ],
-        "int8": [Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain],
+        "int4": [int4(m, o, ops.quantized_matmul_for) for m, (o, _) in zip(plain, shapes, strict=True)],
     }
-    configs["q4_0a8"] = [
-        QuantizedLinear(m, 8, 4, quant_a8, ops.small_matmul_for)  # the head in 8 bits, as int4's
-        if o == VOCAB
-        else QuantizedLinear(m, 4, 4, quant_a8, ops.small_matmul_for, codes=q4_0_codes(m.weight))
-        for m, (o, _) in zip(plain, shapes, strict=True)
+    if args.head:  # the head as int4 built it before
+        configs["int4ch"] = [per_channel(m) for m in plain]
+    else:
+        configs["int4a8"] = [int4(m, o, quant_a8) for m, (o, _) in zip(plain, shapes, strict=True)]
+    configs["int8"] = [
+        Int8Linear(m, ops.quantize_rows_u8, ops.scale_rows_, ops.int8_matmul_for) for m in plain
     ]
+    if not args.head:
+        configs["q4_0a8"] = [
+            int4(m, o, quant_a8, None if o == VOCAB else q4_0_codes(m.weight))
+            for m, (o, _) in zip(plain, shapes, strict=True)
+        ]
     groups = [GroupInt8Linear.of(m, ops.group_int8_matmul_for) for m in plain]
     if all(g is not None for g in groups):  # where the group panels run
         configs["int8g"] = groups  # type: ignore[assignment]
     for label, layer in (("int4 layers", configs["int4"][0]), ("int4's 8-bit head", configs["int4"][-1])):
-        path = "panels at every row count" if layer.max_rows is None else "bf16 copy above 4 rows"
-        print(f"{label}: {path}")
+        rows = getattr(layer, "max_rows", None)
+        path = "panels at every row count" if rows is None else "bf16 copy above 4 rows"
+        print(f"{label}: {type(layer).__name__}, {path}")
     names = list(configs)
     sizes = {n: weight_bytes(nn.ModuleList(configs[n]), 1) for n in names}  # what one row reads
     header = " ".join(f"{n + ' ms':>9}" for n in names) + " " + " ".join(f"{n:>6}" for n in names[1:])

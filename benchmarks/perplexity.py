@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tokenmill import LLM
-from tokenmill.models import registry
+from tokenmill.models import llama, registry
 from tokenmill.quality.perplexity import perplexity, text_version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +48,10 @@ CONFIGS = [
         "int4 weights, int8 activations above 2 rows (int4_activations=int8, the default: W4A8)",
         {"quantization": "int4", "int4_activations": "int8"},
     ),
+    (
+        "int4 weights, int8 activations above 2 rows, the 8-bit head per channel (before the 23rd sitting)",
+        {"quantization": "int4", "int4_activations": "int8", "head_per_channel": True},
+    ),
     ("fp8 e4m3 weights and activations, emulated (quantization=fp8)", {"quantization": "fp8"}),
     ("bf16, int8 KV cache (kv_cache_dtype=int8)", {"kv_cache_dtype": "int8"}),
     ("bf16, fp8 e4m3 KV cache (kv_cache_dtype=fp8)", {"kv_cache_dtype": "fp8"}),
@@ -75,13 +79,18 @@ def main() -> None:
         # The engine reads a GGUF file's 4-bit codes as they are; this row quantizes the bf16 weights
         # again instead, as it must for a checkpoint without codes (in-process worker: patched here).
         requantize = kw.pop("requantize", False)
-        saved = registry.load_int4_codes
+        # The int4 head as it was before it took int8's group form (the per-channel 8-bit panels, exact
+        # products): patched the same way.
+        head_per_channel = kw.pop("head_per_channel", False)
+        saved, saved_head = registry.load_int4_codes, llama._int4_head_in_groups
         if requantize:
             registry.load_int4_codes = lambda *_: None
+        if head_per_channel:
+            llama._int4_head_in_groups = lambda *_: False
         try:
             llm = LLM(**{"dtype": "bfloat16", **kw, **COMMON, **model})
         finally:
-            registry.load_int4_codes = saved
+            registry.load_int4_codes, llama._int4_head_in_groups = saved, saved_head
         p = perplexity(llm, args.chunks, steps=args.steps)
         del llm
         base.setdefault("f32", p.value)

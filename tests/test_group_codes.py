@@ -177,7 +177,8 @@ def test_a_4bit_files_head_computes_with_its_own_codes(
     """A file that keeps its (tied) output head in Q4_0 like its layers, as `llama-quantize --pure`
     writes it: the 4-bit codes hold the embedding's own blocks as "lm_head", and an int4 model's head
     takes them (4 bits, the file's weights exactly) rather than an 8-bit copy of their values; a head of
-    another type gives no codes and stays at 8 bits."""
+    another type gives no 4-bit codes and stays at 8 bits: a Q8_0 head's own blocks in the group panels
+    where they run (registry.load_int8_head_codes, as the worker passes them), else per channel."""
     from tokenmill.weights import synthetic
 
     shape = synthetic.Shape("pure", hidden=64, layers=1, ffn=128, heads=2, kv_heads=1)
@@ -197,10 +198,19 @@ def test_a_4bit_files_head_computes_with_its_own_codes(
     model = registry.build(
         loaded.config, loaded.state_dict, torch.bfloat16, torch.device("cpu"), 64,
         quantization="int4", int4_codes=codes,
+        int8_codes=lambda: registry.load_int8_head_codes(path, tmp_path),
     )  # fmt: skip
     lm_head = model.lm_head
-    assert isinstance(lm_head, QuantizedLinear)
-    assert (lm_head.bits, lm_head.from_codes) == ((4, True) if head_type is None else (8, False))
+    if head_type is not None and model.ops.group_panels_available():
+        from tokenmill.models.linear import GroupInt8Linear
+        from tokenmill.models.ops import g8_pack
+
+        blocks = f.int8_groups("token_embd.weight")
+        assert isinstance(lm_head, GroupInt8Linear) and blocks is not None
+        assert torch.equal(lm_head.kernel.panels, g8_pack(blocks.q, blocks.scale))
+    else:
+        assert isinstance(lm_head, QuantizedLinear)
+        assert (lm_head.bits, lm_head.from_codes) == ((4, True) if head_type is None else (8, False))
     # Whatever kernel runs here (2 rows: bf16 activations), the head computes with the file's weights:
     # within the output's bf16 rounding and the weights' (PyTorch's int4 and int8 kernels hold their
     # scales in bf16), and for 8 bits a rounding of each weight to its row's 255 levels.
@@ -210,7 +220,7 @@ def test_a_4bit_files_head_computes_with_its_own_codes(
     with torch.inference_mode():
         out = lm_head(x).double()
     tolerance = 2**-8 * (exact.abs() + x.double().abs() @ w.abs().T)
-    if head_type is not None:
+    if isinstance(lm_head, QuantizedLinear) and head_type is not None:  # per channel: a second rounding
         tolerance += x.double().abs().sum(-1, keepdim=True) * w.abs().amax(1) / 254
     assert bool(((out - exact).abs() <= tolerance).all())
 

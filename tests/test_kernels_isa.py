@@ -591,7 +591,7 @@ def test_g8_panels(kernels, rows: int, n: int, k: int) -> None:
     x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
     x[0, :32] = 0  # a group of zeros: codes 0, scale 0
     panels = g8_pack(q, scale)
-    out = kernels.g8_matmul(x, panels, n)
+    out = kernels.g8_matmul(x, panels, n, 0)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     codes, x_scale = group_codes_of(x)
     ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
@@ -606,12 +606,70 @@ def test_g8_panels(kernels, rows: int, n: int, k: int) -> None:
     gap = (out.double() - x.double() @ w.T).abs()
     assert bool((gap <= level @ w.abs().T + 2**-8 * exact.abs() + atol).all())
     for r in {0, rows // 2, rows - 1}:  # a row gives the same alone and in a step of five
-        assert torch.equal(kernels.g8_matmul(x[r : r + 1], panels, n)[0], out[r])
-        assert torch.equal(kernels.g8_matmul(torch.cat([x[r : r + 1], x[:4]]), panels, n)[0], out[r])
+        assert torch.equal(kernels.g8_matmul(x[r : r + 1], panels, n, 0)[0], out[r])
+        assert torch.equal(kernels.g8_matmul(torch.cat([x[r : r + 1], x[:4]]), panels, n, 0)[0], out[r])
+
+
+def group_codes16_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit codes and scales the group panels' wide rows take, per row and group of 32: scale
+    2^(e - 15) with max|x| = f 2^e (0.5 <= f < 1), codes x / scale rounded half to even. Returns (codes
+    float64 [M, K/32, 32], scales float64 [M, K/32])."""
+    groups = x.double().reshape(x.shape[0], -1, 32)
+    _, e = torch.frexp(groups.abs().amax(-1))
+    scale = torch.where(groups.abs().amax(-1) > 0, torch.ldexp(torch.ones_like(groups[..., 0]), e - 15), 0)
+    codes = torch.round(groups / torch.where(scale > 0, scale, 1)[..., None])
+    assert float(codes.abs().max()) < 2**15
+    return codes, scale
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_g8_panels_with_16bit_rows(kernels, rows: int, n: int, k: int) -> None:
+    """Steps of up to wide_rows rows (int4's output head at every row count, with either int4_activations)
+    take the activations as 16-bit codes per group of 32 with a power-of-two scale, summed with the
+    weights' codes exactly by vpdpwssd: against float64 of y = sum over groups of scale * x_scale *
+    sum(codes x codes), from the codes computed here; and against the bf16 activations' own product,
+    which it matches but for a rounding at 2^-16 of each group's largest value (every element within
+    2^7 of it exactly, so far closer than the 8-bit codes' half level). A step above wide_rows rows
+    takes the 8-bit codes of test_g8_panels."""
+    if not kernels.panel_dot_available():
+        pytest.skip(f"the 8-bit group panels are only in the avx512_bf16 build, not {kernels.isa_level()}")
+    from tokenmill.models.ops import g8_pack
+
+    g = torch.Generator().manual_seed(rows * n + k + 1)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    x = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+    x[0, :32] = 0  # a group of zeros: codes 0, scale 0
+    x[-1, 32:64] *= torch.logspace(-12, 0, 32, base=2).to(torch.bfloat16)  # values 2^12 apart in a group
+    panels = g8_pack(q, scale)
+    out = kernels.g8_matmul(x, panels, n, rows)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    codes, x_scale = group_codes16_of(x)
+    ints = torch.einsum("mgi,ngi->mng", codes, q.double().view(n, k // 32, 32))  # exact integers
+    terms = ints * (scale.double()[None] * x_scale[:, None, :])
+    exact = terms.sum(-1)
+    atol = 4 * (k // 32) * 2**-23 * float(terms.abs().sum(-1).max())
+    check(out, exact, atol=atol)
+    w = (q.double().view(n, k // 32, 32) * scale.double()[..., None]).view(n, k)
+    # The codes' rounding: half a level, at most 2^-15 of the group's largest; none within 2^7 of it.
+    groups = x.double().reshape(rows, k // 32, 32)
+    amax = groups.abs().amax(-1)
+    assert bool((x_scale <= 2**-14 * amax).all())
+    near = groups.abs() * 2**7 >= amax[..., None]
+    assert torch.equal((codes * x_scale[..., None])[near], groups[near])
+    level = (x_scale / 2)[..., None].expand(-1, -1, 32).reshape(rows, k)
+    gap = (out.double() - x.double() @ w.T).abs()
+    assert bool((gap <= level @ w.abs().T + 2**-8 * exact.abs() + atol).all())
+    for r in {0, rows - 1}:  # a row gives the same alone and in any step of up to wide_rows rows
+        assert torch.equal(kernels.g8_matmul(x[r : r + 1], panels, n, 5)[0], out[r])
+        assert torch.equal(kernels.g8_matmul(torch.cat([x[r : r + 1], x[:4]]), panels, n, 5)[0], out[r])
+    if rows > 1:  # above wide_rows: the 8-bit codes
+        assert torch.equal(kernels.g8_matmul(x, panels, n, rows - 1), kernels.g8_matmul(x, panels, n, 0))
 
 
 def q8_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
-    """Random int8 codes with one scale per column, as the int4 model's output head holds them, and bf16
+    """Random int8 codes with one scale per column, as int4's per-channel output head holds them, and bf16
     rows strided as a fused slice."""
     g = torch.Generator().manual_seed(rows * n + k)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -623,7 +681,7 @@ def q8_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), [(49152 // 16, 576), (37, 64)])
 def test_q8_panels(kernels, rows: int, n: int, k: int) -> None:
-    """8-bit weight-only panels (the int4 model's output head, AVX512-BF16 without AMX) against float64:
+    """8-bit weight-only panels (the per-channel form of int4's output head) against float64:
     exact products, float32 sums, the column's scale, one rounding."""
     if not kernels.panel_dot_available():
         pytest.skip(f"the 8-bit panel loops are only in the avx512_bf16 build, not {kernels.isa_level()}")

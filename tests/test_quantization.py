@@ -62,7 +62,7 @@ def test_the_panels_take_every_step_and_the_layer_keeps_no_bf16_copy(
     4 bits: with bf16 activations its answers stay within bf16 rounding of the copy's (measured 0.4-0.8%
     of the largest output), with int8 activations above 2 rows within their rounding too (0.6-0.75%;
     1.0-1.1% before the minimum's term took the rounded activations' sums).
-    8 bits (the int4 model's output head; each panel dequantized to bf16 above 4 rows): within bf16
+    8 bits (int4's per-channel output head; each panel dequantized to bf16 above 4 rows): within bf16
     rounding of the copy's (the kernel's column scales are bf16, the copy's float32)."""
     import functools
 
@@ -138,9 +138,13 @@ def test_int4_engine_generates_like_bf16() -> None:
     ref = forced_run(bf16, prompts, 24)
     del bf16
     int4 = LLM(quantization="int4", **common)
-    # The embedded file is Q4_1: every 4-bit layer computes with the file's own codes.
-    four_bit = [m for m in int4.engine.executor.worker.model.modules() if isinstance(m, QuantizedLinear)]
-    assert all(m.from_codes for m in four_bit if m.bits == 4) and len(four_bit) == 121
+    # The embedded file is Q4_1: every 4-bit layer computes with the file's own codes; the head is 8-bit.
+    model = int4.engine.executor.worker.model
+    four_bit = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4]
+    assert all(m.from_codes for m in four_bit) and len(four_bit) == 120
+    from tokenmill.models.linear import GroupInt8Linear  # the group panels' 8-bit head, where they run
+
+    assert isinstance(model.lm_head, GroupInt8Linear) or model.lm_head.bits == 8
     f = compare(ref, forced_run(int4, prompts, 24, ref))
     assert f.top1_agreement >= 0.75, f
 
@@ -165,6 +169,60 @@ def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
         finally:
             llm.close()
     assert (spaces["int8"] != spaces["bf16"]) == panels, spaces
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("acts", ["int8", "bf16"])
+def test_int4_head_computes_the_files_q8_0_weights(model_path: Path, acts: str) -> None:
+    """int4's 8-bit output head, where the group panels run: the embedded Q4_1 file's tied embedding's
+    own Q8_0 blocks packed bit for bit, times the rows as 16-bit codes per group of 32 at every row
+    count, with either int4_activations. Its logits are then the file's weights times the bf16 rows
+    (float64) within bf16's rounding of the output and the codes' rounding at 2^-15 of each group's
+    largest value, at 1, 3 and 40 rows. Elsewhere the head is the per-channel 8-bit layer."""
+    from tokenmill.models.linear import GroupInt8Linear
+    from tokenmill.models.ops import g8_pack
+
+    llm = LLM(quantization="int4", int4_activations=acts, max_model_len=128, kv_cache_memory_gb=0.05)
+    try:
+        model = llm.engine.executor.worker.model
+        if not model.ops.group_panels_available():
+            assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == 8
+            pytest.skip("the group panels run only on AVX512-BF16 CPUs without AMX: the head is per channel")
+        head = model.lm_head
+        assert isinstance(head, GroupInt8Linear)
+        file = GGUFFile(model_path).int8_groups("token_embd.weight")
+        assert file is not None  # the embedded file's embedding is Q8_0
+        assert torch.equal(head.kernel.panels, g8_pack(file.q, file.scale))
+        n, k = file.q.shape
+        w = (file.q.double().view(n, k // 32, 32) * file.scale.double()[..., None]).view(n, k)
+        g = torch.Generator().manual_seed(0)
+        for rows in (1, 3, 40):
+            x = (torch.randn(rows, k, generator=g) * 3).to(torch.bfloat16)
+            out = head(x)
+            exact = x.double() @ w.T
+            largest = x.double().abs().view(rows, k // 32, 32).amax(-1).repeat_interleave(32, -1)
+            bound = 2**-8 * exact.abs() + (2**-15 * largest + 2**-20 * x.double().abs()) @ w.abs().T
+            assert bool(((out.double() - exact).abs() <= bound).all()), rows
+    finally:
+        llm.close()
+
+
+def test_int4_head_codes_come_from_the_file(model_path: Path, tmp_path: Path) -> None:
+    """registry.load_int8_head_codes: a GGUF file's head (here the tied embedding) as its own Q8_0
+    blocks, cached beside the file's weights (the second call reads the cache); none for a Hugging Face
+    directory."""
+    from tokenmill.models import registry
+
+    file = GGUFFile(model_path).int8_groups("token_embd.weight")
+    for _ in range(2):
+        codes = registry.load_int8_head_codes(model_path, tmp_path)
+        assert codes is not None and set(codes) == {"lm_head"}
+        assert torch.equal(codes["lm_head"].q, file.q) and torch.equal(codes["lm_head"].scale, file.scale)
+    assert any(tmp_path.rglob("head8-codes-*/*/codes-done"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    assert registry.load_int8_head_codes(hf, tmp_path) is None
 
 
 def test_int8_scales_setting_is_checked() -> None:

@@ -19,6 +19,7 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.fp8_linear import quantize_linears_fp8
 from tokenmill.models.linear import (
+    GroupInt8Linear,
     QuantizedLinear,
     int8_matmuls_available,
     pack_linears,
@@ -339,6 +340,30 @@ def _int8_groups_for(
     return scales == "group" or given is not None, given
 
 
+def _int4_head_in_groups(
+    model: LlamaForCausalLM, dtype: torch.dtype, codes: Callable[[], dict[str, Int8Groups] | None] | None
+) -> bool:
+    """int4's 8-bit output head in int8's group form where the group panels run: a Q8_0 file's own head
+    codes (`codes()`: registry.load_int8_head_codes; the embedded model's), else its weight quantized into
+    groups of 32, times the activations as 16-bit codes per group at every row count (G8Panels' wide
+    rows: the precision of bf16 activations). It then computes the file's weights as they are, where the
+    per-channel form (Q8Panels) quantized their values again (int4's perplexity +0.12% against +0.22%),
+    and faster up to 32 rows: on SmolLM2-135M's 49152 x 576 head (AMD Zen 4) 1.1-1.5x at 1 row, 1.4-2.6x
+    at 2-4, 1.0x at 32, 0.89x at 128 (docs/benchmarks.md, twenty-third sitting). With 8-bit activation
+    codes it would be 1.5x faster at 32-128 rows, but they cost +0.3% perplexity, more than all the 4-bit
+    layers' W4A8 (benchmarks/perplexity.py). Whether it took the form."""
+    if not model.shard.last_stage or not model.ops.group_panels_available() or dtype != torch.bfloat16:
+        return False
+    given = codes() if codes is not None else None
+    head = shard_codes(model, given).get("lm_head") if given else None
+    group_for = functools.partial(model.ops.group_int8_matmul_for, wide_rows=2**62)
+    layer = GroupInt8Linear.of(model.lm_head, group_for, head)
+    if layer is None:
+        return False
+    model.lm_head = layer  # type: ignore[assignment]
+    return True
+
+
 def build_model(
     cfg: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -360,11 +385,13 @@ def build_model(
     the given ones, cut to the shard. `calibration`: what to smooth the activations on before
     quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
     int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
-    int4 steps above 2 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16). `int4_codes`:
+    int4 steps above 2 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16); the 8-bit
+    output head takes 16-bit codes of them in either case where it can (_int4_head_in_groups). `int4_codes`:
     the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
     int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
     (config.py); `int8_codes`: reads a Q8_0 file's own codes (registry.load_int8_codes; called only
-    where the group form can run), which the group form takes as they are and "auto" chooses it for."""
+    where the group form can run), which the group form takes as they are and "auto" chooses it for; for
+    int4, its output head's (registry.load_int8_head_codes)."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -398,6 +425,8 @@ def build_model(
         # and every logit depends on it; but a file that keeps it in 4 bits too gives its own codes
         # (load_group_codes), which the head takes: the file's weights exactly, in half the bytes.
         head_codes = "lm_head" in (int4_codes or {})
+        if not head_codes:
+            _int4_head_in_groups(model, dtype, int8_codes)
         quantize_linears(
             model,
             QUANT_MAX_ROWS,

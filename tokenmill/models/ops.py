@@ -126,10 +126,13 @@ class TorchOps:
         """Whether group_int8_matmul_for gives kernels here (for a weight whose K is a multiple of 32)."""
         return False
 
-    def group_int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> G8Panels | None:
+    def group_int8_matmul_for(
+        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0
+    ) -> G8Panels | None:
         """A kernel for W8A8 steps of any number of rows with int8 weight codes in groups of 32 k (q [N, K],
         scale [N, K/32] float32 values float16 holds: a Q8_0 block's), the activations quantized per row
-        and group of 32 as the step runs; or None (the layer is then quantized per channel)."""
+        and group of 32 as the step runs (to 16 bits in steps of up to `wide_rows` rows: G8Panels); or
+        None (the layer is then quantized per channel)."""
         return None
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
@@ -246,7 +249,8 @@ class Q4Panels:
 
 class Q8Panels:
     """x @ W^T for any number of bfloat16 rows with W as int8 codes and a scale per output column
-    (weight-only, the int4 model's output head), by kernels/csrc/panel_q8.cpp over the codes in the bf16
+    (weight-only: the int4 model's output head where the group panels do not take it, as G8Panels do
+    where they run), by kernels/csrc/panel_q8.cpp over the codes in the bf16
     panel layout (AVX512-BF16 builds only): exact products up to 4 rows; above, each panel dequantized to
     bf16 once per sweep of 256 rows, so the layer needs no bf16 copy."""
 
@@ -265,16 +269,21 @@ class G8Panels:
     """W8A8 x @ W^T for any number of bfloat16 rows with W as int8 codes and a scale per group of 32 k (a
     Q8_0 GGUF block), by kernels/csrc/panel_g8.cpp (AVX512-BF16 builds, which have VNNI): the
     activations quantized per row and group of 32 as the step runs, the codes' products summed exactly
-    by vpdpbusd per group and scaled in float32, as llama.cpp multiplies Q8_0 by Q8_0."""
+    by vpdpbusd per group and scaled in float32, as llama.cpp multiplies Q8_0 by Q8_0. Steps of up to
+    `wide_rows` rows take 16-bit activation codes instead (a power-of-two scale: every element within
+    2^7 of its group's largest exactly, the rest to 2^-15 of it), summed by vpdpwssd: as fast as the
+    8-bit codes up to 2 rows, 0.64x of their speed at 32 (AMD Zen 4), the precision of bf16 activations;
+    int4's output head takes them at every row count (models/llama.py, _int4_head_in_groups)."""
 
     max_rows: int | None = None  # every row count
 
-    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0) -> None:
         self.k, self.n = k, q.shape[0]
         self.panels = g8_pack(q, scale)
+        self.wide_rows = wide_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.g8_matmul(x, self.panels, self.n)  # type: ignore[attr-defined]
+        return self.k.g8_matmul(x, self.panels, self.n, self.wide_rows)  # type: ignore[attr-defined]
 
 
 class I8Panels:
@@ -423,10 +432,12 @@ class CpuFusedOps(TorchOps):
     def group_panels_available(self) -> bool:
         return self._dot_loops_for(torch.empty(0, 32), 32)
 
-    def group_int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> G8Panels | None:
+    def group_int8_matmul_for(
+        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0
+    ) -> G8Panels | None:
         if not self._dot_loops_for(q, 32) or not _fit_float16(scale):
             return None  # the panels hold float16 scales
-        return G8Panels(self.k, q, scale)
+        return G8Panels(self.k, q, scale, wide_rows)
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
         return I8Panels(self.k, q, scale) if self._dot_loops_for(q, 4) else None  # vpdpbusd groups 4 k

@@ -85,6 +85,13 @@ def load_int8_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups]
     return loader.load_int8_groups(path, arch.layout, cache_dir)
 
 
+def load_int8_head_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
+    """A GGUF file's output head as 8-bit codes in groups of 32 ({"lm_head": ...}), for an int4 model's
+    head to take (None for a Hugging Face directory: weights/loader.py's load_int8_head)."""
+    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
+    return loader.load_int8_head(path, arch.layout, cache_dir)
+
+
 def build(
     cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *args: Any, **kwargs: Any
 ) -> torch.nn.Module:

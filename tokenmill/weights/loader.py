@@ -36,8 +36,8 @@ from tokenmill.weights.group_codes import (
     quantize_int8_groups,
 )
 
-# The same for the cached codes (load_group_codes, load_int8_groups); 2: the int8 codes hold the head's;
-# 3: the 4-bit codes hold the head's where the file keeps it in a 4-bit type.
+# The same for the cached codes (load_group_codes, load_int8_groups, load_int8_head); 2: the int8 codes hold
+# the head's; 3: the 4-bit codes hold the head's where the file keeps it in a 4-bit type.
 CODES_FORMAT = 3
 
 # GGUF tensor names (per block) to Hugging Face names.
@@ -170,8 +170,9 @@ def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     quantized (8 bits). Cached beside the file's dequantized weights: the next start reads them without
     parsing the file."""
     return _cached_codes(
-        path, layout, cache_dir, "int4", GroupCodes, GGUFFile.group_codes, quantize_groups, head="own"
-    )
+        path, layout, cache_dir, "int4", GroupCodes,
+        lambda: _read_codes(path, layout, GGUFFile.group_codes, quantize_groups, head="own"),
+    )  # fmt: skip
 
 
 def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
@@ -184,8 +185,27 @@ def load_int8_groups(path: Path, layout: Layout, cache_dir: Path | None) -> dict
     Cached as the 4-bit codes are (parsing a GGUF's metadata takes seconds; a file without Q8_0 linears
     is remembered as such)."""
     return _cached_codes(
-        path, layout, cache_dir, "int8", Int8Groups, GGUFFile.int8_groups, quantize_int8_groups, head="any"
-    )
+        path, layout, cache_dir, "int8", Int8Groups,
+        lambda: _read_codes(path, layout, GGUFFile.int8_groups, quantize_int8_groups, head="any"),
+    )  # fmt: skip
+
+
+def load_int8_head(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
+    """A GGUF file's output head (output.weight, or the tied embedding) as 8-bit codes in groups of 32,
+    {"lm_head": ...}, for an int4 model's head to compute in int8's group form: a Q8_0 head's own codes
+    (those of llama.cpp's Q4_0 and Q4_1 files where the width is not a multiple of 256, the embedded
+    model's), another type's quantized into groups from its float32 values (a Q6_K head's, say); None for
+    a Hugging Face directory, or a width that is not a multiple of 32. Cached as the other codes are."""
+    return _cached_codes(path, layout, cache_dir, "head8", Int8Groups, lambda: _read_head_codes(path))
+
+
+def _read_head_codes(path: Path) -> dict[str, Int8Groups] | None:
+    gguf = GGUFFile(path)
+    name = "output.weight" if "output.weight" in set(gguf.tensor_names()) else "token_embd.weight"
+    g = gguf.int8_groups(name)
+    if g is None and gguf.tensor_shape(name)[1] % GROUP == 0:
+        g = quantize_int8_groups(torch.from_numpy(gguf.tensor(name)))
+    return None if g is None else {"lm_head": g}
 
 
 def _cached_codes(
@@ -194,10 +214,10 @@ def _cached_codes(
     cache_dir: Path | None,
     kind: str,
     cls: type[C],
-    take: Callable[[GGUFFile, str], C | None],
-    quantize: Callable[[torch.Tensor], C],
-    head: Literal["own", "any"] | None = None,
+    read: Callable[[], dict[str, C] | None],
 ) -> dict[str, C] | None:
+    """`read()`'s codes of a GGUF file, kept in the file's weights cache under `kind` and the layout; None
+    for a Hugging Face directory (or where `read` finds none, which is remembered too)."""
     if path.is_dir():
         return None
     cache = weights_cache_root(path, cache_dir) / f"{kind}-codes-{CODES_FORMAT}" / layout.name
@@ -205,7 +225,7 @@ def _cached_codes(
         if (cache / "codes-done").read_text() == "none\n":
             return None
         return _unpack_codes(load_file(cache / "codes.safetensors"), cls)
-    codes = _read_codes(path, layout, take, quantize, head)
+    codes = read()
     cache.mkdir(parents=True, exist_ok=True)
     # Each file whole or absent: the ranks of a tensor-parallel engine load at the same time.
     mine = f".{os.getpid()}.tmp"

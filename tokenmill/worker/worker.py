@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from tokenmill.models.smoothing import Calibration, calibration_chunks
 from tokenmill.weights import catalog
 from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
+from tokenmill.weights.group_codes import Int8Groups
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
@@ -86,9 +88,7 @@ class Worker:
             int4_activations=config.int4_activations,
             int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
             int8_scales=config.int8_scales,
-            int8_codes=(lambda: registry.load_int8_codes(path, cache_dir))
-            if config.quantization == "int8"
-            else None,
+            int8_codes=self._int8_codes(config.quantization, path, cache_dir),
         )
         del loaded
         # int8's calibration may have made the folder of a Hugging Face directory just now.
@@ -97,6 +97,19 @@ class Worker:
             release_freed_memory()  # the load's transients (worker/allocator.py)
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _int8_codes(
+        quantization: str | None, path: Path, cache_dir: Path | None
+    ) -> Callable[[], dict[str, Int8Groups] | None] | None:
+        """What reads a GGUF file's 8-bit group codes when build_model asks (only where the group panels
+        run): int8's every linear (a Q8_0 file's), or int4's output head (models/llama.py,
+        _int4_head_in_groups)."""
+        if quantization == "int8":
+            return lambda: registry.load_int8_codes(path, cache_dir)
+        if quantization == "int4":
+            return lambda: registry.load_int8_head_codes(path, cache_dir)
+        return None
 
     def _calibration(self, config: EngineConfig) -> Calibration | None:
         """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (build_model
@@ -195,6 +208,7 @@ class Worker:
             self.config.kernels,
             spec.draft_quantization,
             int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
+            int8_codes=self._int8_codes(spec.draft_quantization, path, cache_dir),
         )
         del loaded
         if self.device.type == "cpu":

@@ -29,7 +29,7 @@ torch::Tensor panel_pack(torch::Tensor weight, int64_t group);
 torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
 bool panel_dot_available();
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t exact_rows);
-torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor panels, int64_t n);
+torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t wide_rows);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n);
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor w_scales,
@@ -75,7 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W^T for bfloat16 rows, W in 4-bit panels (Q4Panels): bf16 activations up to exact_rows rows, int8 above");
   m.def("g8_matmul", &g8_matmul,
         "W8A8 in groups of 32: bfloat16 rows quantized per group of 32 x int8 panels with a scale per group "
-        "(G8Panels, a Q8_0 block's form), as bfloat16");
+        "(G8Panels, a Q8_0 block's form), as bfloat16; steps of up to wide_rows rows quantized to 16 bits");
   m.def("q8_matmul", &q8_matmul, "x @ W^T * scale for up to 4 bfloat16 rows, W in int8 panels (Q8Panels)");
   m.def("i8_matmul", &i8_matmul,
         "W8A8: uint8 rows (q + 128) x int8 panels (group 4), 256 rows a sweep, scaled per row and column, "

@@ -49,6 +49,35 @@ inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_
   });
 }
 
+// Per row and group, 16-bit codes for vpdpwssd (panel_g8.cpp's wide rows): x / a with a power of two,
+// a = 2^(e - 15) where max|x| = f 2^e (0.5 <= f < 1), so every code is below 2^15 in magnitude and every
+// element within 2^7 of its group's largest comes out exactly (bfloat16 holds 8 significant bits); the
+// smaller ones are rounded (half to even) at 2^-15 of the largest. Each quad of 4 k is stored as the
+// pairs (k0, k2), (k1, k3), the order in which panel_g8.cpp's codes split into 16-bit lanes; xsum is the
+// group's code sum (|sum| < 2^20). A group of zeros gets 0 codes and a = 0. Rows are independent.
+inline void quantize_groups16(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int16_t* xq, float* xa,
+                              int32_t* xsum) {
+  const int64_t groups = K / kGroup;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const at::BFloat16* xg = x + m * xs + g * kGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xg[i])));
+      int e = 0;
+      std::frexp(amax, &e);
+      int16_t* qg = xq + m * K + g * kGroup;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        // ldexp scales exactly (no factor 2^(15 - e) that could overflow for a subnormal maximum).
+        const float v = amax > 0.f ? std::nearbyint(std::ldexp(static_cast<float>(xg[i]), 15 - e)) : 0.f;
+        qg[(i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(v);  // k0 k2 k1 k3
+        sum += static_cast<int32_t>(v);
+      }
+      xa[m * groups + g] = amax > 0.f ? std::ldexp(1.f, e - 15) : 0.f;
+      xsum[m * groups + g] = sum;
+    }
+}
+
 // The arguments of a group panels' matmul: x [M, K] bfloat16 with contiguous rows (they may be strided),
 // the panels [ceil(N/32), K/32, group_bytes] uint8 as `packer` builds them, 0 < n <= their columns.
 // `what` names the kernel for the message of a build without AVX512-BF16.

@@ -20,6 +20,13 @@
 // then y += scale * x_scale * sum in float32. Rows are taken 256 a sweep of the weights (they stay in
 // L2 while the weights stream), 4 a pass. Every row is summed in an order that does not depend on the
 // other rows, so a row's result is the same in any step.
+//
+// Steps of up to `wide_rows` rows (int4's 8-bit output head takes every step so) quantize the rows to
+// 16-bit codes instead, with a power-of-two scale per group (group_quant::quantize_groups16: the
+// precision of bf16 activations), and multiply them by vpdpwssd over the same panels, each code quad
+// split into 16-bit pairs as it streams in: twice the multiply instructions of the 8-bit codes, as fast
+// up to 2 rows (the bytes bound them), 0.64x at 32 rows (AMD Zen 4); the 8-bit codes cost the int4
+// model +0.1% perplexity through its head alone (benchmarks/perplexity.py).
 #include <torch/extension.h>
 #include <algorithm>
 #include <cstdint>
@@ -92,12 +99,63 @@ __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, 
     _mm512_store_ps(c + m * kCols + 16, y[m][1]);
   }
 }
+
+// g8_pass for up to 4 rows of 16-bit activation codes (group_quant::quantize_groups16, each quad's pairs
+// (k0, k2), (k1, k3)): each 16 columns' quad splits into those pairs of 16-bit lanes (the even bytes, and
+// the odd ones shifted down), multiplied by vpdpwssd. The int32 sums stay exact: at most 32 x 255 x 2^15.
+template <int M>
+__attribute__((always_inline)) inline void g8_pass16(const int16_t* xq, int64_t K, const float* xa,
+                                                     const int32_t* xsum, int64_t groups, const uint8_t* wp,
+                                                     float* c, bool stream) {
+  const __m512i even = _mm512_set1_epi32(0x00FF00FF);
+  __m512 y[M][2];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = wp + g * kGroupBytes;
+    if (stream) prefetch_group(wg);
+    __m512i acc[M][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_set1_epi32(-128 * xsum[m * groups + g]);
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      const __m512i v0 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes);
+      const __m512i v1 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes + kHalfBytes);
+      const __m512i a0 = _mm512_and_si512(v0, even), b0 = _mm512_srli_epi16(v0, 8);  // (k0, k2), (k1, k3)
+      const __m512i a1 = _mm512_and_si512(v1, even), b1 = _mm512_srli_epi16(v1, 8);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        int32_t pa, pb;  // the row's (k0, k2) and (k1, k3) codes at this quad
+        std::memcpy(&pa, xq + m * K + g * kGroup + 4 * q, sizeof(pa));
+        std::memcpy(&pb, xq + m * K + g * kGroup + 4 * q + 2, sizeof(pb));
+        const __m512i xa2 = _mm512_set1_epi32(pa), xb2 = _mm512_set1_epi32(pb);
+        acc[m][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][0], a0, xa2), b0, xb2);
+        acc[m][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][1], a1, xa2), b1, xb2);
+      }
+    }
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m512 r = _mm512_set1_ps(xa[m * groups + g]);
+      y[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][0]), _mm512_mul_ps(s0, r), y[m][0]);
+      y[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][1]), _mm512_mul_ps(s1, r), y[m][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    _mm512_store_ps(c + m * kCols, y[m][0]);
+    _mm512_store_ps(c + m * kCols + 16, y[m][1]);
+  }
+}
 #endif
 
 }  // namespace
 
-// x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 1088] uint8 (g8_pack), n: N.
-torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
+// x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 1088] uint8 (g8_pack), n: N. Steps of
+// up to `wide_rows` rows take 16-bit activation codes (g8_pass16), larger ones 8-bit (g8_pass).
+torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t wide_rows) {
   group_quant::check_panels(x, packed, n, kGroupBytes, "the 8-bit group panels", "g8_pack");
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, n}, x.options());
@@ -107,9 +165,19 @@ torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);  // ~64 KB of codes a task at least
   const uint8_t* w = packed.data_ptr<uint8_t>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  std::vector<int8_t> xq(M * K);
   std::vector<float> xa(M * groups);
   std::vector<int32_t> xsum(M * groups);
+  if (M <= wide_rows) {
+    std::vector<int16_t> xq(M * K);
+    group_quant::quantize_groups16(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
+    panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+      g8_pass16<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
+                                       groups, wp, c, stream);
+    });
+    return y;
+  }
+  std::vector<int8_t> xq(M * K);
   group_quant::quantize_groups(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
   panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
                         [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
