@@ -55,12 +55,15 @@ static inline void prefetch_group(const uint8_t* wg) {
   for (int64_t i = 0; i < kGroupBytes; i += 64) prefetch_l2(wg + kAheadBytes + i);
 }
 
-// Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales; xsum: their code sums, per
-// row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
-template <int M>
-__attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, const float* xa,
-                                                   const int32_t* xsum, int64_t groups, const uint8_t* wp, float* c,
-                                                   bool stream) {
+// Up to 4 rows of activation codes (xq, rows K apart; xa: their scales; xsum: their code sums, per row
+// and group) against one panel, for either code width: per group the int32 accumulators start at -128 x
+// the row's code sum, `quad(acc, wq, xg)` adds one k quad's products (wq: the quad's 128 bytes of weight
+// codes; xg: the rows' codes at the quad's first k), and the sums are scaled by the group's weight and
+// row scales into float32. `stream`: the pass that reads the panel from memory prefetches.
+template <int M, typename T, typename Quad>
+__attribute__((always_inline)) inline void group_pass(const T* xq, int64_t K, const float* xa, const int32_t* xsum,
+                                                      int64_t groups, const uint8_t* wp, float* c, bool stream,
+                                                      const Quad& quad) {
   __m512 y[M][2];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
@@ -71,18 +74,7 @@ __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, 
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_set1_epi32(-128 * xsum[m * groups + g]);
 #pragma GCC unroll 8
-    for (int64_t q = 0; q < kQuads; ++q) {
-      const __m512i v0 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes);
-      const __m512i v1 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes + kHalfBytes);
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) {
-        int32_t quad;  // the row's four codes at this quad's k
-        std::memcpy(&quad, xq + m * K + g * kGroup + 4 * q, sizeof(quad));
-        const __m512i xm = _mm512_set1_epi32(quad);
-        acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], v0, xm);
-        acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], v1, xm);
-      }
-    }
+    for (int64_t q = 0; q < kQuads; ++q) quad(acc, wg + q * 2 * kHalfBytes, xq + g * kGroup + 4 * q);
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
     const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
     const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
@@ -100,54 +92,48 @@ __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, 
   }
 }
 
-// g8_pass for up to 4 rows of 16-bit activation codes (group_quant::quantize_groups16, each quad's pairs
-// (k0, k2), (k1, k3)): each 16 columns' quad splits into those pairs of 16-bit lanes (the even bytes, and
-// the odd ones shifted down), multiplied by vpdpwssd. The int32 sums stay exact: at most 32 x 255 x 2^15.
+// 8-bit codes: each row's four codes of the quad broadcast, vpdpbusd against the biased weight codes.
+template <int M>
+__attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, const float* xa,
+                                                   const int32_t* xsum, int64_t groups, const uint8_t* wp, float* c,
+                                                   bool stream) {
+  group_pass<M>(xq, K, xa, xsum, groups, wp, c, stream,
+                [K](__m512i (&acc)[M][2], const uint8_t* wq, const int8_t* xg) __attribute__((always_inline)) {
+    const __m512i v0 = _mm512_loadu_si512(wq), v1 = _mm512_loadu_si512(wq + kHalfBytes);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      int32_t quad;  // the row's four codes at this quad's k
+      std::memcpy(&quad, xg + m * K, sizeof(quad));
+      const __m512i xm = _mm512_set1_epi32(quad);
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], v0, xm);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], v1, xm);
+    }
+  });
+}
+
+// 16-bit codes (group_quant::quantize_groups16, each quad's pairs (k0, k2), (k1, k3)): each 16 columns'
+// quad splits into those pairs of 16-bit lanes (the even bytes, and the odd ones shifted down),
+// multiplied by vpdpwssd. The int32 sums stay exact: at most 32 x 255 x 2^15.
 template <int M>
 __attribute__((always_inline)) inline void g8_pass16(const int16_t* xq, int64_t K, const float* xa,
                                                      const int32_t* xsum, int64_t groups, const uint8_t* wp,
                                                      float* c, bool stream) {
-  const __m512i even = _mm512_set1_epi32(0x00FF00FF);
-  __m512 y[M][2];
-#pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = wp + g * kGroupBytes;
-    if (stream) prefetch_group(wg);
-    __m512i acc[M][2];
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_set1_epi32(-128 * xsum[m * groups + g]);
-#pragma GCC unroll 8
-    for (int64_t q = 0; q < kQuads; ++q) {
-      const __m512i v0 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes);
-      const __m512i v1 = _mm512_loadu_si512(wg + q * 2 * kHalfBytes + kHalfBytes);
-      const __m512i a0 = _mm512_and_si512(v0, even), b0 = _mm512_srli_epi16(v0, 8);  // (k0, k2), (k1, k3)
-      const __m512i a1 = _mm512_and_si512(v1, even), b1 = _mm512_srli_epi16(v1, 8);
-#pragma GCC unroll 4
-      for (int m = 0; m < M; ++m) {
-        int32_t pa, pb;  // the row's (k0, k2) and (k1, k3) codes at this quad
-        std::memcpy(&pa, xq + m * K + g * kGroup + 4 * q, sizeof(pa));
-        std::memcpy(&pb, xq + m * K + g * kGroup + 4 * q + 2, sizeof(pb));
-        const __m512i xa2 = _mm512_set1_epi32(pa), xb2 = _mm512_set1_epi32(pb);
-        acc[m][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][0], a0, xa2), b0, xb2);
-        acc[m][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][1], a1, xa2), b1, xb2);
-      }
-    }
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(wg + kCodeBytes);
-    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+  group_pass<M>(xq, K, xa, xsum, groups, wp, c, stream,
+                [K](__m512i (&acc)[M][2], const uint8_t* wq, const int16_t* xg) __attribute__((always_inline)) {
+    const __m512i even = _mm512_set1_epi32(0x00FF00FF);
+    const __m512i v0 = _mm512_loadu_si512(wq), v1 = _mm512_loadu_si512(wq + kHalfBytes);
+    const __m512i a0 = _mm512_and_si512(v0, even), b0 = _mm512_srli_epi16(v0, 8);  // (k0, k2), (k1, k3)
+    const __m512i a1 = _mm512_and_si512(v1, even), b1 = _mm512_srli_epi16(v1, 8);
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {
-      const __m512 r = _mm512_set1_ps(xa[m * groups + g]);
-      y[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][0]), _mm512_mul_ps(s0, r), y[m][0]);
-      y[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][1]), _mm512_mul_ps(s1, r), y[m][1]);
+      int32_t pa, pb;  // the row's (k0, k2) and (k1, k3) codes at this quad
+      std::memcpy(&pa, xg + m * K, sizeof(pa));
+      std::memcpy(&pb, xg + m * K + 2, sizeof(pb));
+      const __m512i xa2 = _mm512_set1_epi32(pa), xb2 = _mm512_set1_epi32(pb);
+      acc[m][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][0], a0, xa2), b0, xb2);
+      acc[m][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][1], a1, xa2), b1, xb2);
     }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < M; ++m) {
-    _mm512_store_ps(c + m * kCols, y[m][0]);
-    _mm512_store_ps(c + m * kCols + 16, y[m][1]);
-  }
+  });
 }
 #endif
 
