@@ -196,16 +196,12 @@ def load_int8_head(path: Path, layout: Layout, cache_dir: Path | None) -> dict[s
     (those of llama.cpp's Q4_0 and Q4_1 files where the width is not a multiple of 256, the embedded
     model's), another type's quantized into groups from its float32 values (a Q6_K head's, say); None for
     a Hugging Face directory, or a width that is not a multiple of 32. Cached as the other codes are."""
-    return _cached_codes(path, layout, cache_dir, "head8", Int8Groups, lambda: _read_head_codes(path))
 
+    def read() -> dict[str, Int8Groups] | None:
+        g = _head_codes(GGUFFile(path), GGUFFile.int8_groups, quantize_int8_groups)
+        return None if g is None else {"lm_head": g}
 
-def _read_head_codes(path: Path) -> dict[str, Int8Groups] | None:
-    gguf = GGUFFile(path)
-    name = "output.weight" if "output.weight" in set(gguf.tensor_names()) else "token_embd.weight"
-    g = gguf.int8_groups(name)
-    if g is None and gguf.tensor_shape(name)[1] % GROUP == 0:
-        g = quantize_int8_groups(torch.from_numpy(gguf.tensor(name)))
-    return None if g is None else {"lm_head": g}
+    return _cached_codes(path, layout, cache_dir, "head8", Int8Groups, read)
 
 
 def _cached_codes(
@@ -293,14 +289,24 @@ def _read_codes(
     fields = [f.name for f in dataclasses.fields(kind)]
     fused = {f: layout.prepare(((name, getattr(g, f)) for name, g in codes.items()), config) for f in fields}
     out = {n.removesuffix(".weight"): kind(*(fused[f][n] for f in fields)) for n in fused[fields[0]]}
-    if head:  # output.weight, or the tied embedding (GGUF keeps no copy of a tied head)
-        name = "output.weight" if "output.weight" in names else "token_embd.weight"
-        g = take(gguf, name)
-        if g is None and head == "any" and gguf.tensor_shape(name)[1] % GROUP == 0:
-            g = quantize(torch.from_numpy(gguf.tensor(name)))
+    if head:
+        g = _head_codes(gguf, take, quantize if head == "any" else None)
         if g is not None:  # else the layer quantizes its own weight, or takes another form
             out["lm_head"] = g
     return out
+
+
+def _head_codes(
+    gguf: GGUFFile, take: Callable[[GGUFFile, str], C | None], quantize: Callable[[torch.Tensor], C] | None
+) -> C | None:
+    """The output head's codes: output.weight's, or the tied embedding's (GGUF keeps no copy of a tied
+    head), by `take`; where its type has none, its float32 values by `quantize` (if given and the width
+    is a multiple of the group)."""
+    name = "output.weight" if "output.weight" in set(gguf.tensor_names()) else "token_embd.weight"
+    g = take(gguf, name)
+    if g is None and quantize is not None and gguf.tensor_shape(name)[1] % GROUP == 0:
+        g = quantize(torch.from_numpy(gguf.tensor(name)))
+    return g
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:

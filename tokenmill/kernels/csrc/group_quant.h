@@ -58,24 +58,34 @@ inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_
 inline void quantize_groups16(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int16_t* xq, float* xa,
                               int32_t* xsum) {
   const int64_t groups = K / kGroup;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const at::BFloat16* xg = x + m * xs + g * kGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xg[i])));
-      int e = 0;
-      std::frexp(amax, &e);
-      int16_t* qg = xq + m * K + g * kGroup;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        // ldexp scales exactly (no factor 2^(15 - e) that could overflow for a subnormal maximum).
-        const float v = amax > 0.f ? std::nearbyint(std::ldexp(static_cast<float>(xg[i]), 15 - e)) : 0.f;
-        qg[(i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(v);  // k0 k2 k1 k3
-        sum += static_cast<int32_t>(v);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
+    float v[kGroup];
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        const at::BFloat16* xg = x + m * xs + g * kGroup;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          v[i] = static_cast<float>(xg[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        int ex = 0;
+        std::frexp(amax, &ex);
+        // 2^(15 - ex) multiplies exactly where float32 holds it; a group whose largest value is below
+        // 2^-112 scales each element by ldexp instead (the factor itself would overflow).
+        const float f = amax > 0.f && ex >= -112 ? std::ldexp(1.f, 15 - ex) : 0.f;
+        int16_t* qg = xq + m * K + g * kGroup;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kGroup; ++i) {
+          const float c = f > 0.f      ? std::nearbyint(v[i] * f)
+                          : amax > 0.f ? std::nearbyint(std::ldexp(v[i], 15 - ex))
+                                       : 0.f;
+          qg[(i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(c);  // k0 k2 k1 k3
+          sum += static_cast<int32_t>(c);
+        }
+        xa[m * groups + g] = amax > 0.f ? std::ldexp(1.f, ex - 15) : 0.f;
+        xsum[m * groups + g] = sum;
       }
-      xa[m * groups + g] = amax > 0.f ? std::ldexp(1.f, e - 15) : 0.f;
-      xsum[m * groups + g] = sum;
-    }
+  });
 }
 
 // The arguments of a group panels' matmul: x [M, K] bfloat16 with contiguous rows (they may be strided),
