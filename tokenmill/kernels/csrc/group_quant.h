@@ -18,12 +18,11 @@ namespace group_quant {
 
 constexpr int64_t kGroup = 32;  // k per scale
 
-// Per row and group: codes round(x / a) (half to even), a = max|x| / 127, and the codes' sum (an exact
-// integer, |sum| <= 32 * 127). A group of zeros, or of values so small that 127 / max overflows
-// (subnormals), gets 0 codes and a = 0: its share of the product is below float32's resolution anyway.
-// Rows are independent, so a row's codes do not depend on the rows beside it.
-inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa,
-                            int32_t* xsum) {
+// Each row's groups of 32 as float32 (v) with their largest magnitude: code(v, amax, group index within
+// all rows' groups) writes the group's codes, scale and code sum. Rows in parallel (independent, so a
+// row's codes do not depend on the rows beside it).
+template <typename Code>
+inline void for_each_group(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, const Code& code) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
     float v[kGroup];
@@ -35,17 +34,27 @@ inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_
           v[i] = static_cast<float>(xg[i]);
           amax = std::max(amax, std::fabs(v[i]));
         }
-        float inv = amax > 0.f ? 127.f / amax : 0.f;
-        if (!std::isfinite(inv)) inv = 0.f;
-        int8_t* qg = xq + m * K + g * kGroup;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-          sum += qg[i];
-        }
-        xa[m * groups + g] = amax / 127.f;
-        xsum[m * groups + g] = sum;
+        code(v, amax, m * groups + g);
       }
+  });
+}
+
+// Per row and group: codes round(x / a) (half to even), a = max|x| / 127, and the codes' sum (an exact
+// integer, |sum| <= 32 * 127). A group of zeros, or of values so small that 127 / max overflows
+// (subnormals), gets 0 codes and a = 0: its share of the product is below float32's resolution anyway.
+inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa,
+                            int32_t* xsum) {
+  for_each_group(x, xs, M, K, [&](const float* v, float amax, int64_t mg) {
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    if (!std::isfinite(inv)) inv = 0.f;
+    int8_t* qg = xq + mg * kGroup;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      qg[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      sum += qg[i];
+    }
+    xa[mg] = amax / 127.f;
+    xsum[mg] = sum;
   });
 }
 
@@ -54,37 +63,26 @@ inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_
 // element within 2^7 of its group's largest comes out exactly (bfloat16 holds 8 significant bits); the
 // smaller ones are rounded (half to even) at 2^-15 of the largest. Each quad of 4 k is stored as the
 // pairs (k0, k2), (k1, k3), the order in which panel_g8.cpp's codes split into 16-bit lanes; xsum is the
-// group's code sum (|sum| < 2^20). A group of zeros gets 0 codes and a = 0. Rows are independent.
+// group's code sum (|sum| < 2^20). A group of zeros gets 0 codes and a = 0.
 inline void quantize_groups16(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int16_t* xq, float* xa,
                               int32_t* xsum) {
-  const int64_t groups = K / kGroup;
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    float v[kGroup];
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
-        const at::BFloat16* xg = x + m * xs + g * kGroup;
-        float amax = 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          v[i] = static_cast<float>(xg[i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        int ex = 0;
-        std::frexp(amax, &ex);
-        // 2^(15 - ex) multiplies exactly where float32 holds it; a group whose largest value is below
-        // 2^-112 scales each element by ldexp instead (the factor itself would overflow).
-        const float f = amax > 0.f && ex >= -112 ? std::ldexp(1.f, 15 - ex) : 0.f;
-        int16_t* qg = xq + m * K + g * kGroup;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < kGroup; ++i) {
-          const float c = f > 0.f      ? std::nearbyint(v[i] * f)
-                          : amax > 0.f ? std::nearbyint(std::ldexp(v[i], 15 - ex))
-                                       : 0.f;
-          qg[(i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(c);  // k0 k2 k1 k3
-          sum += static_cast<int32_t>(c);
-        }
-        xa[m * groups + g] = amax > 0.f ? std::ldexp(1.f, ex - 15) : 0.f;
-        xsum[m * groups + g] = sum;
-      }
+  for_each_group(x, xs, M, K, [&](const float* v, float amax, int64_t mg) {
+    int ex = 0;
+    std::frexp(amax, &ex);
+    // 2^(15 - ex) multiplies exactly where float32 holds it; a group whose largest value is below
+    // 2^-112 scales each element by ldexp instead (the factor itself would overflow).
+    const float f = amax > 0.f && ex >= -112 ? std::ldexp(1.f, 15 - ex) : 0.f;
+    int16_t* qg = xq + mg * kGroup;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float c = f > 0.f      ? std::nearbyint(v[i] * f)
+                      : amax > 0.f ? std::nearbyint(std::ldexp(v[i], 15 - ex))
+                                   : 0.f;
+      qg[(i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(c);  // k0 k2 k1 k3
+      sum += static_cast<int32_t>(c);
+    }
+    xa[mg] = amax > 0.f ? std::ldexp(1.f, ex - 15) : 0.f;
+    xsum[mg] = sum;
   });
 }
 
