@@ -46,6 +46,7 @@ _SOURCES = [
     "panel_q8.cpp",
     "panel_i8.cpp",
     "panel_f8.cpp",
+    "decode_step.cpp",
 ]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}

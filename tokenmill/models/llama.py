@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.decode_step import DecodeStep, decode_step_for
 from tokenmill.models.fp8_linear import quantize_linears_fp8
 from tokenmill.models.linear import (
     GroupInt8Linear,
@@ -153,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.int4_a8 = False
         # Whether int8 took its group form (int8_scales): a scale per group of 32 on both sides.
         self.int8_groups = False
+        self._step: DecodeStep | None = None  # set by finalize()
 
     @property
     def num_local_layers(self) -> int:
@@ -175,14 +177,18 @@ class LlamaForCausalLM(nn.Module):
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
         residual = self._embed(inputs) if self.shard.first_stage else inputs
-        x = ops.rms_norm(residual, plan[0][2], eps)
-        for i, (attn, mlp, _, post_norm_w, next_norm_w) in enumerate(plan):
-            a = attn(x, positions, rope, ops, kv_caches[i], meta, backend)
-            # Each residual add is fused with the norm that follows it (the next layer's, or the final).
-            x = ops.add_rms_norm(a, residual, post_norm_w, eps)
-            m = mlp(x, ops)
-            if next_norm_w is not None:
-                x = ops.add_rms_norm(m, residual, next_norm_w, eps)
+        step = self._step
+        if step is not None and step.takes(residual.shape[0], meta, backend, kv_caches):
+            m = step.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
+        else:
+            x = ops.rms_norm(residual, plan[0][2], eps)
+            for i, (attn, mlp, _, post_norm_w, next_norm_w) in enumerate(plan):
+                a = attn(x, positions, rope, ops, kv_caches[i], meta, backend)
+                # Each residual add is fused with the norm that follows it (the next layer's, or the final).
+                x = ops.add_rms_norm(a, residual, post_norm_w, eps)
+                m = mlp(x, ops)
+                if next_norm_w is not None:
+                    x = ops.add_rms_norm(m, residual, next_norm_w, eps)
         residual.add_(m)
         if not self.shard.last_stage:
             return residual
@@ -226,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.shard.last_stage:
             self._lm_head = self.lm_head.forward
+        # Pure decode steps as one C++ call where every layer's kernels allow (models/decode_step.py).
+        self._step = decode_step_for(self)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.shard.first_stage and self.shard.last_stage:

@@ -36,6 +36,7 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
                         int64_t n);
 torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor offsets,
                         torch::Tensor w_scales, int64_t n);
+void register_decode_layers(pybind11::module_& m);
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
 static std::string isa_level() {
@@ -89,4 +90,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cached", &prefill_attention_cached,
         "causal attention of prompt chunks after a cached context, read through block tables");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
+  register_decode_layers(m);
 }

@@ -33,7 +33,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         """`level`: an instruction-set build of the kernel (tokenmill/kernels/isa.py); default the best."""
         super().__init__(kv_format)
         self.kernels = cpu_kernels(level)
-        self._format_code = _FORMAT_CODES[kv_format]
+        self.format_code = _FORMAT_CODES[kv_format]
         self.prompt_kernel = bf16_brgemm_available()
         self.cached_min_queries = CACHED_MIN_QUERIES["amx" if amx_brgemm_available() else "avx512_bf16"]
 
@@ -102,7 +102,7 @@ class CpuPagedBackend(TorchReferenceBackend):
                 torch.tensor([s.start_pos for s in rest], dtype=torch.long),
                 tables,
                 scale,
-                self._format_code,
+                self.format_code,
             )
 
     def _decode(
@@ -115,5 +115,5 @@ class CpuPagedBackend(TorchReferenceBackend):
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         return self.kernels.paged_decode(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, self._format_code
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, self.format_code
         )

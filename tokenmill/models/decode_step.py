@@ -1,0 +1,144 @@
+"""A pure decode step's decoder layers as one C++ call (kernels/csrc/decode_step.cpp).
+
+At one stream a decoder layer is ten small kernels, and the Python between them (the linears' and the
+attention backend's dispatch, views, argument parsing) was ~30% of the main thread's step on
+SmolLM2-135M (AMD Zen 4, perf), while the thread pool's other thread spun waiting for the next kernel.
+`DecodeStep` hands the whole layer loop to C++: the same kernels, in the same order, on the same
+tensors, so a step gives the Python loop's bits exactly (tests/test_decode_step.py).
+
+It takes the steps it can: decode rows only (prompts and chunks keep the Python loop), the CPU paged
+attention backend of the model's own kernel build, no tensor parallelism (its all-reduces are Python
+collectives), and every layer's linears on a kernel the C++ step calls (bf16 panels, 4-bit panels,
+int8 group panels); a model with any other linear (oneDNN's int8, fp8, per-channel 8-bit panels)
+keeps the Python loop for every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.models.attention.cpu_paged import CpuPagedBackend
+from tokenmill.models.linear import GroupInt8Linear, PackedLinear, QuantizedLinear
+from tokenmill.models.ops import CpuFusedOps, G8Panels, PanelMatmul, Q4Panels
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM
+
+# The kernels the C++ step calls for a linear (decode_step.cpp's Kind).
+DOT, VECTOR, Q4, G8 = 0, 1, 2, 3
+
+
+class StepLinear(NamedTuple):
+    """A linear as the C++ step runs it: which kernel, its panels, output width, last argument, bias, and
+    the most rows it takes that way (None: any)."""
+
+    kind: int
+    panels: torch.Tensor
+    n: int
+    param: int
+    bias: torch.Tensor | None
+    max_rows: int | None
+
+
+def step_linear(linear: nn.Module) -> StepLinear | None:
+    """The kernel `linear` runs a decode step's rows on, as the C++ step would call it, or None where that
+    is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step."""
+    if isinstance(linear, PackedLinear) and isinstance(linear.small, PanelMatmul):
+        k = linear.small
+        if k.dot:  # panel_matmul_dot for bf16 rows, every row count
+            return StepLinear(DOT, k.panels, k.n, 0, linear.bias, None)
+        # The vector loops (or brgemm) up to the kernel's rows; above them oneDNN's copy runs.
+        rows = k.max_rows if linear.packed is not None else None
+        return StepLinear(VECTOR, k.panels, k.n, k.vector_rows, linear.bias, rows)
+    if isinstance(linear, QuantizedLinear) and isinstance(linear.small, Q4Panels):
+        k4 = linear.small
+        return StepLinear(Q4, k4.panels, k4.n, k4.exact_rows, linear.bias, linear.max_rows)
+    if isinstance(linear, GroupInt8Linear) and isinstance(linear.kernel, G8Panels):
+        k8 = linear.kernel
+        return StepLinear(G8, k8.panels, k8.n, k8.wide_rows, linear.bias, None)
+    return None
+
+
+class DecodeStep:
+    """The C++ layer loop of one model (or pipeline stage), built once its weights are final."""
+
+    def __init__(self, model: LlamaForCausalLM, linears: list[StepLinear]) -> None:
+        self.kernels = model.ops.k  # type: ignore[attr-defined]
+        self.kinds = {s.kind for s in linears}
+        limits = [s.max_rows for s in linears if s.max_rows is not None]
+        self.max_rows: int | None = min(limits) if limits else None
+        norms = [model.layers[0].input_layernorm.weight]
+        for i, layer in enumerate(model.layers):
+            norms.append(layer.post_attention_layernorm.weight)
+            if i + 1 < len(model.layers):
+                norms.append(model.layers[i + 1].input_layernorm.weight)
+        attn = model.layers[0].self_attn
+        self.scale = attn.scale
+        self.rope = model.rope
+        self.layers = self.kernels.DecodeLayers(
+            [s.kind for s in linears],
+            [s.panels for s in linears],
+            [s.n for s in linears],
+            [s.param for s in linears],
+            [s.bias for s in linears],
+            [w.detach() for w in norms],
+            attn.num_heads,
+            attn.num_kv,
+            attn.head_dim,
+            model.config.rms_norm_eps,
+        )
+
+    def takes(self, rows: int, meta: AttentionMetadata, backend: AttentionBackend, kv: torch.Tensor) -> bool:
+        """Whether this step is one the C++ loop runs: decode rows only, within every linear's kernel, on
+        the paged backend of the same kernel build (its attention bits), over one contiguous cache."""
+        return (
+            meta.num_decode == rows
+            and (self.max_rows is None or rows <= self.max_rows)
+            and type(backend) is CpuPagedBackend
+            and backend.kernels is self.kernels
+            and kv.is_contiguous()
+        )
+
+    def run(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: CpuPagedBackend,
+    ) -> torch.Tensor:
+        """Every layer over `residual` (updated in place); the last layer's MLP output, for the caller's
+        final residual add."""
+        return self.layers.run(
+            residual,
+            positions,
+            self.rope.cos,
+            self.rope.sin_signed,
+            kv_caches,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            backend.format_code,
+        )
+
+
+def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
+    """The model's C++ decode step, or None where its steps keep the Python loop (module doc)."""
+    if not isinstance(model.ops, CpuFusedOps) or model.comm.tp_size > 1 or not len(model.layers):
+        return None
+    if model.layers[0].input_layernorm.weight.dtype != torch.bfloat16:
+        return None  # the panel kernels' rows are bf16
+    linears = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            s = step_linear(lin)
+            if s is None:
+                return None
+            linears.append(s)
+    return DecodeStep(model, linears)
