@@ -43,7 +43,7 @@ def main() -> None:
         kw["int8_scales"] = "group"
     llm = LLM(kv_cache_memory_gb=1.0, **kw)
     model = llm.engine.executor.worker.model  # type: ignore[attr-defined]
-    step = model._step
+    step = model.decode_step()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
     print(f"model: {args.model or 'the embedded one'}, quantization {args.quantization or 'none (bf16)'}")
     if step is None:

@@ -1,8 +1,9 @@
 """The C++ decode step (tokenmill/models/decode_step.py, kernels/csrc/decode_step.cpp) against the Python
 layer loop it replaces: the same kernels in the same order, so every logit and every byte written to
 the KV cache must be equal, bit for bit, on each kernel build this CPU runs, for each linear kernel the
-step calls (bf16 panels, 4-bit panels in both activation settings, int8 group panels), for plain and
-8-bit caches, with biases and grouped kv heads; and models it cannot take keep the Python loop."""
+step calls (bf16 panels, 4-bit panels in both activation settings, int8 group and per-channel panels,
+fp8 panels), for plain and 8-bit caches, with biases and grouped kv heads; and models it cannot take
+keep the Python loop."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tokenmill.kernels.isa import all_levels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decode_step import DOT, G8, Q4, VECTOR, DecodeStep
+from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, VECTOR, DecodeStep
 from tokenmill.models.llama import build_model
 from tokenmill.models.ops import CpuFusedOps
 
@@ -102,7 +103,7 @@ def test_step_gives_the_python_loops_bits(level: str, kv_format: str | None) -> 
     """bf16 panels (the dot loops on AVX512-BF16, the vector loops on the other builds), q/k/v biases and
     grouped kv heads; 1 and 3 rows a step."""
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
-    step = model._step
+    step = model.decode_step()
     assert step is not None, "every linear is on the bf16 panels"
     # The dot loops where they take every row count (AVX512-BF16 without AMX), else the vector loops.
     assert step.kinds == ({DOT} if model.ops.panels_take_every_row() else {VECTOR})
@@ -125,7 +126,7 @@ def test_vector_loops_take_only_their_rows() -> None:
     if level is None:
         pytest.skip("every kernel build this CPU runs has the dot loops (no vector-loop build)")
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
-    step = model._step
+    step = model.decode_step()
     assert step is not None and step.kinds == {VECTOR} and step.max_rows in (4, 96)
     meta = AttentionMetadata.of([0], [[0]], [1], [], 16, torch.device("cpu"))
     backend, kv = get_backend(level), torch.zeros(2, 2, 1, 16, 2, 16, dtype=torch.bfloat16)
@@ -140,9 +141,9 @@ def test_vector_loops_take_only_their_rows() -> None:
 
 def test_plain_ops_and_float32_keep_the_python_loop() -> None:
     sd = _weights(QWEN)
-    assert build_model(QWEN, sd, torch.bfloat16, torch.device("cpu"), 64, "torch")._step is None
+    assert build_model(QWEN, sd, torch.bfloat16, torch.device("cpu"), 64, "torch").decode_step() is None
     if LEVELS:
-        assert build_model(QWEN, sd, torch.float32, torch.device("cpu"), 64, LEVELS[-1])._step is None
+        assert build_model(QWEN, sd, torch.float32, torch.device("cpu"), 64, LEVELS[-1]).decode_step() is None
 
 
 def _record_logits(llm: LLM) -> list[torch.Tensor]:
@@ -165,22 +166,25 @@ QUANTIZED = [
     ({"quantization": "int4"}, Q4),  # W4A8 from 3 rows
     ({"quantization": "int4", "int4_activations": "bf16"}, Q4),
     ({"quantization": "int8", "int8_scales": "group"}, G8),
+    ({"quantization": "int8"}, I8),  # per channel (SmoothQuant) on this Q4_1 file
+    ({"quantization": "fp8"}, F8),
     ({"kv_cache_dtype": "int8"}, DOT),
 ]
+IDS = ["int4", "int4-a16", "int8-groups", "int8-channel", "fp8", "bf16-kv-int8"]
 
 
-@pytest.mark.parametrize(("kw", "kind"), QUANTIZED, ids=["int4", "int4-a16", "int8-groups", "bf16-kv-int8"])
+@pytest.mark.parametrize(("kw", "kind"), QUANTIZED, ids=IDS)
 def test_engine_steps_match_the_python_loop(kw: dict[str, str], kind: int) -> None:
     """The real model in the engine: 4 requests of different lengths, so steps of 4, 3, 2 and 1 rows
     (both sides of int4's W8A8 threshold), each logit equal with the C++ step and without."""
     llm = LLM(max_model_len=256, enable_prefix_caching=False, **kw)
     model = llm.engine.executor.worker.model  # type: ignore[attr-defined]
-    ops = model.ops
+    ops, step = model.ops, model.decode_step()
     if isinstance(ops, CpuFusedOps) and ops.panels_take_every_row():  # AVX512-BF16 without AMX
-        assert model._step is not None and kind in model._step.kinds
-    if model._step is None:
+        assert step is not None and kind in step.kinds
+    if step is None:
         pytest.skip("this CPU's kernels for the model are not all ones the C++ step calls")
-    calls = _counted(model._step)
+    calls = _counted(step)
     prompts = ["The capital of France is", "Count: one, two,", "A haiku about the sea:", "def fib(n):"]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 5, 7, 9)]
     seen = _record_logits(llm)

@@ -8,9 +8,9 @@ tensors, so a step gives the Python loop's bits exactly (tests/test_decode_step.
 
 It takes the steps it can: decode rows only (prompts and chunks keep the Python loop), the CPU paged
 attention backend of the model's own kernel build, no tensor parallelism (its all-reduces are Python
-collectives), and every layer's linears on a kernel the C++ step calls (bf16 panels, 4-bit panels,
-int8 group panels); a model with any other linear (oneDNN's int8, fp8, per-channel 8-bit panels)
-keeps the Python loop for every step.
+collectives), and every layer's linears on a kernel the C++ step calls (the panel kernels of bf16,
+int4, int8 in both forms and fp8); a model with any other linear (oneDNN's or PyTorch's matmuls, as
+on CPUs without AVX512-BF16 for the quantized forms) keeps the Python loop for every step.
 """
 
 from __future__ import annotations
@@ -22,19 +22,22 @@ from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
-from tokenmill.models.linear import GroupInt8Linear, PackedLinear, QuantizedLinear
-from tokenmill.models.ops import CpuFusedOps, G8Panels, PanelMatmul, Q4Panels
+from tokenmill.models.fp8_linear import Fp8Linear
+from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
+from tokenmill.models.ops import CpuFusedOps, F8Panels, G8Panels, I8Panels, PanelMatmul, Q4Panels
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import LlamaForCausalLM
 
-# The kernels the C++ step calls for a linear (decode_step.cpp's Kind).
-DOT, VECTOR, Q4, G8 = 0, 1, 2, 3
+# The kernels the C++ step calls for a linear (decode_step.cpp's Kind): the bf16 dot loops, the bf16
+# vector loops (or brgemm), 4-bit panels, int8 group panels, int8 per-channel panels (W8A8, the rows
+# quantized by ops.quantize_rows_u8), fp8 panels (the rows as e4m3 codes by ops.e4m3_rows).
+DOT, VECTOR, Q4, G8, I8, F8 = 0, 1, 2, 3, 4, 5
 
 
 class StepLinear(NamedTuple):
-    """A linear as the C++ step runs it: which kernel, its panels, output width, last argument, bias, and
-    the most rows it takes that way (None: any)."""
+    """A linear as the C++ step runs it: which kernel, its panels, output width, last integer argument,
+    bias, the most rows it takes that way (None: any), and the kernel's other tensors."""
 
     kind: int
     panels: torch.Tensor
@@ -42,11 +45,13 @@ class StepLinear(NamedTuple):
     param: int
     bias: torch.Tensor | None
     max_rows: int | None
+    extra: tuple[torch.Tensor, ...] = ()
 
 
-def step_linear(linear: nn.Module) -> StepLinear | None:
+def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
     """The kernel `linear` runs a decode step's rows on, as the C++ step would call it, or None where that
-    is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step."""
+    is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step; the rows'
+    quantizers of the W8A8 and fp8 forms must be `ops`' own (the C++ step calls that build's)."""
     if isinstance(linear, PackedLinear) and isinstance(linear.small, PanelMatmul):
         k = linear.small
         if k.dot:  # panel_matmul_dot for bf16 rows, every row count
@@ -60,6 +65,18 @@ def step_linear(linear: nn.Module) -> StepLinear | None:
     if isinstance(linear, GroupInt8Linear) and isinstance(linear.kernel, G8Panels):
         k8 = linear.kernel
         return StepLinear(G8, k8.panels, k8.n, k8.wide_rows, linear.bias, None)
+    if isinstance(linear, Int8Linear) and isinstance(linear.small, I8Panels):
+        ki = linear.small
+        if linear.quantize != ops.quantize_rows_u8:
+            return None
+        # Int8Linear takes the panels for bf16 rows up to their rows (None: every count).
+        return StepLinear(I8, ki.panels, ki.n, 0, linear.bias, linear.small_rows, (ki.offsets, ki.scales))
+    if isinstance(linear, Fp8Linear) and isinstance(linear.small, F8Panels):
+        kf = linear.small
+        if linear.e4m3_rows != ops.e4m3_rows:
+            return None
+        rows = linear.small_rows if linear.wide is not None else None
+        return StepLinear(F8, kf.panels, kf.n, 0, linear.bias, rows, (kf.scales,))
     return None
 
 
@@ -85,6 +102,7 @@ class DecodeStep:
             [s.n for s in linears],
             [s.param for s in linears],
             [s.bias for s in linears],
+            [list(s.extra) for s in linears],
             [w.detach() for w in norms],
             attn.num_heads,
             attn.num_kv,
@@ -129,7 +147,8 @@ class DecodeStep:
 
 def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     """The model's C++ decode step, or None where its steps keep the Python loop (module doc)."""
-    if not isinstance(model.ops, CpuFusedOps) or model.comm.tp_size > 1 or not len(model.layers):
+    ops = model.ops
+    if not isinstance(ops, CpuFusedOps) or model.comm.tp_size > 1 or not len(model.layers):
         return None
     if model.layers[0].input_layernorm.weight.dtype != torch.bfloat16:
         return None  # the panel kernels' rows are bf16
@@ -137,7 +156,7 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            s = step_linear(lin)
+            s = step_linear(lin, ops)
             if s is None:
                 return None
             linears.append(s)

@@ -154,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.int4_a8 = False
         # Whether int8 took its group form (int8_scales): a scale per group of 32 on both sides.
         self.int8_groups = False
-        self._step: DecodeStep | None = None  # set by finalize()
+        self._step: DecodeStep | None = None  # decode_step()'s, once _step_built
+        self._step_built = False
 
     @property
     def num_local_layers(self) -> int:
@@ -177,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
         residual = self._embed(inputs) if self.shard.first_stage else inputs
-        step = self._step
+        step = self._step if self._step_built else self.decode_step()
         if step is not None and step.takes(residual.shape[0], meta, backend, kv_caches):
             m = step.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
         else:
@@ -232,8 +233,17 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.shard.last_stage:
             self._lm_head = self.lm_head.forward
-        # Pure decode steps as one C++ call where every layer's kernels allow (models/decode_step.py).
-        self._step = decode_step_for(self)
+        # Pure decode steps as one C++ call where every layer's kernels allow (models/decode_step.py), built
+        # on first use: by then the model holds its own copies of the checkpoint's norms and biases
+        # (own_weights.py, after the build), which the step must hold rather than the mapped file's views.
+        self._step, self._step_built = None, False
+
+    def decode_step(self) -> DecodeStep | None:
+        """The C++ decode step over the model's weights as they are now (built once, after finalize()), or
+        None where its kernels keep the Python loop (models/decode_step.py)."""
+        if not self._step_built:
+            self._step, self._step_built = decode_step_for(self), True
+        return self._step
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.shard.first_stage and self.shard.last_stage:

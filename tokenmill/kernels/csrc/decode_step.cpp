@@ -24,16 +24,24 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
 torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t exact_rows);
 torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t wide_rows);
+std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
+torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor offsets,
+                        torch::Tensor w_scales, int64_t n);
+std::vector<torch::Tensor> e4m3_rows_bf16(torch::Tensor x);
+torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor w_scales,
+                        int64_t n);
 
 namespace {
 
-// Which kernel a linear runs (models/decode_step.py, LINEAR_KINDS); `param` is its last argument.
-enum Kind : int64_t { kDot = 0, kVector = 1, kQ4 = 2, kG8 = 3 };
+// Which kernel a linear runs (models/decode_step.py's kinds); `param` is its last integer argument and
+// `extra` its other tensors (I8: the code-sum offsets and column scales; F8: the column scales).
+enum Kind : int64_t { kDot = 0, kVector = 1, kQ4 = 2, kG8 = 3, kI8 = 4, kF8 = 5 };
 
 struct Linear {
   int64_t kind, n, param;
   torch::Tensor panels;
   std::optional<torch::Tensor> bias;
+  std::vector<torch::Tensor> extra;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
@@ -42,6 +50,16 @@ struct Linear {
       case kVector: y = panel_matmul(x, panels, n, param); break;
       case kQ4: y = q4_matmul(x, panels, n, param); break;
       case kG8: y = g8_matmul(x, panels, n, param); break;
+      case kI8: {  // W8A8 per channel: the rows quantized as Int8Linear does (ops.quantize_rows_u8)
+        auto q = quantize_rows_u8(x);
+        y = i8_matmul(q[0], q[1], panels, extra[0], extra[1], n);
+        break;
+      }
+      case kF8: {  // fp8: the rows as e4m3 codes, as Fp8Linear does (ops.e4m3_rows)
+        auto q = e4m3_rows_bf16(x);
+        y = f8_matmul(q[0], q[1], panels, extra[0], n);
+        break;
+      }
       default: TORCH_CHECK(false, "unknown linear kind ", kind);
     }
     if (bias) y.add_(*bias);
@@ -68,15 +86,19 @@ class DecodeLayers {
   // (none after the last): 2 L weights.
   DecodeLayers(std::vector<int64_t> kinds, std::vector<torch::Tensor> panels, std::vector<int64_t> ns,
                std::vector<int64_t> params, std::vector<std::optional<torch::Tensor>> biases,
-               std::vector<torch::Tensor> norms, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+               std::vector<std::vector<torch::Tensor>> extras, std::vector<torch::Tensor> norms, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double eps)
       : norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
     const size_t n = kinds.size();
-    TORCH_CHECK(n % 4 == 0 && panels.size() == n && ns.size() == n && params.size() == n && biases.size() == n,
+    TORCH_CHECK(n % 4 == 0 && panels.size() == n && ns.size() == n && params.size() == n && biases.size() == n &&
+                    extras.size() == n,
                 "four linears a layer");
     TORCH_CHECK(n > 0 && norms_.size() == n / 2, "at least one layer, two norms a layer");
     for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kG8, "unknown linear kind ", kinds[i]);
-      linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i]});
+      TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kF8, "unknown linear kind ", kinds[i]);
+      const size_t wanted = kinds[i] == kI8 ? 2 : kinds[i] == kF8 ? 1 : 0;
+      TORCH_CHECK(extras[i].size() == wanted, "linear kind ", kinds[i], " takes ", wanted, " extra tensors");
+      linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i]});
     }
     for (const auto& w : norms_) TORCH_CHECK(w.is_contiguous(), "norm weights must be contiguous");
   }
@@ -146,8 +168,8 @@ void register_decode_layers(pybind11::module_& m) {
   py::class_<DecodeLayers, std::shared_ptr<DecodeLayers>>(
       m, "DecodeLayers", py::module_local(), "a pure decode step's decoder layers as one call (models/decode_step.py)")
       .def(py::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<std::optional<torch::Tensor>>, std::vector<torch::Tensor>, int64_t, int64_t,
-                    int64_t, double>())
+                    std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
+                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       // No Python object is touched inside: the engine's other threads (its I/O) run meanwhile.
       .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>());
