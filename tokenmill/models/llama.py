@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
         residual = self._embed(inputs) if self.shard.first_stage else inputs
-        step = self._step if self._step_built else self.decode_step()
+        step = self.decode_step()
         if step is not None and step.takes(residual.shape[0], meta, backend, kv_caches):
             m = step.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
         else:

@@ -11,25 +11,7 @@
 #include <optional>
 #include <vector>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format);
-void kv_write_q8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                 torch::Tensor slots, bool fp8);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gu);
-void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions, torch::Tensor cos,
-           torch::Tensor sin_signed);
-torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows);
-torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n);
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t exact_rows);
-torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t wide_rows);
-std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x);
-torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor offsets,
-                        torch::Tensor w_scales, int64_t n);
-std::vector<torch::Tensor> e4m3_rows_bf16(torch::Tensor x);
-torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor panels, torch::Tensor w_scales,
-                        int64_t n);
+#include "kernels.h"
 
 namespace {
 
