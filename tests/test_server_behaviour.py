@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -70,6 +71,10 @@ def test_metrics_reflect_requests(server) -> None:
     ):
         metric(text, f"tokenmill:{name}")
     metric(text, "tokenmill:num_preemptions_total")
+    # The engine runs its forward passes on at least one of the cores it may use (fewer while the
+    # thread governor sees a neighbour), and says so.
+    assert 1 <= metric(text, "tokenmill:engine_threads") <= len(os.sched_getaffinity(0))
+    assert metric(text, "tokenmill:engine_thread_changes_total") >= 0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server) -> None:

@@ -279,6 +279,7 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
+        threads, thread_changes = self.executor.compute_threads()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
@@ -294,6 +295,8 @@ class EngineCore:
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
             kv_connector=self._connector_counters(),
+            engine_threads=threads,
+            engine_thread_changes=thread_changes,
         )
 
     def _connector_counters(self) -> dict[str, int]:

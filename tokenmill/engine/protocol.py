@@ -83,6 +83,10 @@ class EngineStats:
     # The KV connector's counters since start (offload tiers or KV transfer: the scheduler's side and the
     # worker's), empty without one.
     kv_connector: dict[str, int] = field(default_factory=dict)
+    # Threads the forward passes use now, and how often the thread governor changed that count since
+    # start (worker/thread_governor.py: a neighbour crowding the cores); 0 threads where not reported.
+    engine_threads: int = 0
+    engine_thread_changes: int = 0
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------

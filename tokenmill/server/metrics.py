@@ -210,6 +210,17 @@ class _EngineCollector(Collector):
             "tokenmill:prefix_cache_hits", "Prompt tokens found cached", lambda s: s.prefix_cache_hits
         )
         yield counter("tokenmill:num_preemptions", "Requests preempted", lambda s: s.num_preemptions)
+        # One fewer than the configured count while a neighbour crowds the cores (thread_governor.py).
+        yield gauge(
+            "tokenmill:engine_threads",
+            "Threads the engine's forward passes use now (0: not reported)",
+            lambda s: s.engine_threads,
+        )
+        yield counter(
+            "tokenmill:engine_thread_changes",
+            "Changes of the engine's thread count by its governor",
+            lambda s: s.engine_thread_changes,
+        )
         # Speculative decoding (vLLM's spec_decode_* family): acceptance rate = accepted / draft
         # tokens; mean accepted length = 1 + accepted / drafts.
         yield counter("tokenmill:spec_decode_num_drafts", "Drafts verified", lambda s: s.spec_num_drafts)

@@ -36,6 +36,11 @@ class Executor(ABC):
         """Where the workers' KV transfer server listens (empty when none serves)."""
         return {}
 
+    def compute_threads(self) -> tuple[int, int]:
+        """Threads the forward passes use now and the governor's changes since start; (0, 0) where
+        the executor does not report them."""
+        return 0, 0
+
     def shutdown(self) -> None:
         return None
 
@@ -62,6 +67,9 @@ class UniProcExecutor(Executor):
 
     def kv_transfer_info(self) -> dict:
         return self.worker.kv_transfer_info()
+
+    def compute_threads(self) -> tuple[int, int]:
+        return self.worker.compute_threads()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

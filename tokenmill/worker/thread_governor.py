@@ -8,8 +8,12 @@ slowed thread there: every op then waits up to a scheduler slice. Measured on 2 
 Passive waiting avoids that but costs 15-20% on a quiet machine and 70% on a lone request.
 
 So: every thread while the machine is quiet; one fewer while our threads wait in run queues (they are
-being crowded); and back up, after a while, once nothing else is runnable. Linux only (it reads
-/proc); elsewhere the thread count stays as set.
+being crowded) and something outside the server takes a real share of our cores; and back up, after
+a while, once nothing else is runnable. The second condition matters: waiting alone also comes from
+the server's own HTTP process and from a load generator's bursts (a 32-stream client uses ~0.15 of a
+core), and a thread dropped for those for 10 s cost a served 32-stream run up to a third. A busy
+neighbour takes a whole core; below ~0.4 of one, two threads still beat one
+(benchmarks/governor_trips.py). Linux only (it reads /proc); elsewhere the thread count stays as set.
 """
 
 from __future__ import annotations
@@ -34,6 +38,32 @@ def run_delay_ns() -> int:
         except (OSError, IndexError, ValueError):
             continue  # a thread that just ended
     return total
+
+
+def _family_cpu_ticks() -> int:
+    """CPU time of this process (every thread) and its parent, in clock ticks."""
+    total = 0
+    for pid in ("self", str(os.getppid())):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def others_cpu_s() -> float:
+    """CPU seconds spent so far on the cores this process may use by everything outside this process
+    and its parent (a running total: the governor takes differences)."""
+    cores = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+    busy = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, _, rest = line.partition(" ")
+        if name in cores:
+            f = [int(x) for x in rest.split()]
+            busy += f[0] + f[1] + f[2] + f[5] + f[6]  # user, nice, system, irq, softirq: not idle, iowait
+    return max(busy - _family_cpu_ticks(), 0) / os.sysconf("SC_CLK_TCK")
 
 
 def _procs_running() -> int:
@@ -78,17 +108,22 @@ class ThreadGovernor:
         max_threads: int,
         interval_s: float = 0.5,
         crowded: float = 0.2,
+        neighbour_cores: float = 0.4,
         probe_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         delay: Callable[[], int] = run_delay_ns,
         others: Callable[[], int] = others_runnable,
+        others_cpu: Callable[[], float] = others_cpu_s,
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.max_threads, self.threads = max_threads, max_threads
         self.interval_s, self.crowded, self.probe_after_s = interval_s, crowded, probe_after_s
+        self.neighbour_cores = neighbour_cores
         self._clock, self._delay, self._others, self._set = clock, delay, others, set_threads
+        self._others_cpu = others_cpu
         self._t = clock()
         self._d = delay()
+        self._o = others_cpu()
         self._changed = -float("inf")
         self.changes = 0
 
@@ -96,12 +131,15 @@ class ThreadGovernor:
         now = self._clock()
         if now - self._t < self.interval_s:
             return
-        d = self._delay()
-        # Share of our threads' time spent waiting for a CPU over the interval.
+        d, o = self._delay(), self._others_cpu()
+        # Share of our threads' time spent waiting for a CPU over the interval, and the cores that
+        # everything outside the server used meanwhile.
         waited = (d - self._d) / 1e9 / ((now - self._t) * self.threads)
-        self._t, self._d = now, d
-        if self.threads > 1 and waited > self.crowded:
-            self._change(self.threads - 1, f"threads waited {waited:.0%} of the time for a CPU")
+        neighbours = (o - self._o) / (now - self._t)
+        self._t, self._d, self._o = now, d, o
+        if self.threads > 1 and waited > self.crowded and neighbours >= self.neighbour_cores:
+            why = f"threads waited {waited:.0%} of the time for a CPU, others used {neighbours:.1f} cores"
+            self._change(self.threads - 1, why)
         elif (
             self.threads < self.max_threads
             and now - self._changed >= self.probe_after_s
@@ -115,6 +153,7 @@ class ThreadGovernor:
         self._set(n)
         self._changed = self._clock()
         self._d = self._delay()  # the new count's own interval starts now
+        self._o = self._others_cpu()
         self._t = self._changed
         self.changes += 1
 

@@ -245,6 +245,10 @@ class Worker:
             if conn is not None:
                 conn.close()
 
+    def compute_threads(self) -> tuple[int, int]:
+        """Torch's intra-op threads now, and the thread governor's changes since start."""
+        return torch.get_num_threads(), self.governor.changes if self.governor is not None else 0
+
     def describe(self) -> dict:
         """Plain facts the engine needs from its workers (the same on every rank)."""
         return {
