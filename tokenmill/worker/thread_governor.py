@@ -40,13 +40,23 @@ def run_delay_ns() -> int:
     return total
 
 
+def _family() -> tuple[int, int]:
+    """This process and its parent (the HTTP frontend, whose work is ours)."""
+    return os.getpid(), os.getppid()
+
+
+def _stat_fields(path: Path) -> list[str]:
+    """A /proc stat file's fields after the parenthesized command name, which may itself hold spaces
+    (so the first is the state, field 3 of proc(5))."""
+    return path.read_text().rsplit(")", 1)[1].split()
+
+
 def _family_cpu_ticks() -> int:
     """CPU time of this process (every thread) and its parent, in clock ticks."""
     total = 0
-    for pid in ("self", str(os.getppid())):
+    for pid in _family():
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            fields = _stat_fields(Path(f"/proc/{pid}/stat"))
             total += int(fields[11]) + int(fields[12])  # utime, stime
         except (OSError, IndexError, ValueError):
             continue
@@ -77,17 +87,16 @@ def _running_threads(pid: int) -> int:
     n = 0
     for task in Path(f"/proc/{pid}/task").glob("*/stat"):
         try:
-            # The state follows the parenthesized command name, which may itself hold spaces.
-            n += task.read_text().rsplit(")", 1)[1].split()[0] == "R"
+            n += _stat_fields(task)[0] == "R"
         except (OSError, IndexError):
             continue
     return n
 
 
 def others_runnable(samples: int = 5) -> int:
-    """Runnable threads on the machine outside this process and its parent (the HTTP frontend, whose
-    work is ours), the least of a few quick samples: a busy loop is there in every sample."""
-    family = {os.getpid(), os.getppid()}
+    """Runnable threads on the machine outside this process and its parent, the least of a few quick
+    samples: a busy loop is there in every sample."""
+    family = set(_family())
     least = 1 << 30
     for i in range(samples):
         if i:
