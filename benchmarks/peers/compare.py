@@ -3,12 +3,14 @@
 Each engine's server is started on 127.0.0.1 in turn (never two at once: they would share the
 cores), made ready, driven with `tokenmill bench` (closed loop, streaming /v1/completions, fixed
 output length through ignore_eos), then stopped. The report is output tokens/s per engine and
-concurrency, with the ratio tokenmill / peer, and the share of this machine's memory bandwidth each
-figure reaches: the step time (streams / output tokens/s) against the fastest a decode step could be,
+concurrency, with the ratio tokenmill / peer, and how near each figure is to this machine's limit:
+the step time (streams / output tokens/s) against the fastest a decode step could be, the longer of
 reading the weights as that engine stores them and every stream's KV cache at its mean context
-(benchmarks/step_bytes.py; the read bandwidth measured before the first server and after the last, the
-higher taken). Beside it, each server's memory once ready and after the load (proc_memory.py: the PSS of
-all its processes), where /proc tells.
+(benchmarks/step_bytes.py) and doing the step's arithmetic, its streams' share of their prompts
+included, at this machine's matmul rate for what the engine multiplies in, bf16 or int8
+(benchmarks/step_flops.py); "bound by" says which. The read bandwidth and the matmul rates are measured
+before the first server and after the last, the higher taken. Beside it, each server's memory once
+ready and after the load (proc_memory.py: the PSS of all its processes), where /proc tells.
 
     .venv/bin/python benchmarks/peers/compare.py                      # the three, c=32 and c=1
     .venv/bin/python benchmarks/peers/compare.py --engines tokenmill,llamacpp --duration 60
@@ -46,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
 from machine import cpu_description  # noqa: E402
 from proc_memory import group_memory_mb  # noqa: E402
 from step_bytes import gguf_weight_bytes, hf_weight_bytes, limit_ms, read_bandwidth_gbs, weight_bytes  # noqa: E402
+from step_flops import decode_step_gflop, matmul_rate_gflops  # noqa: E402
 
 ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
 DEFAULT_ENGINES = ("tokenmill", "vllm", "llamacpp")
@@ -258,10 +261,18 @@ def step_bytes(args: argparse.Namespace, servers: dict[str, Server], console) ->
                     hf_weight_bytes(srv.weights) if srv.weights.is_dir() else gguf_weight_bytes(srv.weights)
                 )
                 k_bytes, v_bytes = peer_kv_bytes_per_value(engine, args)
-                per_value_pair = arch.resolve(str(srv.weights)).kv_bytes_per_token(1)  # K and V, a byte each
+                a = arch.resolve(str(srv.weights))
+                per_value_pair = a.kv_bytes_per_token(1)  # K and V, a byte each
+                # Two bytes a weight or more: float weights, bf16 arithmetic (vLLM, a bf16 GGUF); fewer: a
+                # quantized GGUF, whose blocks llama.cpp multiplies against 8-bit activation blocks.
+                wide = counted >= 1.9 * (a.params_active_nonembedding + a.vocab * a.hidden)
                 out[engine] = {
                     "weights": dict.fromkeys(args.concurrency, counted),
                     "kv_per_token": per_value_pair * (k_bytes + v_bytes) / 2,
+                    "shape": flop_shape(
+                        a.params_active_nonembedding, a.vocab * a.hidden, a.heads * a.head_dim, a.layers
+                    ),
+                    "arithmetic": dict.fromkeys(args.concurrency, "bf16" if wide else "int8"),
                 }
         except Exception as e:  # a figure without its share is still a figure
             console.print(
@@ -325,14 +336,43 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
     # 8-bit KV: a byte a value and a float32 scale a row of head_dim values (models' KV layout)
     per_value = 1 + 4 / cfg.head_dim if known.kv_cache_dtype in ("int8", "fp8") else 2
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    body = cfg.num_layers * (
+        cfg.hidden_size * (2 * q_width + 2 * kv_width) + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
+    shape = flop_shape(body, cfg.vocab_size * cfg.hidden_size, q_width, cfg.num_layers)
+    a8 = bool(getattr(worker.model, "int4_a8", False))
+    arithmetic = {c: tokenmill_arithmetic(known.quantization, a8, c) for c in args.concurrency}
     del llm, worker
     gc.collect()
     release_freed_memory()  # the driver keeps no model's worth of heap while the servers run
-    return {"weights": weights, "kv_per_token": kv}
+    return {"weights": weights, "kv_per_token": kv, "shape": shape, "arithmetic": arithmetic}
 
 
-def add_limits(results: dict, bytes_: dict[str, dict], bandwidth: float, args: argparse.Namespace) -> None:
-    """Each level's step time, the bandwidth limit for its bytes, and the share (into the results)."""
+def tokenmill_arithmetic(quantization: str | None, int4_a8: bool, streams: int) -> str:
+    """What tokenmill's matmuls multiply in at a step of `streams` rows: int8 activations for int8 (W8A8)
+    and, where the built model took W4A8 (LlamaForCausalLM.int4_a8), for int4 from 3 rows; bf16 otherwise
+    (fp8 is emulated in bf16)."""
+    if quantization == "int8" or (quantization == "int4" and int4_a8 and streams > 2):
+        return "int8"
+    return "bf16"
+
+
+def flop_shape(body_params: int, head_params: int, attn_width: int, layers: int) -> dict[str, int]:
+    """What decode_step_gflop needs of a model (plain data, into the results)."""
+    return dict(body_params=body_params, head_params=head_params, attn_width=attn_width, layers=layers)
+
+
+def add_limits(
+    results: dict,
+    bytes_: dict[str, dict],
+    bandwidth: float,
+    rates: dict[str, float],
+    args: argparse.Namespace,
+) -> None:
+    """Each level's step time against the fastest its step could be (into the results): the time to read
+    its bytes at the read bandwidth, or to do its arithmetic at this machine's matmul rate for the kind
+    the engine multiplies in (step_flops.py), whichever is longer; `bound` says which."""
     context = args.isl + args.osl / 2  # a stream's mean context over its decode steps
     for engine, r in results.items():
         for c_text, lv in r.get("levels", {}).items():
@@ -342,8 +382,15 @@ def add_limits(results: dict, bytes_: dict[str, dict], bandwidth: float, args: a
             b = bytes_[engine]
             lv["weight_mb_per_step"] = b["weights"][c] / 1e6
             lv["kv_mb_per_step"] = c * context * b["kv_per_token"] / 1e6
-            lv["limit_ms"] = limit_ms(b["weights"][c], b["kv_per_token"], c, context, bandwidth)
+            lv["bw_limit_ms"] = limit_ms(b["weights"][c], b["kv_per_token"], c, context, bandwidth)
+            arithmetic = b["arithmetic"][c]
+            lv["arithmetic"] = arithmetic
+            lv["gflop_per_step"] = decode_step_gflop(**b["shape"], streams=c, isl=args.isl, osl=args.osl)
+            lv["flop_limit_ms"] = lv["gflop_per_step"] / rates[arithmetic] * 1e3
+            lv["limit_ms"] = max(lv["bw_limit_ms"], lv["flop_limit_ms"])
+            lv["bound"] = "bytes" if lv["bw_limit_ms"] >= lv["flop_limit_ms"] else f"{arithmetic} FLOPs"
             lv["step_ms"] = c / lv["output_tok_s"] * 1e3
+            lv["of_bw_limit"] = lv["bw_limit_ms"] / lv["step_ms"]
             lv["of_limit"] = lv["limit_ms"] / lv["step_ms"]
 
 
@@ -518,7 +565,8 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
     cols = (
         "output tok/s",
         "tokenmill / this",
-        "of BW limit",
+        "of limit",
+        "bound by",
         "TTFT p50 ms",
         "ITL mean ms",
         "osl mean",
@@ -532,7 +580,7 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
             lv = results.get(engine, {}).get("levels", {}).get(str(c))
             if not lv or "error" in lv:
                 why = (lv or {}).get("error") or results.get(engine, {}).get("error") or "not run"
-                t.add_row(str(c), engine, "-", "-", "-", "-", "-", "-", why[:40])
+                t.add_row(str(c), engine, "-", "-", "-", "-", "-", "-", "-", why[:40])
                 continue
             ref = tm.get(str(c), {}).get("output_tok_s")
             ratio = (
@@ -543,6 +591,7 @@ def print_table(console, results: dict, args: argparse.Namespace) -> None:
             t.add_row(
                 str(c), engine, f"{lv['output_tok_s']:.1f}", ratio,
                 f"{lv['of_limit']:.0%}" if "of_limit" in lv else "-",
+                lv.get("bound", "-"),
                 f"{lv['ttft_p50_ms']:.0f}" if lv["ttft_p50_ms"] is not None else "-",
                 f"{lv['itl_mean_ms']:.1f}" if lv["itl_mean_ms"] is not None else "-",
                 f"{lv['osl_mean']:.1f}" if lv["osl_mean"] is not None else "-",
@@ -682,9 +731,11 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu = cpu_description()
     bandwidth = read_bandwidth_gbs()  # before tokenmill's model is built here (its worker may set threads)
+    rates = {kind: matmul_rate_gflops(kind) for kind in ("bf16", "int8")}
     bytes_ = step_bytes(args, servers, console)
     console.print(
-        f"CPU: {cpu}; read bandwidth {bandwidth:.1f} GB/s; load average {os.getloadavg()[0]:.2f}",
+        f"CPU: {cpu}; read bandwidth {bandwidth:.1f} GB/s; matmul rates: bf16 {rates['bf16']:.0f} GFLOP/s,"
+        f" int8 {rates['int8']:.0f} GOP/s; load average {os.getloadavg()[0]:.2f}",
         highlight=False,
     )
     for engine, b in bytes_.items():
@@ -704,7 +755,15 @@ def main(argv: list[str] | None = None) -> None:
         f"read bandwidth before {bandwidth:.1f} GB/s, after {after:.1f} GB/s; the limit takes the higher"
     )
     before, bandwidth = bandwidth, max(bandwidth, after)
-    add_limits(results, bytes_, bandwidth, args)
+    # The matmul rates likewise, the higher of the two readings.
+    rates_after = {kind: matmul_rate_gflops(kind) for kind in rates}
+    console.print(
+        "matmul rates after: "
+        + ", ".join(f"{kind} {rate:.0f}" for kind, rate in rates_after.items())
+        + "; the limit takes the higher"
+    )
+    rates_before, rates = rates, {kind: max(rates[kind], rates_after[kind]) for kind in rates}
+    add_limits(results, bytes_, bandwidth, rates, args)
     for engine, r in results.items():
         r["kv_tokens"] = llamacpp_kv_tokens(servers[engine].log) if engine.startswith("llamacpp") else None
         r["kv_pool_mb"] = kv_pool_mb(engine, args, bytes_, r["kv_tokens"])
@@ -712,6 +771,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = {
         "cpu": cpu,
         "read_bandwidth_gbs": {"before": before, "after": after, "used": bandwidth},
+        "matmul_rate_gflops": {"before": rates_before, "after": rates_after, "used": rates},
         "load_average_end": os.getloadavg()[0],
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)

@@ -4,7 +4,9 @@ The workload of benchmarks/offline_throughput.py: 256 requests of random token i
 tokens and 16-256 output tokens each (uniform, fixed seed), greedy, `ignore_eos` so every request
 makes exactly its length. Each engine runs in its own process, one after the other (vLLM from its
 venv, set up by setup_vllm.sh, on the HF directory from export_hf.py); tokens per second counts prompt
-and output tokens, and output tokens alone.
+and output tokens, and output tokens alone. Each time is then set against two floors measured on this
+machine after the runs: the workload's arithmetic at the bf16 matmul rate, and decode attention's KV
+reads at the read bandwidth (step_flops.py, step_bytes.py).
 
     python benchmarks/peers/offline.py [--num-requests 256] [--engines tokenmill,tokenmill-int8,vllm]
         [--kv-cache-memory-gb 4] [--model FILE.gguf --hf-dir DIR]
@@ -27,6 +29,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from machine import cpu_description  # noqa: E402
+from step_bytes import read_bandwidth_gbs  # noqa: E402
+from step_flops import matmul_rate_gflops  # noqa: E402
+
+from tokenmill.sizing.arch import Arch, resolve  # noqa: E402
 
 PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tokenmill-peers"))
 
@@ -64,6 +70,25 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
         ([rng.randrange(100, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
         for _ in range(n)
     ]
+
+
+def floors(
+    reqs: list[tuple[list[int], int]], a: Arch, kv_bytes_per_value: float, gflops: float, gbs: float
+) -> tuple[float, float]:
+    """The fastest the workload could run here, two ways (seconds): its arithmetic at the bf16 matmul rate
+    (every prompt token through the layers, every output token through the layers and the head, causal
+    attention over each prompt and each output token's context), and decode attention's KV reads at the
+    read bandwidth (each output token reads its whole context once). Either is a floor on its own; the
+    weights' reads of the small steps at the run's end are left out, so the real limit lies above both."""
+    body, head, width = a.params_active_nonembedding, a.vocab * a.hidden, a.heads * a.head_dim
+    kv_token = a.kv_bytes_per_token(kv_bytes_per_value)
+    flop = kv = 0.0
+    for prompt, out in reqs:
+        p = len(prompt)
+        contexts = out * p + out * (out - 1) / 2  # output token i attends to p + i tokens
+        flop += 2 * body * (p + out) + 2 * head * out + 4 * width * a.layers * (p * p / 2 + contexts)
+        kv += contexts * kv_token
+    return flop / (gflops * 1e9), kv / (gbs * 1e9)
 
 
 def main() -> None:
@@ -124,6 +149,18 @@ def main() -> None:
         for v in results:
             if e.startswith("tokenmill") and v.startswith("vllm"):
                 print(f"{e} / {v}: {results[v]['seconds'] / results[e]['seconds']:.2f}x")
+
+    # How near each run came to this machine's limit, measured after the runs (the same threads).
+    a = resolve(args.model or (str(hf_dir) if hf_dir.exists() else "smollm2-135m"))
+    gflops, gbs = matmul_rate_gflops("bf16"), read_bandwidth_gbs()
+    print(f"bf16 matmul rate {gflops:.0f} GFLOP/s, read bandwidth {gbs:.1f} GB/s")
+    for e, res in results.items():
+        kv_value = 2.0 if "-" not in e else 1.0 + (4 / a.head_dim if e.startswith("tokenmill") else 0)
+        flop_s, kv_s = floors(reqs, a, kv_value, gflops, gbs)
+        print(
+            f"{e}: arithmetic floor {flop_s:.1f} s ({flop_s / res['seconds']:.0%} of its time), decode"
+            f" attention's KV reads {kv_s:.1f} s ({kv_s / res['seconds']:.0%})"
+        )
 
 
 if __name__ == "__main__":

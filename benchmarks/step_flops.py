@@ -1,0 +1,77 @@
+"""What a step must compute, and how fast this machine computes it: the other side of the roofline.
+
+step_bytes.py sets a step against the time it takes to read its bytes. That limit says nothing once a
+step carries many rows: at 32 streams a 135M model's bf16 decode step reads 270 MB of weights but
+computes 2 x 134.5 M x 32 = 8.6 GFLOP, and on these 2-core machines the arithmetic takes longer than
+the reads. The fastest a step can be is the larger of the two times, reading its bytes at the read
+bandwidth and doing its arithmetic at the best matmul rate this machine reaches:
+
+- bf16 arithmetic (bf16 or dequantized weights with bf16 activations) at oneDNN's bf16 matmul rate on a
+  2048-cube with the weight prepacked (vdpbf16ps, or AMX tiles where the CPU has them);
+- int8 arithmetic (weights and activations both in 8 bits: tokenmill's int8 and int4's W4A8, llama.cpp's
+  quantized types against its 8-bit activation blocks) at PyTorch's int8 matmul rate (oneDNN u8s8 or
+  s8s8 with VNNI or AMX).
+
+The rates are measured, not taken from a datasheet: a virtual CPU's clock is not known here, and the
+measured rate is what a kernel can actually reach on it (the panels of kernels/csrc reach it within a few
+percent: docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+CUBE = 2048  # M = K = N of the timed matmul: big enough to be bound by arithmetic, ~20 ms a call in bf16
+
+
+def _best_seconds(f: Callable[[], object], reps: int) -> float:
+    f()  # first call: oneDNN builds its kernel
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_rate_gflops(arithmetic: str, reps: int = 5) -> float:
+    """GFLOP/s (int8: GOP/s) of a CUBE^3 matmul with the threads PyTorch uses: "bf16" or "int8"."""
+    gen = torch.Generator().manual_seed(0)
+    if arithmetic == "bf16":
+        x = torch.randn(CUBE, CUBE, generator=gen).to(torch.bfloat16)
+        w = torch.randn(CUBE, CUBE, generator=gen).to(torch.bfloat16)
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            secs = _best_seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps
+            )
+        else:
+            secs = _best_seconds(lambda: x @ w.t(), reps)
+    elif arithmetic == "int8":
+        a = torch.randint(-128, 128, (CUBE, CUBE), dtype=torch.int8, generator=gen)
+        b = torch.randint(-128, 128, (CUBE, CUBE), dtype=torch.int8, generator=gen)
+        secs = _best_seconds(lambda: torch._int_mm(a, b), reps)
+    else:
+        raise ValueError(f"arithmetic must be bf16 or int8, got {arithmetic!r}")
+    return 2 * CUBE**3 / secs / 1e9
+
+
+def decode_step_gflop(
+    body_params: int, head_params: int, attn_width: int, layers: int, streams: int, isl: int, osl: int
+) -> float:
+    """GFLOP of one decode step of `streams` closed-loop streams, each request `isl` prompt tokens then
+    `osl` output tokens: every stream's token through the layers and the head, the stream's share of its
+    prompt (isl / osl prompt tokens an output token; a prompt token skips the head), and attention over
+    the mean context (QK^T and PV: 4 FLOP a query head dimension and cached token, `attn_width` = heads x
+    head_dim) with the prompt's own causal attention shared out the same way.
+
+    body_params: the parameters a token's matmuls go through in the layers; head_params: vocab x hidden."""
+    per_token = 2 * body_params + 2 * head_params
+    prompt_share = isl / osl * 2 * body_params
+    context = isl + osl / 2  # a stream's mean context over its decode steps
+    attention = 4 * attn_width * layers * context
+    prompt_attention = 4 * attn_width * layers * isl * isl / 2 / osl  # causal: half the square
+    return streams * (per_token + prompt_share + attention + prompt_attention) / 1e9
