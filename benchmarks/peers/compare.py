@@ -388,7 +388,7 @@ def add_limits(
             lv["gflop_per_step"] = decode_step_gflop(**b["shape"], streams=c, isl=args.isl, osl=args.osl)
             lv["flop_limit_ms"] = lv["gflop_per_step"] / rates[arithmetic] * 1e3
             lv["limit_ms"] = max(lv["bw_limit_ms"], lv["flop_limit_ms"])
-            lv["bound"] = "bytes" if lv["bw_limit_ms"] >= lv["flop_limit_ms"] else f"{arithmetic} FLOPs"
+            lv["bound"] = "bytes" if lv["bw_limit_ms"] >= lv["flop_limit_ms"] else f"{arithmetic}-FLOPs"
             lv["step_ms"] = c / lv["output_tok_s"] * 1e3
             lv["of_bw_limit"] = lv["bw_limit_ms"] / lv["step_ms"]
             lv["of_limit"] = lv["limit_ms"] / lv["step_ms"]
