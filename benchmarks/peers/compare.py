@@ -8,9 +8,10 @@ the step time (streams / output tokens/s) against the fastest a decode step coul
 reading the weights as that engine stores them and every stream's KV cache at its mean context
 (benchmarks/step_bytes.py) and doing the step's arithmetic, its streams' share of their prompts
 included, at this machine's matmul rate for what the engine multiplies in, bf16 or int8
-(benchmarks/step_flops.py); "bound by" says which. The read bandwidth and the matmul rates are measured
-before the first server and after the last, the higher taken. Beside it, each server's memory once
-ready and after the load (proc_memory.py: the PSS of all its processes), where /proc tells.
+(benchmarks/step_flops.py); "bound by" says which ("bytes", or the arithmetic: "bf16", "int8"). The
+read bandwidth and the matmul rates are measured before the first server and after the last, the
+higher taken. Beside it, each server's memory once ready and after the load (proc_memory.py: the PSS
+of all its processes), where /proc tells.
 
     .venv/bin/python benchmarks/peers/compare.py                      # the three, c=32 and c=1
     .venv/bin/python benchmarks/peers/compare.py --engines tokenmill,llamacpp --duration 60
@@ -372,7 +373,8 @@ def add_limits(
 ) -> None:
     """Each level's step time against the fastest its step could be (into the results): the time to read
     its bytes at the read bandwidth, or to do its arithmetic at this machine's matmul rate for the kind
-    the engine multiplies in (step_flops.py), whichever is longer; `bound` says which."""
+    the engine multiplies in (step_flops.py), whichever is longer; `bound` says which: "bytes", or that
+    arithmetic ("bf16", "int8")."""
     context = args.isl + args.osl / 2  # a stream's mean context over its decode steps
     for engine, r in results.items():
         for c_text, lv in r.get("levels", {}).items():
@@ -388,7 +390,7 @@ def add_limits(
             lv["gflop_per_step"] = decode_step_gflop(**b["shape"], streams=c, isl=args.isl, osl=args.osl)
             lv["flop_limit_ms"] = lv["gflop_per_step"] / rates[arithmetic] * 1e3
             lv["limit_ms"] = max(lv["bw_limit_ms"], lv["flop_limit_ms"])
-            lv["bound"] = "bytes" if lv["bw_limit_ms"] >= lv["flop_limit_ms"] else f"{arithmetic}-FLOPs"
+            lv["bound"] = "bytes" if lv["bw_limit_ms"] >= lv["flop_limit_ms"] else arithmetic
             lv["step_ms"] = c / lv["output_tok_s"] * 1e3
             lv["of_bw_limit"] = lv["bw_limit_ms"] / lv["step_ms"]
             lv["of_limit"] = lv["limit_ms"] / lv["step_ms"]
