@@ -54,7 +54,7 @@ def _one_level(tok_s: float, arithmetic: str) -> tuple[dict, dict]:
         "e": {
             "weights": {32: 270e6},
             "kv_per_token": 23e3,
-            "shape": compare.flop_shape(106e6, 28e6, 576, 30),
+            "shape": compare.flop_shape(arch.resolve("smollm2-135m")),
             "arithmetic": {32: arithmetic},
         }
     }
@@ -64,7 +64,7 @@ def _one_level(tok_s: float, arithmetic: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize("arithmetic", ["bf16", "int8"])
 def test_the_limit_is_the_longer_of_reading_and_computing(arithmetic: str) -> None:
     args = argparse.Namespace(isl=32, osl=64)
-    gflop = decode_step_gflop(106e6, 28e6, 576, 30, streams=32, isl=32, osl=64)
+    gflop = decode_step_gflop(**compare.flop_shape(arch.resolve("smollm2-135m")), streams=32, isl=32, osl=64)
     bw_ms = (270e6 + 32 * 64 * 23e3) / 50e9 * 1e3
     # A machine that computes fast: the bytes bound the step.
     results, bytes_ = _one_level(1000.0, arithmetic)

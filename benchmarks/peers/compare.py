@@ -51,6 +51,8 @@ from proc_memory import group_memory_mb  # noqa: E402
 from step_bytes import gguf_weight_bytes, hf_weight_bytes, limit_ms, read_bandwidth_gbs, weight_bytes  # noqa: E402
 from step_flops import decode_step_gflop, matmul_rate_gflops  # noqa: E402
 
+from tokenmill.sizing.arch import Arch  # noqa: E402
+
 ENGINES = ("tokenmill", "vllm", "llamacpp", "llamacpp-bf16")
 DEFAULT_ENGINES = ("tokenmill", "vllm", "llamacpp")
 SERVED_NAME = "smollm2-135m"  # every server answers to this name, so the requests are identical
@@ -270,9 +272,7 @@ def step_bytes(args: argparse.Namespace, servers: dict[str, Server], console) ->
                 out[engine] = {
                     "weights": dict.fromkeys(args.concurrency, counted),
                     "kv_per_token": per_value_pair * (k_bytes + v_bytes) / 2,
-                    "shape": flop_shape(
-                        a.params_active_nonembedding, a.vocab * a.hidden, a.heads * a.head_dim, a.layers
-                    ),
+                    "shape": flop_shape(a),
                     "arithmetic": dict.fromkeys(args.concurrency, "bf16" if wide else "int8"),
                 }
         except Exception as e:  # a figure without its share is still a figure
@@ -337,11 +337,12 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
     # 8-bit KV: a byte a value and a float32 scale a row of head_dim values (models' KV layout)
     per_value = 1 + 4 / cfg.head_dim if known.kv_cache_dtype in ("int8", "fp8") else 2
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value
-    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    body = cfg.num_layers * (
-        cfg.hidden_size * (2 * q_width + 2 * kv_width) + 3 * cfg.hidden_size * cfg.intermediate_size
-    )
-    shape = flop_shape(body, cfg.vocab_size * cfg.hidden_size, q_width, cfg.num_layers)
+    shape = flop_shape(
+        Arch(
+            "tokenmill", cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings,
+        )
+    )  # fmt: skip
     a8 = bool(getattr(worker.model, "int4_a8", False))
     arithmetic = {c: tokenmill_arithmetic(known.quantization, a8, c) for c in args.concurrency}
     del llm, worker
@@ -359,9 +360,15 @@ def tokenmill_arithmetic(quantization: str | None, int4_a8: bool, streams: int) 
     return "bf16"
 
 
-def flop_shape(body_params: int, head_params: int, attn_width: int, layers: int) -> dict[str, int]:
-    """What decode_step_gflop needs of a model (plain data, into the results)."""
-    return dict(body_params=body_params, head_params=head_params, attn_width=attn_width, layers=layers)
+def flop_shape(a: Arch) -> dict[str, int]:
+    """What decode_step_gflop needs of a model (plain data, into the results): the parameters a token's
+    matmuls go through in the layers, the head's (vocab x hidden, tied or not), heads x head_dim, layers."""
+    return dict(
+        body_params=a.params_active_nonembedding,
+        head_params=a.vocab * a.hidden,
+        attn_width=a.heads * a.head_dim,
+        layers=a.layers,
+    )
 
 
 def add_limits(
