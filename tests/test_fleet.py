@@ -148,6 +148,9 @@ def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> 
             assert len(tokens) == GREEDY.max_tokens, "the unstarted request completed elsewhere"
             assert router.stats_router.retries >= 1
             assert router.healthy, "one worker is still up"
+            # The router's supervisor takes it out of rotation within its 0.1 s poll; on a fast CPU the
+            # retried request can finish before that, so wait for the loss before waiting for the rejoin.
+            await until(lambda: router.stats_router.worker_losses >= 1)
             # The launcher starts it again and it rejoins rotation, its index rebuilt from its events.
             await until(lambda: router.num_up == 2, timeout=120)
             assert router.restarts == 1
