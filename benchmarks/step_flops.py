@@ -59,19 +59,35 @@ def matmul_rate_gflops(arithmetic: str, reps: int = 5) -> float:
     return 2 * CUBE**3 / secs / 1e9
 
 
+def flop(
+    body_params: float,
+    head_params: float,
+    attn_width: int,
+    layers: int,
+    prompt_tokens: float,
+    output_tokens: float,
+    attended: float,
+) -> float:
+    """FLOPs of running tokens through a model: prompt and output tokens through the layers' matmuls (2
+    a weight), output tokens through the head as well (a prompt token skips it), and attention over
+    `attended` (query, cached token) pairs: QK^T and PV, 4 FLOP a pair and query head dimension.
+
+    body_params: the parameters a token's matmuls go through in the layers; head_params: vocab x hidden;
+    attn_width: heads x head_dim."""
+    return (
+        2 * body_params * (prompt_tokens + output_tokens)
+        + 2 * head_params * output_tokens
+        + 4 * attn_width * layers * attended
+    )
+
+
 def decode_step_gflop(
     body_params: int, head_params: int, attn_width: int, layers: int, streams: int, isl: int, osl: int
 ) -> float:
     """GFLOP of one decode step of `streams` closed-loop streams, each request `isl` prompt tokens then
-    `osl` output tokens: every stream's token through the layers and the head, the stream's share of its
-    prompt (isl / osl prompt tokens an output token; a prompt token skips the head), and attention over
-    the mean context (QK^T and PV: 4 FLOP a query head dimension and cached token, `attn_width` = heads x
-    head_dim) with the prompt's own causal attention shared out the same way.
-
-    body_params: the parameters a token's matmuls go through in the layers; head_params: vocab x hidden."""
-    per_token = 2 * body_params + 2 * head_params
-    prompt_share = isl / osl * 2 * body_params
+    `osl` output tokens: every stream's output token, its share of its prompt (isl / osl prompt tokens
+    an output token) with the prompt's own causal attention shared out the same way, and attention over
+    the stream's mean context."""
     context = isl + osl / 2  # a stream's mean context over its decode steps
-    attention = 4 * attn_width * layers * context
-    prompt_attention = 4 * attn_width * layers * isl * isl / 2 / osl  # causal: half the square
-    return streams * (per_token + prompt_share + attention + prompt_attention) / 1e9
+    attended = context + isl * isl / 2 / osl  # causal: half the prompt's square
+    return streams * flop(body_params, head_params, attn_width, layers, isl / osl, 1, attended) / 1e9

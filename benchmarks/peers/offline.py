@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from machine import cpu_description  # noqa: E402
 from step_bytes import read_bandwidth_gbs  # noqa: E402
-from step_flops import matmul_rate_gflops  # noqa: E402
+from step_flops import flop, matmul_rate_gflops  # noqa: E402
 
 from tokenmill.sizing.arch import Arch, resolve  # noqa: E402
 
@@ -82,13 +82,13 @@ def floors(
     weights' reads of the small steps at the run's end are left out, so the real limit lies above both."""
     body, head, width = a.params_active_nonembedding, a.vocab * a.hidden, a.heads * a.head_dim
     kv_token = a.kv_bytes_per_token(kv_bytes_per_value)
-    flop = kv = 0.0
+    total = kv = 0.0
     for prompt, out in reqs:
         p = len(prompt)
         contexts = out * p + out * (out - 1) / 2  # output token i attends to p + i tokens
-        flop += 2 * body * (p + out) + 2 * head * out + 4 * width * a.layers * (p * p / 2 + contexts)
+        total += flop(body, head, width, a.layers, p, out, p * p / 2 + contexts)
         kv += contexts * kv_token
-    return flop / (gflops * 1e9), kv / (gbs * 1e9)
+    return total / (gflops * 1e9), kv / (gbs * 1e9)
 
 
 def main() -> None:
