@@ -29,6 +29,8 @@ from tokenmill.models.ops import get_ops
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linear_kernels import SHAPES  # noqa: E402
 from machine import cpu_description  # noqa: E402
+from step_bytes import read_bandwidth_gbs  # noqa: E402
+from step_flops import matmul_rate_gflops  # noqa: E402
 
 # (out, in) of one Llama-3-8B layer's fused qkv, o, gate_up and down (--llama8b): a model whose K reaches
 # 14336, where one sweep's 256 rows of x (7 MB) no longer stay in L2.
@@ -69,11 +71,17 @@ def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES,
     limit = panels[0].max_rows or 1 << 62  # type: ignore[union-attr]  # None: every row count
     weight_bytes = sum(2 * o * i for o, i in shapes)
     what = what or ("All 121 linears" if shapes is SHAPES else "One Llama-3-8B layer's 4 linears")
-    print(f"\n{what} ({weight_bytes / 1e6:.0f} MB of bf16 weights), best of 5:\n")
+    # The roofline, measured here: a pass can be no faster than reading its weights once at the read
+    # rate, nor than its multiply-adds at oneDNN's bf16 rate on a 2048 cube; "of limit" is the longer of
+    # the two over the panel time (a kernel that waits for memory, then computes, gets their sum).
+    read_gbs, bf16_gflops = read_bandwidth_gbs(), matmul_rate_gflops("bf16")
+    print(f"\n{what} ({weight_bytes / 1e6:.0f} MB of bf16 weights), best of 5; read rate {read_gbs:.1f}")
+    print(f"GB/s, bf16 matmul rate {bf16_gflops:.0f} GFLOP/s (oneDNN, 2048 cube):\n")
     # GB/s: the weights read once a pass (what bounds a few rows); GFLOP/s: 2 x rows x weights a pass
     # (what bounds many: the two cores' bf16 multiply-add rate).
-    print("| rows | oneDNN ms | panel ms | oneDNN / panel | panel GB/s | panel GFLOP/s | path |")
-    print("|---|---|---|---|---|---|---|")
+    cols = ["rows", "oneDNN ms", "panel ms", "oneDNN / panel", "panel GB/s", "panel GFLOP/s", "limit ms"]
+    print("| " + " | ".join([*cols, "of limit", "path"]) + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rows in rows_list:
         if rows > limit:
             print(f"| {rows} | | | | | | above the panel kernel's {limit} rows: oneDNN |")
@@ -82,7 +90,8 @@ def microbenchmark(rows_list: list[int], shapes: list[tuple[int, int]] = SHAPES,
         small = panels[0]
         path = "dot loops" if small.dot else "vector loops" if rows <= small.vector_rows else "brgemm"  # type: ignore[union-attr]
         gbs, gflops = weight_bytes / b / 1e6, rows * weight_bytes / b / 1e6
-        cells = f"{a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {gflops:.0f}"
+        lim = max(weight_bytes / read_gbs / 1e6, rows * weight_bytes / bf16_gflops / 1e6)
+        cells = f"{a:.2f} | {b:.2f} | {a / b:.2f}x | {gbs:.1f} | {gflops:.0f} | {lim:.2f} | {lim / b:.0%}"
         print(f"| {rows} | {cells} | {path} |", flush=True)
 
 

@@ -77,7 +77,7 @@ inline void f8_rows(const at::BFloat16* x, int64_t xs, const uint8_t* wp, int64_
   const int64_t bytes = pairs * kPairRow;
   if (static_cast<int64_t>(wide.size()) < bytes) wide.resize(bytes);
   widen_panel(wp, bytes, wide.data());
-  panels::dot_rows(x, xs, wide.data(), pairs, c, M, nullptr);
+  panels::dot_rows(x, xs, wide.data(), pairs, c, M, wp, bytes, true);  // bytes: the codes' (one each)
 }
 #endif
 

@@ -38,9 +38,7 @@
 
 namespace {
 
-using panels::kAheadBytes;
 using panels::kCols;
-using panels::prefetch_l2;
 
 constexpr int64_t kGroup = group_quant::kGroup;       // k per scale
 constexpr int64_t kHalfBytes = 16 * 4;                 // one k quad of 16 columns: 64 bytes
@@ -49,27 +47,21 @@ constexpr int64_t kCodeBytes = kQuads * 2 * kHalfBytes;  // 1024
 constexpr int64_t kGroupBytes = kCodeBytes + kCols * 2;  // codes, then 32 float16 scales: 1088
 
 #if defined(TM_AVX512_BF16)
-// The group's 17 cache lines, kAheadBytes ahead (only the pass that streams the panel from memory).
-static inline void prefetch_group(const uint8_t* wg) {
-#pragma GCC unroll 17
-  for (int64_t i = 0; i < kGroupBytes; i += 64) prefetch_l2(wg + kAheadBytes + i);
-}
-
 // Up to 4 rows of activation codes (xq, rows K apart; xa: their scales; xsum: their code sums, per row
 // and group) against one panel, for either code width: per group the int32 accumulators start at -128 x
 // the row's code sum, `quad(acc, wq, xg)` adds one k quad's products (wq: the quad's 128 bytes of weight
 // codes; xg: the rows' codes at the quad's first k), and the sums are scaled by the group's weight and
-// row scales into float32. `stream`: the pass that reads the panel from memory prefetches.
+// row scales into float32. `ahead`: the pass's prefetch (panels::panel_prefetch), a step a group.
 template <int M, typename T, typename Quad>
 __attribute__((always_inline)) inline void group_pass(const T* xq, int64_t K, const float* xa, const int32_t* xsum,
-                                                      int64_t groups, const uint8_t* wp, float* c, bool stream,
-                                                      const Quad& quad) {
+                                                      int64_t groups, const uint8_t* wp, float* c,
+                                                      panels::PassPrefetch& ahead, const Quad& quad) {
   __m512 y[M][2];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wp + g * kGroupBytes;
-    if (stream) prefetch_group(wg);
+    ahead.step();
     __m512i acc[M][2];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_set1_epi32(-128 * xsum[m * groups + g]);
@@ -96,8 +88,8 @@ __attribute__((always_inline)) inline void group_pass(const T* xq, int64_t K, co
 template <int M>
 __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, const float* xa,
                                                    const int32_t* xsum, int64_t groups, const uint8_t* wp, float* c,
-                                                   bool stream) {
-  group_pass<M>(xq, K, xa, xsum, groups, wp, c, stream,
+                                                   panels::PassPrefetch& ahead) {
+  group_pass<M>(xq, K, xa, xsum, groups, wp, c, ahead,
                 [K](__m512i (&acc)[M][2], const uint8_t* wq, const int8_t* xg) __attribute__((always_inline)) {
     const __m512i v0 = _mm512_loadu_si512(wq), v1 = _mm512_loadu_si512(wq + kHalfBytes);
 #pragma GCC unroll 4
@@ -117,8 +109,8 @@ __attribute__((always_inline)) inline void g8_pass(const int8_t* xq, int64_t K, 
 template <int M>
 __attribute__((always_inline)) inline void g8_pass16(const int16_t* xq, int64_t K, const float* xa,
                                                      const int32_t* xsum, int64_t groups, const uint8_t* wp,
-                                                     float* c, bool stream) {
-  group_pass<M>(xq, K, xa, xsum, groups, wp, c, stream,
+                                                     float* c, panels::PassPrefetch& ahead) {
+  group_pass<M>(xq, K, xa, xsum, groups, wp, c, ahead,
                 [K](__m512i (&acc)[M][2], const uint8_t* wq, const int16_t* xg) __attribute__((always_inline)) {
     const __m512i even = _mm512_set1_epi32(0x00FF00FF);
     const __m512i v0 = _mm512_loadu_si512(wq), v1 = _mm512_loadu_si512(wq + kHalfBytes);
@@ -156,19 +148,19 @@ torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_
   if (M <= wide_rows) {
     std::vector<int16_t> xq(M * K);
     group_quant::quantize_groups16(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
-    panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
-                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+    panels::sweep_rows4(n, M, grain, w, panel_bytes, groups, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, panels::PassPrefetch& ahead) {
       g8_pass16<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
-                                       groups, wp, c, stream);
+                                       groups, wp, c, ahead);
     });
     return y;
   }
   std::vector<int8_t> xq(M * K);
   group_quant::quantize_groups(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, xq.data(), xa.data(), xsum.data());
-  panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
-                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+  panels::sweep_rows4(n, M, grain, w, panel_bytes, groups, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, panels::PassPrefetch& ahead) {
     g8_pass<decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups, groups, wp,
-                                   c, stream);
+                                   c, ahead);
   });
 #endif
   return y;

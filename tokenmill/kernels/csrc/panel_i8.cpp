@@ -7,9 +7,8 @@
 // and adds the four products to the column's 32-bit sum: 64 multiply-adds an instruction, twice
 // vdpbf16ps's. x comes as quantize_rows_u8 leaves it (q + 128, unsigned); the 128 x the column's code sum
 // is taken off at the end, so the int32 sums are the exact integer products whatever the order, and every
-// row's result is the same in any batch. A thread's panels are one stream with the software prefetch 8 KB ahead
-// into L2, as in the bf16 panel matmul; up to 8 rows a pass (16 accumulators), later passes over a panel
-// find it in L2.
+// row's result is the same in any batch. A thread's panels are one stream with the software prefetch into
+// L2 of the bf16 panel matmul (panels::panel_prefetch); up to 8 rows a pass (16 accumulators).
 //
 // Why: oneDNN's u8 x s8 matmul on AMD Zen 4 (avx512_core_vnni) took longer at one row than the bf16 dot
 // loops over twice the bytes (docs/benchmarks.md, eleventh sitting); measured there only, so models/ops.py
@@ -23,9 +22,7 @@
 
 namespace {
 
-using panels::kAheadBytes;
 using panels::kCols;
-using panels::prefetch_l2;
 
 constexpr int64_t kQuadRow = kCols * 4;  // one k quad across a panel: 128 bytes, two cache lines
 
@@ -36,15 +33,12 @@ constexpr int64_t kQuadRow = kCols * 4;  // one k quad across a panel: 128 bytes
 template <int M>
 __attribute__((always_inline)) inline void i8_pass(const uint8_t* x, int64_t xs, const float* x_scale,
                                                    const int8_t* wp, int64_t quads, const int32_t* offset,
-                                                   const float* w_scale, float* c, const char* ahead) {
+                                                   const float* w_scale, float* c, panels::PassPrefetch& ahead) {
   __m512i acc[M][2];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
   for (int64_t kq = 0; kq < quads; ++kq) {
-    if (ahead) {
-      prefetch_l2(ahead + kq * kQuadRow);
-      prefetch_l2(ahead + kq * kQuadRow + 64);
-    }
+    ahead.step();
     const __m512i v0 = _mm512_loadu_si512(wp + kq * kQuadRow);
     const __m512i v1 = _mm512_loadu_si512(wp + kq * kQuadRow + 64);
 #pragma GCC unroll 8
@@ -70,13 +64,16 @@ __attribute__((always_inline)) inline void i8_pass(const uint8_t* x, int64_t xs,
   }
 }
 
-// All M rows against one panel, 8 at a time; only the first pass prefetches (it streams the panel).
+// All M rows against one panel, 8 at a time, each pass with its share of the prefetch
+// (panels::panel_prefetch).
 inline void i8_rows(const uint8_t* x, int64_t xs, const float* x_scale, const int8_t* wp, int64_t quads,
-                    const int32_t* offset, const float* w_scale, float* c, int64_t M, const char* ahead) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const char* a = m0 == 0 ? ahead : nullptr;
+                    const int32_t* offset, const float* w_scale, float* c, int64_t M) {
+  const int64_t passes = (M + 7) / 8;
+  for (int64_t m0 = 0, g = 0; m0 < M; m0 += 8, ++g) {
+    panels::PassPrefetch ahead = panels::panel_prefetch(wp, quads * kQuadRow, quads, g, passes);
     panels::with_rows(M - m0, [&](auto rows) {
-      i8_pass<decltype(rows)::value>(x + m0 * xs, xs, x_scale + m0, wp, quads, offset, w_scale, c + m0 * kCols, a);
+      i8_pass<decltype(rows)::value>(x + m0 * xs, xs, x_scale + m0, wp, quads, offset, w_scale, c + m0 * kCols,
+                                     ahead);
     });
   }
 }
@@ -121,8 +118,7 @@ torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor 
   panels::for_each_sweep(M, [&](int64_t r0, int64_t rows) {
     panels::for_each_panel(n, rows, std::max<int64_t>(1, 65536 / panel_bytes), yp + r0 * n, [&](int64_t p, float* c) {
       const int8_t* wp = w + p * panel_bytes;
-      i8_rows(x + r0 * xs, xs, rs + r0, wp, quads, off + p * kCols, cs + p * kCols, c, rows,
-              reinterpret_cast<const char*>(wp) + kAheadBytes);
+      i8_rows(x + r0 * xs, xs, rs + r0, wp, quads, off + p * kCols, cs + p * kCols, c, rows);
     });
   });
 #endif

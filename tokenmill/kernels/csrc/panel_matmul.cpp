@@ -164,7 +164,7 @@ void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, i
   const int64_t pairs = K / 2;
   panels::for_each_panel(N, M, panel_grain(pairs), y, [&](int64_t p, float* c) {
     const bf16* wp = w + p * pairs * kPairRow;
-    panels::dot_rows(x, lda, wp, pairs, c, M, reinterpret_cast<const char*>(wp) + kAheadBytes);
+    panels::dot_rows(x, lda, wp, pairs, c, M, wp, pairs * kPairRow * 2, false);
   });
 }
 #endif

@@ -70,8 +70,8 @@ static inline __m512 f16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The group's ten (symmetric: nine) cache lines, kAheadBytes ahead (only the pass that streams the
-// panel from memory).
+// The group's ten (symmetric: nine) cache lines, kAheadBytes ahead (dequantize_panel, which streams the
+// panel from memory; the passes take panels::panel_prefetch's).
 template <bool Sym>
 static inline void prefetch_group(const uint8_t* wg) {
 #pragma GCC unroll 10
@@ -108,14 +108,15 @@ static inline __m512bh q4_words(__m512i v, __m512i nibble, __m512i bias) {
 // term: y += scale * sum(x (128 + q)) + (lo - 128 scale) * sum(x).
 template <bool Sym, int M>
 __attribute__((always_inline)) inline void exact_panel(const uint32_t* x, int64_t xs, const float* xsum,
-                                                       int64_t groups, const uint8_t* wp, float* c, bool stream) {
+                                                       int64_t groups, const uint8_t* wp, float* c,
+                                                       panels::PassPrefetch& ahead) {
   const __m512i nibble = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
   __m512 y[M][2];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wp + g * kGroupBytes<Sym>;
-    if (stream) prefetch_group<Sym>(wg);
+    ahead.step();
     __m512 acc[M][2];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -157,18 +158,19 @@ __attribute__((always_inline)) inline void exact_panel(const uint32_t* x, int64_
 }
 
 // Up to 4 rows of int8 activation codes (xq, rows K apart; xa: their scales; xsum: the sums of the values
-// the codes stand for; both per row and group) against one panel. `stream`: the pass that reads the panel from memory prefetches.
+// the codes stand for; both per row and group) against one panel. `ahead`: the pass's prefetch
+// (panels::panel_prefetch), a step a group.
 template <bool Sym, int M>
 __attribute__((always_inline)) inline void int8_pass(const int8_t* xq, int64_t K, const float* xa, const float* xsum,
                                                      const int32_t* isum, int64_t groups, const uint8_t* wp, float* c,
-                                                     bool stream) {
+                                                     panels::PassPrefetch& ahead) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[M][2];
 #pragma GCC unroll 4
   for (int m = 0; m < M; ++m) y[m][0] = y[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wp + g * kGroupBytes<Sym>;
-    if (stream) prefetch_group<Sym>(wg);
+    ahead.step();
     __m512i acc[M][2];
     // Without minima (Sym) the weight is (q - 8) scale: the sums start at -8 x the row's code sum, so they
     // end as sum(codes x (q - 8)), exact in int32, and the group needs one scaling, not a minimum's term.
@@ -304,7 +306,8 @@ void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_r
         thread_local std::vector<bf16> buf;
         buf.resize(K * kCols);
         dequantize_panel<Sym>(w + p * panel_bytes, groups, buf.data());
-        panels::dot_rows(xp + r0 * x.stride(0), x.stride(0), buf.data(), K / 2, c, rows, nullptr);
+        panels::dot_rows(xp + r0 * x.stride(0), x.stride(0), buf.data(), K / 2, c, rows, w + p * panel_bytes,
+                         panel_bytes, true);
       });
     }
     return;
@@ -322,10 +325,10 @@ void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_r
         pairs[(m * K + k) / 2] = s[0] | static_cast<uint32_t>(s[2]) << 16;
         pairs[(m * K + k) / 2 + 1] = s[1] | static_cast<uint32_t>(s[3]) << 16;
       }
-    panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
-                        [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+    panels::sweep_rows4(n, M, grain, w, panel_bytes, groups, yp,
+                        [&](auto four, int64_t r, const uint8_t* wp, float* c, panels::PassPrefetch& ahead) {
       exact_panel<Sym, decltype(four)::value>(pairs.data() + r * K / 2, K / 2, xsum.data() + r * groups, groups, wp,
-                                              c, stream);
+                                              c, ahead);
     });
     return;
   }
@@ -333,10 +336,10 @@ void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_r
   std::vector<float> xa(M * groups);
   std::vector<int32_t> isum(M * groups);
   quantize_groups(xp, x.stride(0), M, K, xq.data(), xa.data(), xsum.data(), isum.data());
-  panels::sweep_rows4(n, M, grain, w, panel_bytes, yp,
-                      [&](auto four, int64_t r, const uint8_t* wp, float* c, bool stream) {
+  panels::sweep_rows4(n, M, grain, w, panel_bytes, groups, yp,
+                      [&](auto four, int64_t r, const uint8_t* wp, float* c, panels::PassPrefetch& ahead) {
     int8_pass<Sym, decltype(four)::value>(xq.data() + r * K, K, xa.data() + r * groups, xsum.data() + r * groups,
-                                          isum.data() + r * groups, groups, wp, c, stream);
+                                          isum.data() + r * groups, groups, wp, c, ahead);
   });
 }
 #endif

@@ -120,7 +120,8 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
         thread_local std::vector<at::BFloat16> buf;
         buf.resize(K * kCols);
         dequantize_panel(w + p * panel_bytes, K, s + p * kCols, buf.data());
-        panels::dot_rows(xp + r0 * x.stride(0), x.stride(0), buf.data(), K / 2, c, rows, nullptr);
+        panels::dot_rows(xp + r0 * x.stride(0), x.stride(0), buf.data(), K / 2, c, rows, w + p * panel_bytes,
+                         panel_bytes, true);
       });
     }
     return y;

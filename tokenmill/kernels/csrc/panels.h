@@ -28,9 +28,54 @@ constexpr bool kBf16Loops = true;
 constexpr bool kBf16Loops = false;
 #endif
 
-// Into L2 (GCC's locality 2 is prefetcht1 on x86; other targets take their nearest equivalent). Into L2
-// rather than L1 it leaves L1 to the loads of the moment (measured in panel_matmul.cpp's header).
-static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+// Into L2 (prefetcht1 on x86; other targets take GCC's nearest equivalent, locality 2). Into L2 rather
+// than L1 it leaves L1 to the loads of the moment (measured in panel_matmul.cpp's header). On x86 an asm
+// statement, which the compiler keeps: GCC took a loop of __builtin_prefetch calls (PassPrefetch::step)
+// for a loop without effects and dropped it, prefetches and all.
+static inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// A pass's share of a prefetch into L2: `bytes` from `from`, split evenly among `passes` passes over a
+// panel, pass `pass` taking its share's lines a few at a time over its `units` steps (k pairs, quads or
+// groups: step() once each). Default-constructed, or from null, it prefetches nothing.
+class PassPrefetch {
+ public:
+  PassPrefetch() = default;
+  PassPrefetch(const void* from, int64_t bytes, int64_t units, int64_t pass, int64_t passes)
+      : units_(std::max<int64_t>(units, 1)) {
+    if (!from) return;
+    lines_ = ((bytes + 63) / 64 + passes - 1) / passes;
+    at_ = static_cast<const char*>(from) + pass * lines_ * 64;
+  }
+  __attribute__((always_inline)) inline void step() {
+    due_ += lines_;
+    for (; due_ >= units_; due_ -= units_, at_ += 64) prefetch_l2(at_);
+  }
+
+ private:
+  const char* at_ = nullptr;
+  int64_t lines_ = 0, units_ = 1, due_ = 0;
+};
+
+// The prefetch of pass `pass` of `passes` over a panel read from memory (`bytes` at `panel`), `units`
+// steps a pass. One pass streams the panel itself, kAheadBytes ahead of its loads. More passes (more rows
+// than a pass holds) find the panel in L2, as the passes over the panel before it prefetched it, and each
+// prefetches its share of the next panel (past a thread's last panel a prefetch is only a wasted hint,
+// never a fault): so the memory keeps streaming while every pass computes. Prefetching in the first pass
+// alone left it idle through the others: the bf16 dot loops took 12.5-12.7 ms for SmolLM2-135M's 121
+// linears at 32 rows, 10.1-10.3 ms with this (AMD Zen 5, benchmarks/panel_matmul.py, docs/benchmarks.md). `filled`: the passes read a copy of the
+// panel (widened or dequantized into a buffer) whose filling streamed it, so one pass prefetches nothing.
+inline PassPrefetch panel_prefetch(const void* panel, int64_t bytes, int64_t units, int64_t pass, int64_t passes,
+                                   bool filled = false) {
+  const char* p = static_cast<const char*>(panel);
+  if (passes == 1) return filled ? PassPrefetch() : PassPrefetch(p + kAheadBytes, bytes, units, 0, 1);
+  return PassPrefetch(p + bytes, bytes, units, pass, passes);
+}
 
 #if defined(__AVX512F__)
 // One k pair of a panel into M rows' float32 sums: the pair's weights as float32 vectors (e0/o0: the even
@@ -111,17 +156,16 @@ __attribute__((always_inline)) inline void dot_pass(const at::BFloat16* x, int64
   }
 }
 
-// All M rows against one bf16 panel, 8 at a time: the first pass streams the panel from memory (with the
-// prefetch; none when `ahead` is null, for a panel already in cache), the later ones find it in L2.
+// All M rows against one bf16 panel, 8 at a time (passes of 8 rows). `src` is the panel in memory the
+// rows' products come from (`src_bytes` of it), for the prefetch (panel_prefetch): wp itself, or the
+// panel a buffer at wp was filled from (`filled`); null for none.
 inline void dot_rows(const at::BFloat16* x, int64_t xs, const at::BFloat16* wp, int64_t pairs, float* c, int64_t M,
-                     const char* ahead) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const char* a = m0 == 0 ? ahead : nullptr;
+                     const void* src, int64_t src_bytes, bool filled) {
+  const int64_t passes = (M + 7) / 8;
+  for (int64_t m0 = 0, g = 0; m0 < M; m0 += 8, ++g) {
+    PassPrefetch ahead = src ? panel_prefetch(src, src_bytes, pairs, g, passes, filled) : PassPrefetch();
     auto pair = [&](int64_t kp, __m512bh& v0, __m512bh& v1) {
-      if (a) {
-        prefetch_l2(a + kp * kPairRow * 2);
-        prefetch_l2(a + kp * kPairRow * 2 + 64);
-      }
+      ahead.step();
       v0 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow);
       v1 = (__m512bh)_mm512_loadu_si512(wp + kp * kPairRow + 32);
     };
@@ -165,17 +209,21 @@ inline void for_each_sweep(int64_t M, const F& f) {
 }
 
 // Every panel of an N-column output for M rows, kSweepRows rows a sweep of the weights and passes of
-// up to 4 rows (the group panels: panel_q4.cpp, panel_g8.cpp): pass(four, r, wp, c, stream) with `four`
+// up to 4 rows (the group panels: panel_q4.cpp, panel_g8.cpp): pass(four, r, wp, c, ahead) with `four`
 // the pass's row count as a compile-time constant (with_rows4), r its first row, wp the panel's bytes
-// (panel_bytes from w), c the pass's rows of the panel's float32 output, and `stream` true for the
-// sweep's first pass over the panel (the one that reads it from memory, and prefetches).
+// (panel_bytes from w), c the pass's rows of the panel's float32 output, and `ahead` the pass's prefetch
+// (panel_prefetch), stepped once a group of the panel's `groups`.
 template <typename T, typename Pass>
-void sweep_rows4(int64_t N, int64_t M, int64_t grain, const uint8_t* w, int64_t panel_bytes, T* y, const Pass& pass) {
+void sweep_rows4(int64_t N, int64_t M, int64_t grain, const uint8_t* w, int64_t panel_bytes, int64_t groups, T* y,
+                 const Pass& pass) {
   for_each_sweep(M, [&](int64_t r0, int64_t rows) {
+    const int64_t passes = (rows + 3) / 4;
     for_each_panel(N, rows, grain, y + r0 * N, [&](int64_t p, float* c) {
       const uint8_t* wp = w + p * panel_bytes;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4)
-        with_rows4(rows - m0, [&](auto four) { pass(four, r0 + m0, wp, c + m0 * kCols, m0 == 0); });
+      for (int64_t m0 = 0, g = 0; m0 < rows; m0 += 4, ++g) {
+        PassPrefetch ahead = panel_prefetch(wp, panel_bytes, groups, g, passes);
+        with_rows4(rows - m0, [&](auto four) { pass(four, r0 + m0, wp, c + m0 * kCols, ahead); });
+      }
     });
   });
 }
