@@ -185,6 +185,45 @@ def test_paged_decode(
         check(out[b], exact, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "d", "bs"),
+    [
+        (1, 9, 3, 64, 16),  # one long sequence: its kv heads and context chunks share the threads
+        (3, 9, 3, 64, 16),
+        (5, 8, 2, 128, 32),
+    ],
+)
+def test_paged_decode_long_contexts_in_chunks(
+    kernels, dtype: torch.dtype, batch: int, heads: int, kv_heads: int, d: int, bs: int
+) -> None:
+    """Contexts past the kernel's 512-token chunks (each with its own softmax, merged after) against
+    float64, and each sequence's result bit for bit the same alone as in the batch: the chunks depend
+    on its context alone."""
+    pool = 1024
+    g = torch.Generator().manual_seed(batch * d)
+    k_cache = (torch.randn(pool, bs, kv_heads, d, generator=g) * 2).to(dtype)
+    v_cache = torch.randn(pool, bs, kv_heads, d, generator=g).to(dtype)
+    q = (torch.randn(batch, heads, d, generator=g) * 2).to(dtype)
+    ctx = torch.randint(400, 1600, (batch,), generator=g)
+    ctx[0] = 1024 + 1  # one token past two whole chunks
+    if batch > 1:
+        ctx[1] = 512  # exactly one chunk
+    width = int((ctx.max() + bs - 1) // bs)
+    tables = torch.randperm(pool, generator=g)[: batch * width].view(batch, width).long()
+    out = kernels.paged_decode(q, k_cache, v_cache, tables, ctx, d**-0.5)
+    for b in range(batch):
+        n = int(ctx[b])
+        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
+        k = k_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
+        check(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5)
+        one = slice(b, b + 1)
+        alone = kernels.paged_decode(q[one], k_cache, v_cache, tables[one], ctx[one], d**-0.5)
+        assert torch.equal(alone[0], out[b])
+
+
 # -- the 8-bit KV cache (models/attention/kv_quant.py is the reference) -----------------------------
 
 

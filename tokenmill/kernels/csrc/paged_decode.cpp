@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -32,25 +33,25 @@ static void load_scaled_q(const T* q, int64_t q_stride_h, int64_t nh, int64_t D,
   }
 }
 
-// body(begin, end) over the work items [0, B * parts) (item i: sequence i / parts), one contiguous range
-// per thread, cut where the context lengths summed so far reach an equal share. at::parallel_for cuts
-// by item count, which left one thread waiting at the barrier when its half of the batch held the
-// longer sequences (offline serving mixes prompts of 32 to 512 tokens).
-template <typename F>
-static void parallel_by_context(int64_t B, int64_t parts, const int64_t* ctx, const F& body) {
-  const int64_t n = B * parts, T = at::get_num_threads();
+// body(begin, end) over the work items [0, n) (tokens(i): the tokens item i reads), one contiguous range
+// per thread, cut where the tokens summed so far reach an equal share. at::parallel_for cuts by item
+// count, which left one thread waiting at the barrier when its half of the batch held the longer
+// sequences (offline serving mixes prompts of 32 to 512 tokens).
+template <typename Tokens, typename F>
+static void parallel_by_context(int64_t n, const Tokens& tokens, const F& body) {
+  const int64_t T = at::get_num_threads();
   if (T <= 1 || n <= 1 || at::in_parallel_region()) {
     body(0, n);
     return;
   }
-  constexpr int64_t kItemCost = 32;  // a sequence's fixed work (query, softmax set-up) in token units
+  constexpr int64_t kItemCost = 32;  // an item's fixed work (query, softmax set-up) in token units
   int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += ctx[i / parts] + kItemCost;
+  for (int64_t i = 0; i < n; ++i) total += tokens(i) + kItemCost;
   std::vector<int64_t> cuts(T + 1, n);
   cuts[0] = 0;
   int64_t acc = 0, k = 1;
   for (int64_t i = 0; i < n && k < T; ++i) {
-    acc += ctx[i / parts] + kItemCost;
+    acc += tokens(i) + kItemCost;
     while (k < T && acc * T >= total * k) cuts[k++] = i + 1;
   }
   at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
@@ -60,8 +61,10 @@ static void parallel_by_context(int64_t B, int64_t parts, const int64_t* ctx, co
 }
 
 // Each of the nh rows of L scores becomes exp(score - row max) in place; inv[h] = 1 / the row's sum
-// (the normalization is applied to the value sums, once per head rather than once per token).
-static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
+// (the normalization is applied to the value sums, once per head rather than once per token). With
+// mx and sum (a chunk of a longer context), each row's max and sum go there too, for the merge.
+static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv, float* mx_out = nullptr,
+                         float* sum_out = nullptr) {
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = s + h * L;
     const float mx = max_of(sh, L);
@@ -86,6 +89,10 @@ static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv) {
     }
 #endif
     inv[h] = l > 0.f ? 1.f / l : 0.f;
+    if (mx_out) {
+      mx_out[h] = mx;
+      sum_out[h] = l;
+    }
   }
 }
 
@@ -107,7 +114,7 @@ static void decode_kernel(
   // enough to keep every thread busy, else one each (a single long sequence still uses every core).
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
   const int64_t heads_per_part = Hkv / parts;
-  parallel_by_context(B, parts, ctx, [&](int64_t begin, int64_t end) {
+  parallel_by_context(B * parts, [&](int64_t i) { return ctx[i / parts]; }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), row(W), s;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
@@ -331,32 +338,72 @@ static void decode_kernel_avx512(
   constexpr int64_t PD = 2;
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;
   const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
-  const int64_t heads_per_part = Hkv / parts;
-  parallel_by_context(B, parts, ctx, [&](int64_t begin, int64_t end) {
+  const int64_t heads_per_part = Hkv / parts, nh = heads_per_part * G;
+  // A work item is a sequence's range of kv heads (all of them when there are sequences enough to keep
+  // every thread busy, else one each) over a chunk of its context: contexts longer than kChunkTokens are
+  // cut into chunks, each with its own softmax, merged after (the online softmax's rescaling, once a
+  // chunk). So a few long sequences share the threads evenly: one sequence of SmolLM2's 3 kv heads had
+  // split 2:1 over two threads (`benchmarks/decode_attention.py`, one sequence of ~2000 tokens, AMD Zen 5:
+  // 2.02-2.21 ms a step, median 2.16, against 1.61-1.99, median 1.67; 8 or 32 sequences unchanged). The
+  // chunks depend on the context length alone, so a sequence's result is the same in a batch of any size.
+  constexpr int64_t kChunkTokens = 512;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / bs);
+  auto chunks_of = [&](int64_t b) {
+    return std::max<int64_t>(1, ((ctx[b] + bs - 1) / bs + chunk_blocks - 1) / chunk_blocks);
+  };
+  std::vector<int64_t> first(B + 1, 0);  // each sequence's first item
+  bool chunked = false;
+  for (int64_t b = 0; b < B; ++b) {
+    first[b + 1] = first[b] + parts * chunks_of(b);
+    chunked |= chunks_of(b) > 1;
+  }
+  struct Item {
+    int64_t b, g0, chunk, chunks, blk0, blk1, t0, t1;
+  };
+  auto locate = [&](int64_t item) {
+    Item it;
+    it.b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+    it.chunks = chunks_of(it.b);
+    const int64_t r = item - first[it.b];
+    it.g0 = (r / it.chunks) * heads_per_part;
+    it.chunk = r % it.chunks;
+    const int64_t L = ctx[it.b];
+    it.blk0 = it.chunk * chunk_blocks;
+    it.blk1 = std::min((L + bs - 1) / bs, it.blk0 + chunk_blocks);
+    it.t0 = it.blk0 * bs;
+    it.t1 = std::min(L, it.blk1 * bs);
+    return it;
+  };
+  // A chunk's value sums (before the softmax's normalization) and each head's max and sum, for the merge.
+  const int64_t items = first[B], part_stride = nh * D + 2 * nh;
+  std::vector<float> partial(chunked ? items * part_stride : 0);
+  auto tokens = [&](int64_t item) {
+    const Item it = locate(item);
+    return it.t1 - it.t0;
+  };
+  parallel_by_context(items, tokens, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), s;
+    Item it = locate(begin);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
-      const int64_t h0 = g0 * G, nh = heads_per_part * G;
-      const int64_t L = ctx[b];
-      const int64_t* table = bt + b * max_blocks;
-      const int64_t nblocks = (L + bs - 1) / bs;
+      const Item nx = item + 1 < end ? locate(item + 1) : Item{};
+      const int64_t b = it.b, g0 = it.g0, h0 = g0 * G;
+      const int64_t Lc = it.t1 - it.t0, nblocks = it.blk1 - it.blk0;  // this chunk's tokens and blocks
+      const int64_t* table = bt + b * max_blocks + it.blk0;
       load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
-      s.resize(nh * L);
+      s.resize(nh * Lc);
       // A block lies anywhere in the pool, where no hardware prefetcher looks: the next block is asked
       // for while this one is read, each kv head's slice of a token row during that head's pass, so
       // the requests are spread over the whole block's work (all of a block at once overflowed the
       // line fill buffers; a whole row per token in the first head's pass only was 10-20% slower).
       // Block passes in order: this item's key blocks, its value blocks, then the next item's key blocks
-      // (its first ones would otherwise start cold, once per sequence and layer). The pass PD places
-      // ahead of the current one is prefetched.
+      // (its first ones would otherwise start cold, once per item and layer). The pass PD places ahead
+      // of the current one is prefetched.
       auto ahead = [&](int64_t p) -> const E* {
         if (p < nblocks) return kc + table[p] * bs * W + g0 * RW;
         if ((p -= nblocks) < nblocks) return vc + table[p] * bs * W + g0 * RW;
         p -= nblocks;
-        if (item + 1 >= end) return nullptr;
-        const int64_t b2 = (item + 1) / parts, g2 = ((item + 1) % parts) * heads_per_part;
-        if (p >= (ctx[b2] + bs - 1) / bs) return nullptr;
-        return kc + bt[b2 * max_blocks + p] * bs * W + g2 * RW;
+        if (item + 1 >= end || p >= nx.blk1 - nx.blk0) return nullptr;
+        return kc + bt[nx.b * max_blocks + nx.blk0 + p] * bs * W + nx.g0 * RW;
       };
       if (item == begin) {
         const int64_t slice = heads_per_part * RW * sizeof(E);
@@ -366,42 +413,76 @@ static void decode_kernel_avx512(
       }
       const int64_t row_bytes = RW * sizeof(E);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
+        const int64_t t0 = blk * bs, n = std::min(bs, Lc - t0);
         const E* next = ahead(blk + PD);
         for (int64_t g = 0; g < heads_per_part; ++g) {
           const E* base = kc + table[blk] * bs * W + (g0 + g) * RW;
           for (int64_t hc = 0; hc < G; hc += MAXH) {
             const E* pf = next && hc == 0 ? next + g * RW : nullptr;
-            float* sg = &s[(g * G + hc) * L + t0];
+            float* sg = &s[(g * G + hc) * Lc + t0];
             with_heads<MAXH>(std::min<int64_t>(MAXH, G - hc), [&](auto Mc) {
-              key_rows<R, NC, Mc.value>(base, W, n, &qf[(g * G + hc) * D], sg, L, pf, row_bytes);
+              key_rows<R, NC, Mc.value>(base, W, n, &qf[(g * G + hc) * D], sg, Lc, pf, row_bytes);
             });
           }
         }
       }
       float inv[256];
-      softmax_rows(s.data(), nh, L, inv);
+      float* part = it.chunks > 1 ? &partial[item * part_stride] : nullptr;
+      softmax_rows(s.data(), nh, Lc, inv, part ? part + nh * D : nullptr, part ? part + nh * D + nh : nullptr);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
+        const int64_t t0 = blk * bs, n = std::min(bs, Lc - t0);
         const E* next = ahead(nblocks + blk + PD);
         for (int64_t g = 0; g < heads_per_part; ++g) {
           const E* base = vc + table[blk] * bs * W + (g0 + g) * RW;
           for (int64_t hc = 0; hc < G; hc += MAXH) {
             const E* pf = next && hc == 0 ? next + g * RW : nullptr;
             with_heads<MAXH>(std::min<int64_t>(MAXH, G - hc), [&](auto Mc) {
-              value_rows<R, NC, Mc.value>(base, W, n, &s[(g * G + hc) * L + t0], L, &acc[(g * G + hc) * D], pf,
+              value_rows<R, NC, Mc.value>(base, W, n, &s[(g * G + hc) * Lc + t0], Lc, &acc[(g * G + hc) * D], pf,
                                           row_bytes);
             });
           }
         }
       }
-      for (int64_t h = 0; h < nh; ++h) {
-        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv[h];
+      if (part) {
+        std::copy(acc.begin(), acc.begin() + nh * D, part);
+      } else {
+        for (int64_t h = 0; h < nh; ++h) {
+          for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv[h];
+        }
+        store_f32(acc.data(), out + (b * H + h0) * D, nh * D);
       }
-      store_f32(acc.data(), out + (b * H + h0) * D, nh * D);
+      it = nx;
     }
   });
+  if (!chunked) return;
+  // The chunks of each head range, in order: weights e^(chunk max - max) on each chunk's value sums and
+  // softmax sums, then one division.
+  std::vector<float> merged(nh * D);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nc = chunks_of(b);
+    if (nc == 1) continue;
+    for (int64_t pt = 0; pt < parts; ++pt) {
+      const float* p0 = &partial[(first[b] + pt * nc) * part_stride];
+      const int64_t h0 = pt * heads_per_part * G;
+      for (int64_t h = 0; h < nh; ++h) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, p0[c * part_stride + nh * D + h]);
+        float l = 0.f;
+        float* o = &merged[h * D];
+        std::fill(o, o + D, 0.f);
+        for (int64_t c = 0; c < nc; ++c) {
+          const float* pc = p0 + c * part_stride;
+          const float w = std::exp(pc[nh * D + h] - mx);
+          l += w * pc[nh * D + nh + h];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * pc[h * D + d];
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+      store_f32(merged.data(), out + (b * H + h0) * D, nh * D);
+    }
+  }
 }
 #endif
 
