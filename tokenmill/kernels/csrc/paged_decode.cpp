@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -376,7 +377,9 @@ static void decode_kernel_avx512(
   };
   // A chunk's value sums (before the softmax's normalization) and each head's max and sum, for the merge.
   const int64_t items = first[B], part_stride = nh * D + 2 * nh;
-  std::vector<float> partial(chunked ? items * part_stride : 0);
+  // Not zeroed (every slot a chunk reads is written first): a step of many chunked sequences would
+  // otherwise clear ~1 MB a layer for nothing.
+  std::unique_ptr<float[]> partial(chunked ? new float[items * part_stride] : nullptr);
   auto tokens = [&](int64_t item) {
     const Item it = locate(item);
     return it.t1 - it.t0;

@@ -9,8 +9,8 @@
 // price is a float epilogue per group of 32 k (the int32 sums scaled and added), which W4A8 also pays.
 //
 // Layout: 32-column panels as the other panel kernels' (one contiguous stream a thread, the software
-// prefetch 8 KB ahead into L2). Per panel and group: 8 k quads of 128 bytes, the first 64 columns 0-15
-// and the last 64 columns 16-31, byte 4j + t holding column j's q + 128 at k = 4 * quad + t (unsigned,
+// prefetch into L2 of panels::panel_prefetch). Per panel and group: 8 k quads of 128 bytes, the first
+// 64 columns 0-15 and the last 64 columns 16-31, byte 4j + t holding column j's q + 128 at k = 4 * quad + t (unsigned,
 // the first operand of vpdpbusd); then the group's 32 scales in float16 (a Q8_0 block's own, so its
 // weights come back exactly): 1088 bytes for 1024 weights, 8.5 bits a weight, as in Q8_0. Built by
 // models/ops.py (g8_pack) with plain torch ops.

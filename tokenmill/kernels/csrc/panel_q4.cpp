@@ -1,6 +1,6 @@
 // 4-bit weights (quantization="int4"), y[M, N] = x[M, K] @ W^T, with W stored as panels of 32 output
 // columns like the bf16 panel matmul's (panel_matmul.cpp), so a thread's share is one contiguous stream
-// read once, with the same software prefetch 8 KB ahead into L2.
+// read once, with the same software prefetch into L2 (panels::panel_prefetch).
 //
 // The format is a Q4_0/Q4_1 GGUF block's: groups of 32 k per column, w = q * scale + lo, q in 0..15. Per
 // panel and group: 8 k quads of 64 bytes, byte 4j + t holding the code of column j (low nibble) and of

@@ -1,7 +1,7 @@
 // 8-bit weights (weight-only, one scale per output column: quantization="int4"'s output head),
 // y[M, N] = x[M, K] @ W^T * scale, with the int8 codes in the 32-column panels of the bf16 panel matmul
 // ([N/32][K/2][32][2]: a k pair's two codes side by side), read as one stream with the same software
-// prefetch 8 KB ahead into L2. Up to 4 rows the products are exact (below); above, each panel is
+// prefetch into L2 (panels::panel_prefetch). Up to 4 rows the products are exact (below); above, each panel is
 // dequantized once a sweep of up to 256 rows into a bf16 panel in L2 (w = q * scale rounded to bf16, the
 // weights a bf16 copy of the layer would hold) and the bf16 dot loops run over it, so the layer needs no
 // such copy for larger steps.
