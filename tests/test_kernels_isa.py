@@ -148,6 +148,20 @@ def test_rope_in_place(kernels, dtype: torch.dtype) -> None:
     assert torch.equal(out[:, 6 * 64 :], qkv[:, 6 * 64 :]), "v is left alone"
 
 
+def paged_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, n: int
+) -> torch.Tensor:
+    """One sequence's decode attention in float64: its n cached rows gathered through its block table,
+    each kv head repeated for its query heads, softmax(q k^T / sqrt(d)) v."""
+    _, bs, kv_heads, d = k_cache.shape
+    heads = q.shape[0]
+    slots = torch.tensor([int(table[t // bs]) * bs + t % bs for t in range(n)])
+    k = k_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    v = v_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+    p = (torch.einsum("hd,thd->ht", q.double(), k) * d**-0.5).softmax(-1)
+    return torch.einsum("ht,thd->hd", p, v)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("batch", "heads", "kv_heads", "d", "bs"),
@@ -176,13 +190,7 @@ def test_paged_decode(
     tables = torch.randperm(pool, generator=g)[: batch * width].view(batch, width).long()
     out = kernels.paged_decode(q, k_cache, v_cache, tables, ctx, d**-0.5)
     for b in range(batch):
-        n = int(ctx[b])
-        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
-        k = k_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
-        exact = torch.einsum("ht,thd->hd", p, v)
-        check(out[b], exact, atol=1e-5)
+        check(out[b], paged_reference(q[b], k_cache, v_cache, tables[b], int(ctx[b])), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -213,12 +221,7 @@ def test_paged_decode_long_contexts_in_chunks(
     tables = torch.randperm(pool, generator=g)[: batch * width].view(batch, width).long()
     out = kernels.paged_decode(q, k_cache, v_cache, tables, ctx, d**-0.5)
     for b in range(batch):
-        n = int(ctx[b])
-        slots = torch.tensor([int(tables[b, t // bs]) * bs + t % bs for t in range(n)])
-        k = k_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache.view(-1, kv_heads, d)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        p = (torch.einsum("hd,thd->ht", q[b].double(), k) * d**-0.5).softmax(-1)
-        check(out[b], torch.einsum("ht,thd->hd", p, v), atol=1e-5)
+        check(out[b], paged_reference(q[b], k_cache, v_cache, tables[b], int(ctx[b])), atol=1e-5)
         one = slice(b, b + 1)
         alone = kernels.paged_decode(q[one], k_cache, v_cache, tables[one], ctx[one], d**-0.5)
         assert torch.equal(alone[0], out[b])
