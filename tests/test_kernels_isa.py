@@ -200,6 +200,7 @@ def test_paged_decode(
         (1, 9, 3, 64, 16),  # one long sequence: its kv heads and context chunks share the threads
         (3, 9, 3, 64, 16),
         (5, 8, 2, 128, 32),
+        (2, 4, 2, 32, 16),  # a head size without a register path: the plain loops, chunked alike
     ],
 )
 def test_paged_decode_long_contexts_in_chunks(

@@ -61,6 +61,114 @@ static void parallel_by_context(int64_t n, const Tokens& tokens, const F& body) 
   });
 }
 
+// A decode step's work items, for both kernels below: a sequence's range of kv heads (all of them when
+// there are sequences enough to keep every thread busy, else one each) over a chunk of its context.
+// Contexts longer than kChunkTokens are cut into chunks, each with its own softmax, merged after (the
+// online softmax's rescaling, once a chunk). So a few long sequences share the threads evenly: one
+// sequence of SmolLM2's 3 kv heads had split 2:1 over two threads (`benchmarks/decode_attention.py`, one
+// sequence of ~2000 tokens, AMD Zen 5: 2.02-2.21 ms a step, median 2.16, against 1.61-1.99, median 1.67,
+// on the AVX-512 kernel; 8 or 32 sequences unchanged). The chunks depend on the context length alone, so
+// a sequence's result is the same in a batch of any size.
+class StepItems {
+ public:
+  static constexpr int64_t kChunkTokens = 512;
+  struct Item {
+    int64_t b, g0, chunk, chunks, blk0, blk1, t0, t1;  // blocks [blk0, blk1) and tokens [t0, t1) of b's
+  };
+
+  StepItems(const int64_t* ctx, int64_t B, int64_t Hkv, int64_t G, int64_t D, int64_t bs)
+      : parts(B >= 2 * at::get_num_threads() ? 1 : Hkv),
+        heads_per_part(Hkv / parts),
+        nh(heads_per_part * G),
+        ctx_(ctx),
+        B_(B),
+        D_(D),
+        bs_(bs),
+        chunk_blocks_(std::max<int64_t>(1, kChunkTokens / bs)),
+        stride_(nh * D + 2 * nh),
+        first_(B + 1, 0) {
+    bool chunked = false;
+    for (int64_t b = 0; b < B; ++b) {
+      first_[b + 1] = first_[b] + parts * chunks_of(b);
+      chunked |= chunks_of(b) > 1;
+    }
+    // Not zeroed (every slot the merge reads is written first): a step of many chunked sequences would
+    // otherwise clear ~1 MB a layer for nothing.
+    if (chunked) partial_.reset(new float[count() * stride_]);
+  }
+
+  int64_t count() const { return first_[B_]; }
+
+  Item locate(int64_t item) const {
+    Item it;
+    it.b = std::upper_bound(first_.begin(), first_.end(), item) - first_.begin() - 1;
+    it.chunks = chunks_of(it.b);
+    const int64_t r = item - first_[it.b], L = ctx_[it.b];
+    it.g0 = (r / it.chunks) * heads_per_part;
+    it.chunk = r % it.chunks;
+    it.blk0 = it.chunk * chunk_blocks_;
+    it.blk1 = std::min((L + bs_ - 1) / bs_, it.blk0 + chunk_blocks_);
+    it.t0 = it.blk0 * bs_;
+    it.t1 = std::min(L, it.blk1 * bs_);
+    return it;
+  }
+
+  int64_t tokens(int64_t item) const {
+    const Item it = locate(item);
+    return it.t1 - it.t0;
+  }
+
+  // Where a chunk leaves its value sums (nh rows of D, before the softmax's normalization), then its
+  // heads' maxima and sums (nh each), for the merge; null for a sequence of one chunk, which its kernel
+  // normalizes and stores itself.
+  float* partial(int64_t item, const Item& it) const { return it.chunks > 1 ? &partial_[item * stride_] : nullptr; }
+
+  // The chunks of each chunked sequence's head ranges into out [B, H, D]: weights e^(chunk max - max) on
+  // each chunk's value sums and softmax sums, then one division.
+  template <typename T>
+  void merge(T* out, int64_t H) const {
+    if (!partial_) return;
+    const int64_t D = D_, G = nh / heads_per_part;
+    std::vector<float> merged(nh * D);
+    for (int64_t b = 0; b < B_; ++b) {
+      const int64_t nc = chunks_of(b);
+      if (nc == 1) continue;
+      for (int64_t pt = 0; pt < parts; ++pt) {
+        const float* p0 = &partial_[(first_[b] + pt * nc) * stride_];
+        const int64_t h0 = pt * heads_per_part * G;
+        for (int64_t h = 0; h < nh; ++h) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, p0[c * stride_ + nh * D + h]);
+          float l = 0.f;
+          float* o = &merged[h * D];
+          std::fill(o, o + D, 0.f);
+          for (int64_t c = 0; c < nc; ++c) {
+            const float* pc = p0 + c * stride_;
+            const float w = std::exp(pc[nh * D + h] - mx);
+            l += w * pc[nh * D + nh + h];
+            for (int64_t d = 0; d < D; ++d) o[d] += w * pc[h * D + d];
+          }
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        }
+        store_f32(merged.data(), out + (b * H + h0) * D, nh * D);
+      }
+    }
+  }
+
+  const int64_t parts, heads_per_part, nh;  // items a sequence's kv heads split into; kv and query heads an item
+
+ private:
+  int64_t chunks_of(int64_t b) const {
+    return std::max<int64_t>(1, ((ctx_[b] + bs_ - 1) / bs_ + chunk_blocks_ - 1) / chunk_blocks_);
+  }
+
+  const int64_t* ctx_;
+  int64_t B_, D_, bs_, chunk_blocks_, stride_;
+  std::vector<int64_t> first_;  // each sequence's first item
+  std::unique_ptr<float[]> partial_;
+};
+
 // Each of the nh rows of L scores becomes exp(score - row max) in place; inv[h] = 1 / the row's sum
 // (the normalization is applied to the value sums, once per head rather than once per token). With
 // mx and sum (a chunk of a longer context), each row's max and sum go there too, for the merge.
@@ -97,7 +205,7 @@ static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv, float* mx_
   }
 }
 
-// Per sequence, three passes, each a plain loop the compiler vectorizes: scores of every query head
+// Per work item (StepItems), three passes, each a plain loop the compiler vectorizes: scores of every query head
 // against every cached key, a softmax over each score row, then the value sum. A sequence's blocks are
 // read whole (all kv heads at once, contiguous), and while one block is read the next one is
 // prefetched a token row at a time: the blocks of a sequence lie anywhere in the pool and hardware
@@ -111,19 +219,17 @@ static void decode_kernel(
     int64_t q_stride_b, int64_t q_stride_h) {
   using E = typename R::elem;
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;  // W: one token's keys (or values), all kv heads
-  // A work item is one sequence and a range of its kv heads: all of them when there are sequences
-  // enough to keep every thread busy, else one each (a single long sequence still uses every core).
-  const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
-  const int64_t heads_per_part = Hkv / parts;
-  parallel_by_context(B * parts, [&](int64_t i) { return ctx[i / parts]; }, [&](int64_t begin, int64_t end) {
+  const StepItems plan(ctx, B, Hkv, G, D, bs);
+  const int64_t heads_per_part = plan.heads_per_part, nh = plan.nh;
+  parallel_by_context(plan.count(), [&](int64_t i) { return plan.tokens(i); }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), row(W), s;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / parts, g0 = (item % parts) * heads_per_part;
+      const StepItems::Item it = plan.locate(item);
+      const int64_t b = it.b, g0 = it.g0;
       const int64_t off = g0 * RW, w = heads_per_part * RW;  // this item's slice of a token row
-      const int64_t h0 = g0 * G, nh = heads_per_part * G;  // and its query heads
-      const int64_t L = ctx[b];
-      const int64_t* table = bt + b * max_blocks;
-      const int64_t nblocks = (L + bs - 1) / bs;
+      const int64_t h0 = g0 * G;  // and its first query head
+      const int64_t L = it.t1 - it.t0, nblocks = it.blk1 - it.blk0;  // this chunk's tokens and blocks
+      const int64_t* table = bt + b * max_blocks + it.blk0;
       load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
       s.resize(nh * L);
       for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + off, w * sizeof(E));
@@ -146,7 +252,8 @@ static void decode_kernel(
         }
       }
       float inv[256];
-      softmax_rows(s.data(), nh, L, inv);
+      float* part = plan.partial(item, it);
+      softmax_rows(s.data(), nh, L, inv, part ? part + nh * D : nullptr, part ? part + nh * D + nh : nullptr);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         const E* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr;
@@ -164,12 +271,17 @@ static void decode_kernel(
           }
         }
       }
+      if (part) {
+        std::copy(acc.begin(), acc.begin() + nh * D, part);
+        continue;
+      }
       for (int64_t h = 0; h < nh; ++h) {
         for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= inv[h];
       }
       store_f32(acc.data(), out + (b * H + h0) * D, nh * D);
     }
   });
+  plan.merge(out, H);
 }
 
 #if defined(__AVX512F__)
@@ -338,57 +450,13 @@ static void decode_kernel_avx512(
   // L2 on AMD Zen 4, 4 was no better than 2.
   constexpr int64_t PD = 2;
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;
-  const int64_t parts = B >= 2 * at::get_num_threads() ? 1 : Hkv;
-  const int64_t heads_per_part = Hkv / parts, nh = heads_per_part * G;
-  // A work item is a sequence's range of kv heads (all of them when there are sequences enough to keep
-  // every thread busy, else one each) over a chunk of its context: contexts longer than kChunkTokens are
-  // cut into chunks, each with its own softmax, merged after (the online softmax's rescaling, once a
-  // chunk). So a few long sequences share the threads evenly: one sequence of SmolLM2's 3 kv heads had
-  // split 2:1 over two threads (`benchmarks/decode_attention.py`, one sequence of ~2000 tokens, AMD Zen 5:
-  // 2.02-2.21 ms a step, median 2.16, against 1.61-1.99, median 1.67; 8 or 32 sequences unchanged). The
-  // chunks depend on the context length alone, so a sequence's result is the same in a batch of any size.
-  constexpr int64_t kChunkTokens = 512;
-  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / bs);
-  auto chunks_of = [&](int64_t b) {
-    return std::max<int64_t>(1, ((ctx[b] + bs - 1) / bs + chunk_blocks - 1) / chunk_blocks);
-  };
-  std::vector<int64_t> first(B + 1, 0);  // each sequence's first item
-  bool chunked = false;
-  for (int64_t b = 0; b < B; ++b) {
-    first[b + 1] = first[b] + parts * chunks_of(b);
-    chunked |= chunks_of(b) > 1;
-  }
-  struct Item {
-    int64_t b, g0, chunk, chunks, blk0, blk1, t0, t1;
-  };
-  auto locate = [&](int64_t item) {
-    Item it;
-    it.b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
-    it.chunks = chunks_of(it.b);
-    const int64_t r = item - first[it.b];
-    it.g0 = (r / it.chunks) * heads_per_part;
-    it.chunk = r % it.chunks;
-    const int64_t L = ctx[it.b];
-    it.blk0 = it.chunk * chunk_blocks;
-    it.blk1 = std::min((L + bs - 1) / bs, it.blk0 + chunk_blocks);
-    it.t0 = it.blk0 * bs;
-    it.t1 = std::min(L, it.blk1 * bs);
-    return it;
-  };
-  // A chunk's value sums (before the softmax's normalization) and each head's max and sum, for the merge.
-  const int64_t items = first[B], part_stride = nh * D + 2 * nh;
-  // Not zeroed (every slot a chunk reads is written first): a step of many chunked sequences would
-  // otherwise clear ~1 MB a layer for nothing.
-  std::unique_ptr<float[]> partial(chunked ? new float[items * part_stride] : nullptr);
-  auto tokens = [&](int64_t item) {
-    const Item it = locate(item);
-    return it.t1 - it.t0;
-  };
-  parallel_by_context(items, tokens, [&](int64_t begin, int64_t end) {
+  const StepItems plan(ctx, B, Hkv, G, D, bs);
+  const int64_t heads_per_part = plan.heads_per_part, nh = plan.nh;
+  parallel_by_context(plan.count(), [&](int64_t i) { return plan.tokens(i); }, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), s;
-    Item it = locate(begin);
+    StepItems::Item it = plan.locate(begin);
     for (int64_t item = begin; item < end; ++item) {
-      const Item nx = item + 1 < end ? locate(item + 1) : Item{};
+      const StepItems::Item nx = item + 1 < end ? plan.locate(item + 1) : StepItems::Item{};
       const int64_t b = it.b, g0 = it.g0, h0 = g0 * G;
       const int64_t Lc = it.t1 - it.t0, nblocks = it.blk1 - it.blk0;  // this chunk's tokens and blocks
       const int64_t* table = bt + b * max_blocks + it.blk0;
@@ -430,7 +498,7 @@ static void decode_kernel_avx512(
         }
       }
       float inv[256];
-      float* part = it.chunks > 1 ? &partial[item * part_stride] : nullptr;
+      float* part = plan.partial(item, it);
       softmax_rows(s.data(), nh, Lc, inv, part ? part + nh * D : nullptr, part ? part + nh * D + nh : nullptr);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -458,34 +526,7 @@ static void decode_kernel_avx512(
       it = nx;
     }
   });
-  if (!chunked) return;
-  // The chunks of each head range, in order: weights e^(chunk max - max) on each chunk's value sums and
-  // softmax sums, then one division.
-  std::vector<float> merged(nh * D);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t nc = chunks_of(b);
-    if (nc == 1) continue;
-    for (int64_t pt = 0; pt < parts; ++pt) {
-      const float* p0 = &partial[(first[b] + pt * nc) * part_stride];
-      const int64_t h0 = pt * heads_per_part * G;
-      for (int64_t h = 0; h < nh; ++h) {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, p0[c * part_stride + nh * D + h]);
-        float l = 0.f;
-        float* o = &merged[h * D];
-        std::fill(o, o + D, 0.f);
-        for (int64_t c = 0; c < nc; ++c) {
-          const float* pc = p0 + c * part_stride;
-          const float w = std::exp(pc[nh * D + h] - mx);
-          l += w * pc[nh * D + nh + h];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * pc[h * D + d];
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-      store_f32(merged.data(), out + (b * H + h0) * D, nh * D);
-    }
-  }
+  plan.merge(out, H);
 }
 #endif
 
