@@ -205,13 +205,115 @@ static void softmax_rows(float* s, int64_t nh, int64_t L, float* inv, float* mx_
   }
 }
 
-// Per work item (StepItems), three passes, each a plain loop the compiler vectorizes: scores of every query head
-// against every cached key, a softmax over each score row, then the value sum. A sequence's blocks are
-// read whole (all kv heads at once, contiguous), and while one block is read the next one is
-// prefetched a token row at a time: the blocks of a sequence lie anywhere in the pool and hardware
-// prefetchers do not follow a block table. At 32 sequences of ~175 tokens this reads KV at ~8 GB/s,
-// against ~5 GB/s for one pass per (sequence, kv head) with an online softmax. R: how the cache stores
-// a row (kv_rows.h); rows are converted to float32 (and scaled, for 8-bit rows) as they are read.
+#if defined(__AVX2__)
+// r[j] = the sum of v[j]'s eight lanes, for eight vectors at once (lane j depends on v[j] alone).
+static inline __m256 hsum8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+
+// The scores of nh query heads (qf: their scaled rows, D apart; head h reads kv head h / G) against a
+// block's n key rows (rows: n rows of w floats, the item's kv heads side by side; on AVX2 readable up
+// to n rounded up to 8, finite): into s (rows L apart). On AVX2 eight tokens at a time, the eight dot
+// products summed in one hsum8, where a vector loop over d alone ends each token in a horizontal sum.
+static void block_scores(const float* rows, int64_t n, int64_t w, const float* qf, int64_t nh, int64_t G,
+                         int64_t D, float* s, int64_t L) {
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = qf + h * D;
+      const float* kh = rows + (h / G) * D;
+      for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (i0 + j) * w + d), acc[j]);
+        }
+        const int64_t cnt = std::min<int64_t>(8, n - i0);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_maskstore_ps(s + h * L + i0, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)), lane),
+                            hsum8(acc));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = qf + h * D;
+      const float* kh = rows + i * w + (h / G) * D;
+      float dot = 0.f;
+      // omp simd: lets the compiler reorder this float sum into vector lanes (no -ffast-math).
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+      s[h * L + i] = dot;
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// acc (NV vectors) += the n rows at v (w apart) times their weights p, the sums in registers (NV a
+// compile-time count: with a run-time one GCC kept the sums on the stack, a load and a store each).
+template <int NV>
+static inline void weighted_rows(const float* v, int64_t w, const float* p, int64_t n, float* acc) {
+  __m256 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 pv = _mm256_set1_ps(p[i]);
+    for (int c = 0; c < NV; ++c) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i * w + 8 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+#endif
+
+// acc (nh rows of D) += each of a block's n value rows (rows, as block_scores reads them) times its
+// softmax weight (s: rows L apart). On AVX2 a head's sums stay in registers over the block, 64 values
+// at a time, where the plain loop loads and stores them for every token.
+static void block_values(const float* rows, int64_t n, int64_t w, const float* s, int64_t L, int64_t nh,
+                         int64_t G, int64_t D, float* acc) {
+#if defined(__AVX2__)
+  if (D % 8 == 0) {
+    for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const float* v = rows + (h / G) * D + d0;
+        float* a = acc + h * D + d0;
+        switch (std::min<int64_t>(64, D - d0) / 8) {
+          case 1: weighted_rows<1>(v, w, s + h * L, n, a); break;
+          case 2: weighted_rows<2>(v, w, s + h * L, n, a); break;
+          case 3: weighted_rows<3>(v, w, s + h * L, n, a); break;
+          case 4: weighted_rows<4>(v, w, s + h * L, n, a); break;
+          case 5: weighted_rows<5>(v, w, s + h * L, n, a); break;
+          case 6: weighted_rows<6>(v, w, s + h * L, n, a); break;
+          case 7: weighted_rows<7>(v, w, s + h * L, n, a); break;
+          default: weighted_rows<8>(v, w, s + h * L, n, a); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* a = acc + h * D;
+      const float* vh = rows + i * w + (h / G) * D;
+      const float p = s[h * L + i];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+    }
+  }
+}
+
+// Per work item (StepItems), three passes: scores of every query head against every cached key, a
+// softmax over each score row, then the value sum, a block of rows at a time (block_scores,
+// block_values). A sequence's blocks are read whole (all kv heads at once, contiguous), and while one
+// block is read the next one is prefetched a token row at a time: the blocks of a sequence lie anywhere
+// in the pool and hardware prefetchers do not follow a block table. R: how the cache stores a row
+// (kv_rows.h); rows are converted to float32 (and scaled, for 8-bit rows) as they are read. This is the
+// kernel of the AVX2 build, and of head sizes the AVX-512 kernel below does not take.
 template <typename T, typename R>
 static void decode_kernel(
     const T* q, const typename R::elem* kc, const typename R::elem* vc, const int64_t* bt, const int64_t* ctx,
@@ -221,8 +323,11 @@ static void decode_kernel(
   const int64_t G = H / Hkv, RW = R::width(D), W = Hkv * RW;  // W: one token's keys (or values), all kv heads
   const StepItems plan(ctx, B, Hkv, G, D, bs);
   const int64_t heads_per_part = plan.heads_per_part, nh = plan.nh;
+  const int64_t wf = heads_per_part * D;  // an item's share of a token row, as floats
   parallel_by_context(plan.count(), [&](int64_t i) { return plan.tokens(i); }, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), row(W), s;
+    // rows: one block's rows as floats; zeroed, so rows past a block's last (read, never stored, by
+    // block_scores's groups of eight) are finite.
+    std::vector<float> qf(H * D), acc(H * D), rows((bs + 7) / 8 * 8 * wf, 0.f), s;
     for (int64_t item = begin; item < end; ++item) {
       const StepItems::Item it = plan.locate(item);
       const int64_t b = it.b, g0 = it.g0;
@@ -232,44 +337,28 @@ static void decode_kernel(
       const int64_t* table = bt + b * max_blocks + it.blk0;
       load_scaled_q(q + b * q_stride_b + h0 * q_stride_h, q_stride_h, nh, D, scale, qf.data());
       s.resize(nh * L);
+      // The block's rows as floats, the next block's (or the first value block's) asked for meanwhile.
+      auto convert = [&](const E* base, const E* next, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (next) prefetch(next + i * W, w * sizeof(E));
+          for (int64_t g = 0; g < heads_per_part; ++g) R::load(base + i * W + g * RW, D, &rows[i * wf + g * D]);
+        }
+      };
       for (int64_t i = 0; i < std::min(bs, L); ++i) prefetch(kc + (table[0] * bs + i) * W + off, w * sizeof(E));
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const E* next = (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + off;
-        const E* base = kc + table[blk] * bs * W + off;
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          prefetch(next + i * W, w * sizeof(E));
-          for (int64_t g = 0; g < heads_per_part; ++g) R::load(base + i * W + g * RW, D, row.data() + g * D);
-          for (int64_t h = 0; h < nh; ++h) {
-            const float* qh = &qf[h * D];
-            const float* kh = &row[(h / G) * D];
-            float dot = 0.f;
-            // omp simd: lets the compiler reorder this float sum into vector lanes (no -ffast-math).
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-            s[h * L + t0 + i] = dot;
-          }
-        }
+        convert(kc + table[blk] * bs * W + off,
+                (blk + 1 < nblocks ? kc + table[blk + 1] * bs * W : vc + table[0] * bs * W) + off, n);
+        block_scores(rows.data(), n, wf, qf.data(), nh, G, D, s.data() + t0, L);
       }
       float inv[256];
       float* part = plan.partial(item, it);
       softmax_rows(s.data(), nh, L, inv, part ? part + nh * D : nullptr, part ? part + nh * D + nh : nullptr);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const E* next = blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr;
-        const E* base = vc + table[blk] * bs * W + off;
         const int64_t t0 = blk * bs, n = std::min(bs, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          if (next) prefetch(next + i * W, w * sizeof(E));
-          for (int64_t g = 0; g < heads_per_part; ++g) R::load(base + i * W + g * RW, D, row.data() + g * D);
-          for (int64_t h = 0; h < nh; ++h) {
-            float* a = &acc[h * D];
-            const float* vh = &row[(h / G) * D];
-            const float p = s[h * L + t0 + i];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
-          }
-        }
+        convert(vc + table[blk] * bs * W + off, blk + 1 < nblocks ? vc + table[blk + 1] * bs * W + off : nullptr, n);
+        block_values(rows.data(), n, wf, s.data() + t0, L, nh, G, D, acc.data());
       }
       if (part) {
         std::copy(acc.begin(), acc.begin() + nh * D, part);
@@ -433,8 +522,9 @@ static inline void value_rows(const typename R::elem* base, int64_t W, int64_t n
 // The same three passes as decode_kernel, written for AVX-512 registers with the head size fixed
 // (NC registers of 16 floats a head): the query heads of a kv head are held in registers, each key
 // row is converted once for all of them, sixteen tokens' dot products are summed in one hsum16, and
-// the value sums accumulate in registers over a block. The plain loops above measured ~12 GB/s with the
-// cache hot (compute-bound: one horizontal sum per head and token, value accumulators in memory).
+// the value sums accumulate in registers over a block. The plain loops above, per token before their
+// AVX2 block passes, measured ~12 GB/s with the cache hot (compute-bound: one horizontal sum per head
+// and token, value accumulators in memory).
 // An 8-bit row's scale multiplies its sixteen tokens' dot products after the sum, and each token's
 // softmax weight before the value sum, rather than every value.
 template <typename T, typename R, int NC>
