@@ -172,7 +172,8 @@ def paged_reference(
         (3, 32, 8, 64, 16),
         (5, 12, 2, 64, 32),  # 6 query heads a kv head: two register chunks; 32-token blocks
         (4, 8, 2, 128, 16),  # head size 128 (Llama 3 8B's)
-        (3, 4, 2, 32, 16),  # a head size without a register path: the plain loops
+        (3, 4, 2, 32, 16),  # a head size without a register path: the plain loops, in blocks of rows
+        (3, 4, 2, 20, 16),  # not a multiple of 8: the plain loops token by token
     ],
 )
 def test_paged_decode(
