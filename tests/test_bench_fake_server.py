@@ -9,6 +9,7 @@ to within a few ms; intervals between chunks, which that overhead does not shift
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -296,3 +297,109 @@ def test_normalize_base_url() -> None:
     assert normalize_base_url("http://h:1") == "http://h:1/v1"
     assert normalize_base_url("http://h:1/v1/") == "http://h:1/v1"
     assert normalize_base_url("https://x.y/api/v1") == "https://x.y/api/v1"
+
+
+def test_duration_longer_than_the_grace_period_runs_its_whole_duration(tmp_path) -> None:
+    """The grace period starts when the duration ends (issue 50): requests of ~1 s under a 2.2 s duration
+    and a 0.5 s grace complete, where a grace timed from the level's start cut them all at 0.5 s."""
+    with fake_server(1000, 5) as url:
+        res = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "--url",
+                url,
+                "--concurrency",
+                "2",
+                "--duration",
+                "2.2",
+                "--grace-period",
+                "0.5",
+                "--osl",
+                "2",
+                "--tokenizer",
+                "none",
+                "--output",
+                str(tmp_path / "run"),
+            ],
+        )
+    assert res.exit_code == 0, res.output
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["completed"] >= 2 and s["failed"] == 0, s
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    # Requests were sent after the first ones completed, ~1 s in: past the grace period's length.
+    assert max(r["t_send"] for r in run["records"]) > 0.9
+
+
+def test_a_level_that_completes_nothing_says_so_and_fails(tmp_path) -> None:
+    """Requests slower than --duration + --grace-period are cancelled, not failed; a level left with no
+    completed request is reported as such in the table, and the command exits non-zero with one line."""
+    with fake_server(5000, 5) as url:
+        res = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "--url",
+                url,
+                "--concurrency",
+                "1,2",
+                "--duration",
+                "0.6",
+                "--grace-period",
+                "0.3",
+                "--osl",
+                "2",
+                "--tokenizer",
+                "none",
+                "--output",
+                str(tmp_path / "sweep"),
+            ],
+        )
+    assert res.exit_code == 1, res.output
+    top = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert [(r["completed"], r["cancelled_at_end"]) for r in top["runs"]] == [(0, 1), (0, 2)]
+    assert "concurrency1: NO REQUEST COMPLETED" in res.stdout and "concurrency2: NO REQUEST" in res.stdout
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "no request completed" in errors[0], res.stderr
+    assert "Traceback" not in res.output
+
+
+def test_piped_output_has_whole_tables_and_progress_on_stderr(server_url, tmp_path) -> None:
+    """Not on a terminal (a pipe, a parent process), rich assumed 80 columns and cut the sweep table's
+    headers and cells ("lev…", "TT…"); they must come whole, and the progress as plain lines on stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # the width a pipe really has: none
+    args = ["--concurrency", "1,2", "--num-requests", "2", "--osl", "4", "--tokenizer", "none"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.cli.main",
+            "bench",
+            "--url",
+            server_url,
+            *args,
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "\u2026" not in r.stdout, r.stdout  # no cell or header cut with an ellipsis
+    header = next(line for line in r.stdout.splitlines() if "level" in line)
+    for col in (
+        "level",
+        "failed",
+        "cancelled",
+        "out tok/s",
+        "TTFT p99",
+        "ITL p50",
+        "tok/s/user p50",
+        "done/sent",
+    ):
+        assert col in header, header
+    rows = [line for line in r.stdout.splitlines() if "concurrency" in line]
+    assert len(rows) == 2 and "concurrency1" in rows[0] and "concurrency2" in rows[1], r.stdout
+    assert "concurrency2: 2/2, done in" in r.stderr and "\x1b[" not in r.stderr, r.stderr

@@ -196,7 +196,10 @@ async def run_level(
             # Let the new request's task start now: its send time is then its arrival time.
             await asyncio.sleep(0)
     if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=cfg.grace_s if deadline else None)
+        # The grace period starts when the duration ends, not now: closed-loop workers are created at
+        # the level's start, and a timer started here cut every level at --grace-period.
+        timeout = None if deadline is None else max(0.0, deadline - time.perf_counter()) + cfg.grace_s
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
         for t in pending:
             t.cancel()
         if pending:

@@ -96,6 +96,7 @@ def _write_sweep_csv(levels: list[LevelResult], path: Path) -> None:
         "request_rate",
         "completed",
         "failed",
+        "cancelled_at_end",
         "request_throughput",
         "output_token_throughput",
         "input_token_throughput",
@@ -210,6 +211,19 @@ def print_level(console: Console, s: dict[str, Any]) -> None:
 
 
 def print_errors(console: Console, s: dict[str, Any]) -> None:
+    if s["completed"] == 0:
+        # Cancelled requests are neither successes nor failures: without this line a level whose every
+        # request outlived its duration read "0 failed".
+        why = []
+        if s.get("cancelled_at_end"):
+            why.append(f"{s['cancelled_at_end']} still running after --duration + --grace-period, cancelled")
+        if s["failed"]:
+            why.append(f"{s['failed']} failed")
+        console.print(
+            f"[bold red]{s['label']}: NO REQUEST COMPLETED[/bold red]"
+            + (f" ({'; '.join(why)})" if why else ""),
+            highlight=False,
+        )
     if s["failed"]:
         kinds = ", ".join(f"{k}: {n}" for k, n in s["errors"].items())
         console.print(
@@ -230,6 +244,7 @@ def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
         "level",
         "ok",
         "failed",
+        "cancelled",
         "req/s",
         "out tok/s",
         "TTFT p50",
@@ -250,6 +265,7 @@ def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
             s["label"],
             str(s["completed"]),
             str(s["failed"]),
+            str(s.get("cancelled_at_end", 0)),
             _fmt(s["request_throughput"]),
             _fmt(s["output_token_throughput"]),
             st("ttft_ms", "p50"),

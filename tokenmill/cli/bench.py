@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tokenmill.cli.common import console, fail
+from tokenmill.cli.common import Steps, console, fail
 
 bench_app = typer.Typer(
     invoke_without_command=True,
@@ -109,6 +108,8 @@ def bench(
         fail("--isl and --osl must be at least 1, their standard deviations not negative")
     if (num_requests is not None and num_requests < 1) or (duration is not None and duration <= 0):
         fail("--num-requests and --duration must be positive")
+    if grace_period < 0:
+        fail("--grace-period must not be negative")
     if goodput_search and not slos:
         fail("--goodput-search needs --slo, e.g. --slo ttft=500ms,itl=50ms")
     if not 0 < target_attainment <= 1:
@@ -197,13 +198,7 @@ def _run(client_cfg, workload, loads, slos, counter, counter_desc, search, outpu
     console.print(f"tokenizer for token counts: {counter_desc}", highlight=False)
     if counter is None:
         console.print("[yellow]token counts are estimates[/yellow] (no tokenizer): lengths are approximate")
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
+    progress = Steps()  # on stderr: stdout keeps the tables
 
     def on_level(label: str, total: int | None, duration: float | None):
         task = progress.add_task(label, total=total)
@@ -247,6 +242,15 @@ def _run(client_cfg, workload, loads, slos, counter, counter_desc, search, outpu
             + (f"[bold]{best:.3g} req/s[/bold]" if best is not None else "[red]none of the rates tried[/red]")
         )
     console.print(f"artifacts: {out}/ (summary.json, run.json, records.csv, plots)", highlight=False)
+    empty = [s["label"] for s in summaries if s["completed"] == 0]
+    # A goodput search's probes above the server's capacity may complete nothing: that is its answer.
+    if empty and (result.search is None or len(empty) == len(summaries)):
+        cut = any(s["cancelled_at_end"] for s in summaries if s["completed"] == 0)
+        fail(
+            f"no request completed at {', '.join(empty)}"
+            + (" (requests slower than --duration + --grace-period are cancelled)" if cut else ""),
+            code=1,
+        )
     if any(s["failed"] for s in summaries):
         raise typer.Exit(1)  # the errors were printed with the table
 
