@@ -16,11 +16,26 @@ from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, VECTOR, DecodeStep
+from tokenmill.models.linear import onednn_packing_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.ops import CpuFusedOps
 
 LEVELS = [lv.name for lv in all_levels() if lv.supported()]
 needs_kernels = pytest.mark.skipif(not LEVELS, reason="no kernel build runs on this CPU (it has no AVX2)")
+# The bf16 panels sit beside oneDNN's packed copy of each weight (or, where they take every row count,
+# alone); oneDNN packs bf16 weights only on AVX-512 CPUs. On an AVX2-only CPU the bf16 linears stay
+# plain PyTorch matmuls, which the C++ step does not call: it keeps the Python loop there.
+BF16_PANELS = onednn_packing_available(torch.zeros(1, dtype=torch.bfloat16))
+NO_BF16_PANELS = "oneDNN packs no bf16 weights on this CPU (it needs AVX-512): the bf16 linears stay plain"
+
+
+def _no_panels_keeps_the_python_loop(model: torch.nn.Module) -> None:
+    """Where the bf16 linears stay plain, the step must keep the Python loop; the rest of a test that
+    compares the C++ step with it has nothing to run."""
+    assert model.decode_step() is None, "plain bf16 linears have no kernel the C++ step calls"
+    pytest.skip(NO_BF16_PANELS)
+
+
 # Qwen2-like: biases on q/k/v, 4 query heads on 2 kv heads.
 QWEN = ModelConfig("qwen2", 64, 64, 128, 2, 4, 2, 16, attention_bias=True)
 
@@ -103,6 +118,8 @@ def test_step_gives_the_python_loops_bits(level: str, kv_format: str | None) -> 
     """bf16 panels (the dot loops on AVX512-BF16, the vector loops on the other builds), q/k/v biases and
     grouped kv heads; 1 and 3 rows a step."""
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
+    if not BF16_PANELS:
+        _no_panels_keeps_the_python_loop(model)
     step = model.decode_step()
     assert step is not None, "every linear is on the bf16 panels"
     # The dot loops where they take every row count (AVX512-BF16 without AMX), else the vector loops.
@@ -126,6 +143,8 @@ def test_vector_loops_take_only_their_rows() -> None:
     if level is None:
         pytest.skip("every kernel build this CPU runs has the dot loops (no vector-loop build)")
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
+    if not BF16_PANELS:
+        _no_panels_keeps_the_python_loop(model)
     step = model.decode_step()
     assert step is not None and step.kinds == {VECTOR} and step.max_rows in (4, 96)
     meta = AttentionMetadata.of([0], [[0]], [1], [], 16, torch.device("cpu"))

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tokenmill.kernels.isa import cpu_has
 from tokenmill.weights.group_codes import GROUP, GroupCodes, Int8Groups, quantize_groups, quantize_int8_groups
 
 log = logging.getLogger(__name__)
@@ -454,7 +455,7 @@ def amx_brgemm_available() -> bool:
     with oneDNN allowed to use it. Without AMX the panel matmul's own dot loops are faster (ops.py)."""
     limit = _onednn_limit()
     return (
-        bool(torch.cpu._is_amx_tile_supported())
+        cpu_has("amx_tile")
         and torch.backends.mkldnn.is_available()
         and (limit == "ALL" or "AMX" in limit)
     )
@@ -473,20 +474,18 @@ def bf16_brgemm_available() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     limit = _onednn_limit()
-    if torch.cpu._is_amx_tile_supported() and (limit == "ALL" or "AMX" in limit):
+    if cpu_has("amx_tile") and (limit == "ALL" or "AMX" in limit):
         return True
     allowed = limit == "ALL" or "BF16" in limit or "AMX" in limit
-    return bool(torch.cpu._is_avx512_bf16_supported()) and allowed
+    return cpu_has("avx512_bf16") and allowed
 
 
 def _onednn_vnni() -> bool:
     """Whether oneDNN's int8 kernels here sum u8 x s8 products in 32 bits (VNNI or AMX), not 16."""
     limit = _onednn_limit()
-    from tokenmill.kernels.isa import _cpu_has
-
     if limit in ("AVX2", "AVX", "SSE41", "AVX512_CORE"):
         return False
-    return _cpu_has("vnni") or _cpu_has("amx_tile")
+    return cpu_has("vnni") or cpu_has("amx_tile")
 
 
 def _onednn_bf16_output() -> bool:
@@ -495,11 +494,9 @@ def _onednn_bf16_output() -> bool:
     float32 out and rounds after the row scales."""
     global _bf16_out
     if _bf16_out is None:
-        from tokenmill.kernels.isa import _cpu_has
-
         limit = _onednn_limit()
         below_avx512 = limit.startswith(("AVX2", "SSE")) or limit == "AVX"
-        _bf16_out = _cpu_has("avx512") and not below_avx512
+        _bf16_out = cpu_has("avx512") and not below_avx512
     return _bf16_out
 
 
