@@ -1,7 +1,8 @@
 """tokenmill's own C++ CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 One build per instruction-set level (tokenmill/kernels/isa.py); the best level this CPU runs is used.
-Compilation takes a few minutes per level on 2 cores and is cached per level, Python and torch version
+Compilation (kernels/build.py, in a child process that reports each step) takes about a minute per
+level on 2 cores and is cached per level, Python and torch version
 and source hash under the cache folder (a finished build is then imported by any checkout or virtualenv
 that matches); a machine without a C++ compiler, or an x86 CPU without AVX2, falls back
 to the plain-PyTorch implementations with a one-line warning.
@@ -21,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from tokenmill.kernels.build import BUILT, CSRC, build, module_name
 from tokenmill.kernels.isa import IsaLevel, best_level, get_level
 from tokenmill.paths import default_cache_dir
 
@@ -30,24 +32,6 @@ except ImportError:  # not POSIX: PyTorch's own lock file alone
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [
-    "bindings.cpp",
-    "paged_decode.cpp",
-    "fused_ops.cpp",
-    "quantize.cpp",
-    "sample.cpp",
-    "argmax.cpp",
-    "kv_write.cpp",
-    "prefill_attention.cpp",
-    "panel_matmul.cpp",
-    "panel_q4.cpp",
-    "panel_g8.cpp",
-    "panel_q8.cpp",
-    "panel_i8.cpp",
-    "panel_f8.cpp",
-    "decode_step.cpp",
-]
 _modules: dict[str, ModuleType] = {}
 _failed: dict[str, str] = {}
 
@@ -59,7 +43,7 @@ def build_dir(level: IsaLevel) -> Path:
     digest = hashlib.sha256(
         " ".join([*level.flags, f"py{sys.version_info[0]}.{sys.version_info[1]}"]).encode()
     )
-    for f in sorted(_CSRC.iterdir()):
+    for f in sorted(CSRC.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())
     return (
         default_cache_dir()
@@ -118,43 +102,33 @@ def cpu_kernels(level: str | None = None) -> ModuleType:
     return module
 
 
-_BUILT = "built"  # names the library once a build in the folder has loaded and checked
-
-
 def _load(lv: IsaLevel, d: Path) -> ModuleType:
-    """Import the level's library if the folder holds a finished build, else build it there (ninja decides
-    what to compile) and import it.
+    """Import the level's library if the folder holds a finished build, else build it there (in a child
+    process that says what it is doing: build.py) and import it.
 
     The folder is keyed by the sources, the flags and the Python and PyTorch versions, so a finished
     build in it fits any checkout of the same sources in any environment with those versions. It is
     imported as it is: ninja would rebuild it for another checkout or virtualenv, since its commands
-    record the source paths and PyTorch's include paths (~3 minutes a level on 2 cores)."""
-    name = f"tokenmill_cpu_kernels_{lv.name}"
-    marker = d / _BUILT
-    if marker.exists():
-        library = d / marker.read_text().strip()
-        spec = importlib.util.spec_from_file_location(name, library)
-        if library.is_file() and spec is not None and spec.loader is not None:
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            with contextlib.suppress(OSError):  # its time is the build's last use (`tokenmill cache`)
-                os.utime(marker)
-            return module
-    from torch.utils.cpp_extension import load
+    record the source paths and PyTorch's include paths."""
+    module = _import_built(lv, d)
+    if module is None:
+        build(lv.name, d)
+        module = _import_built(lv, d)
+        if module is None:
+            raise RuntimeError(f"the build of {lv.name} left no library in {d}")
+    return module
 
-    module = load(
-        name=name,
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        # PyTorch's own flags for its kernels: no errno or FP-exception side effects, which is what
-        # lets GCC vectorize rounding and min/max loops. Not -ffast-math: the order of float sums
-        # stays the code's.
-        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *lv.flags],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(d),
-        verbose=False,
-    )
-    if module.isa_level() == lv.name and module.__file__:
-        tmp = d / f"{_BUILT}.{os.getpid()}.tmp"
-        tmp.write_text(Path(module.__file__).name + "\n")
-        tmp.replace(marker)  # whole or absent
+
+def _import_built(lv: IsaLevel, d: Path) -> ModuleType | None:
+    marker = d / BUILT
+    if not marker.exists():
+        return None
+    library = d / marker.read_text().strip()
+    spec = importlib.util.spec_from_file_location(module_name(lv.name), library)
+    if not library.is_file() or spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with contextlib.suppress(OSError):  # its time is the build's last use (`tokenmill cache`)
+        os.utime(marker)
     return module

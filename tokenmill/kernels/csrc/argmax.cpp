@@ -3,7 +3,7 @@
 // each row converted to float32 once, then one pass for the maximum (and whether there is a NaN) and a
 // vectorized search for its first index. PyTorch's reduction took ~3.4 ms a step at 256 rows of a
 // 49k vocabulary, a single-threaded 2.5% of an offline run.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
@@ -74,11 +74,11 @@ void argmax_kernel(const T* x, int64_t R, int64_t V, int64_t stride, int64_t* ou
 
 // logits: [R, V] float32/bfloat16/float16 (rows may be strided, vocab contiguous), V > 0. Returns [R]
 // int64.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [R, V] with a contiguous vocab");
   TORCH_CHECK(logits.size(1) > 0, "an empty vocabulary has no maximum");
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({R}, logits.options().dtype(torch::kLong));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows", [&] {
     argmax_kernel<scalar_t>(logits.data_ptr<scalar_t>(), R, V, logits.stride(0), out.data_ptr<int64_t>());
   });

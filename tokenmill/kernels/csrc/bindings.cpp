@@ -1,9 +1,14 @@
-// Python bindings of tokenmill's CPU kernels (one extension module, several sources).
+// Python bindings of tokenmill's CPU kernels (one extension module, several sources). The one file that
+// includes <torch/extension.h> (pybind11 and torch's Python casters); the kernels include tensor.h.
 #include <torch/extension.h>
+
+#include <memory>
+#include <optional>
 
 #include <string>
 #include <vector>
 
+#include "decode_step.h"
 #include "kernels.h"
 
 // Which build this is, from the compiler's own macros (checked against the level asked for at load).
@@ -58,5 +63,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cached", &prefill_attention_cached,
         "causal attention of prompt chunks after a cached context, read through block tables");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
-  register_decode_layers(m);
+  using tm_decode::DecodeLayers;
+  // Local to each build's module: a process that loads two instruction-set builds registers it twice.
+  py::class_<DecodeLayers, std::shared_ptr<DecodeLayers>>(
+      m, "DecodeLayers", py::module_local(), "a pure decode step's decoder layers as one call (models/decode_step.py)")
+      .def(py::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<std::optional<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
+                    std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      // No Python object is touched inside: the engine's other threads (its I/O) run meanwhile.
+      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>());
 }

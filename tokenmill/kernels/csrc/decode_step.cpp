@@ -4,54 +4,23 @@
 // backend's dispatch) was ~30% of the main thread's step on SmolLM2-135M, and the pool's other thread
 // spun through it. Here the same kernels run in the same order on the same tensors, so a step gives
 // the Python loop's bits (tests/test_decode_step.py); only the glue is gone.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "decode_step.h"
 #include "kernels.h"
+
+namespace tm_decode {
 
 namespace {
 
-// Which kernel a linear runs (models/decode_step.py's kinds); `param` is its last integer argument and
-// `extra` its other tensors (I8: the code-sum offsets and column scales; F8: the column scales).
-enum Kind : int64_t { kDot = 0, kVector = 1, kQ4 = 2, kG8 = 3, kI8 = 4, kF8 = 5 };
-
-struct Linear {
-  int64_t kind, n, param;
-  torch::Tensor panels;
-  std::optional<torch::Tensor> bias;
-  std::vector<torch::Tensor> extra;
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y;
-    switch (kind) {
-      case kDot: y = panel_matmul_dot(x, panels, n); break;
-      case kVector: y = panel_matmul(x, panels, n, param); break;
-      case kQ4: y = q4_matmul(x, panels, n, param); break;
-      case kG8: y = g8_matmul(x, panels, n, param); break;
-      case kI8: {  // W8A8 per channel: the rows quantized as Int8Linear does (ops.quantize_rows_u8)
-        auto q = quantize_rows_u8(x);
-        y = i8_matmul(q[0], q[1], panels, extra[0], extra[1], n);
-        break;
-      }
-      case kF8: {  // fp8: the rows as e4m3 codes, as Fp8Linear does (ops.e4m3_rows)
-        auto q = e4m3_rows_bf16(x);
-        y = f8_matmul(q[0], q[1], panels, extra[0], n);
-        break;
-      }
-      default: TORCH_CHECK(false, "unknown linear kind ", kind);
-    }
-    if (bias) y.add_(*bias);
-    return y;
-  }
-};
-
 // The step's keys or values into a plain (unquantized) cache at their slots: index_copy_'s bytes without
 // its TensorIterator set-up, which cost more than the copy of a few rows.
-void write_plain(const torch::Tensor& x, const torch::Tensor& cache, const int64_t* slots) {
+void write_plain(const at::Tensor& x, const at::Tensor& cache, const int64_t* slots) {
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
   const int64_t bytes = D * x.element_size();
   const auto* src = static_cast<const char*>(x.data_ptr());
@@ -61,98 +30,92 @@ void write_plain(const torch::Tensor& x, const torch::Tensor& cache, const int64
     for (int64_t h = 0; h < Hkv; ++h) std::memcpy(dst + (slots[t] * Hkv + h) * bytes, src + t * s0 + h * s1, bytes);
 }
 
-class DecodeLayers {
- public:
-  // Per layer four linears (qkv, o, gate_up, down) in `kinds`, `panels`, `ns`, `params` and `biases`;
-  // `norms`: layer 0's input norm, then per layer its post-attention norm and the next layer's input norm
-  // (none after the last): 2 L weights.
-  DecodeLayers(std::vector<int64_t> kinds, std::vector<torch::Tensor> panels, std::vector<int64_t> ns,
-               std::vector<int64_t> params, std::vector<std::optional<torch::Tensor>> biases,
-               std::vector<std::vector<torch::Tensor>> extras, std::vector<torch::Tensor> norms, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double eps)
-      : norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
-    const size_t n = kinds.size();
-    TORCH_CHECK(n % 4 == 0 && panels.size() == n && ns.size() == n && params.size() == n && biases.size() == n &&
-                    extras.size() == n,
-                "four linears a layer");
-    TORCH_CHECK(n > 0 && norms_.size() == n / 2, "at least one layer, two norms a layer");
-    for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kF8, "unknown linear kind ", kinds[i]);
-      const size_t wanted = kinds[i] == kI8 ? 2 : kinds[i] == kF8 ? 1 : 0;
-      TORCH_CHECK(extras[i].size() == wanted, "linear kind ", kinds[i], " takes ", wanted, " extra tensors");
-      linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i]});
-    }
-    for (const auto& w : norms_) TORCH_CHECK(w.is_contiguous(), "norm weights must be contiguous");
-  }
-
-  int64_t num_layers() const { return static_cast<int64_t>(linears_.size() / 4); }
-
-  // residual [T, hidden] (updated in place, as the Python loop does) -> the last layer's MLP output,
-  // which the caller adds to the residual. kv_caches: [L, 2, blocks, block_size, Hkv, width], contiguous.
-  torch::Tensor run(torch::Tensor residual, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin_signed,
-                    torch::Tensor kv_caches, torch::Tensor slots, torch::Tensor block_tables,
-                    torch::Tensor context_lens, double scale, int64_t kv_format) const {
-    const int64_t L = num_layers(), T = residual.size(0);
-    TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual: [T, hidden], contiguous");
-    TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == L && kv_caches.size(1) == 2 &&
-                    kv_caches.is_contiguous(),
-                "kv_caches: [layers, 2, blocks, block_size, Hkv, width], contiguous");
-    TORCH_CHECK(kv_caches.size(4) == kv_heads_, "the cache's kv heads");
-    TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
-    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T, "slots: [T] long");
-    auto sl = slots.contiguous();
-    const int64_t* s = sl.data_ptr<int64_t>();
-    const int64_t capacity = kv_caches.size(2) * kv_caches.size(3);
-    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "slot out of range");
-    if (kv_format == 0)
-      TORCH_CHECK(kv_caches.scalar_type() == residual.scalar_type() && kv_caches.size(5) == head_dim_,
-                  "plain cache rows: head_dim values of the model's dtype");
-
-    const int64_t D = head_dim_, qs = heads_ * D, kvs = kv_heads_ * D;
-    torch::Tensor x = rms_norm(residual, norms_[0], eps_), m;
-    for (int64_t i = 0; i < L; ++i) {
-      const Linear* lin = &linears_[4 * i];
-      torch::Tensor qkv = lin[0](x);
-      TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "qkv width");
-      rope_(qkv, heads_ + kv_heads_, D, positions, cos, sin_signed);
-      auto q = qkv.narrow(1, 0, qs).view({T, heads_, D});
-      auto k = qkv.narrow(1, qs, kvs).view({T, kv_heads_, D});
-      auto v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads_, D});
-      auto layer = kv_caches.select(0, i);
-      auto kc = layer.select(0, 0), vc = layer.select(0, 1);
-      if (kv_format == 0) {
-        write_plain(k, kc, s);
-        write_plain(v, vc, s);
-      } else {
-        kv_write_q8(k, v, kc, vc, sl, kv_format == 2);
-      }
-      auto o = paged_decode(q, kc, vc, block_tables, context_lens, scale, kv_format);
-      auto a = lin[1](o.reshape({T, qs}));
-      x = add_rms_norm(a, residual, norms_[2 * i + 1], eps_);
-      m = lin[3](silu_mul(lin[2](x)));
-      if (i + 1 < L) x = add_rms_norm(m, residual, norms_[2 * i + 2], eps_);
-    }
-    return m;
-  }
-
- private:
-  std::vector<Linear> linears_;
-  std::vector<torch::Tensor> norms_;
-  int64_t heads_, kv_heads_, head_dim_;
-  double eps_;
-};
-
 }  // namespace
 
-void register_decode_layers(pybind11::module_& m) {
-  namespace py = pybind11;
-  // Local to each build's module: a process that loads two instruction-set builds registers it twice.
-  py::class_<DecodeLayers, std::shared_ptr<DecodeLayers>>(
-      m, "DecodeLayers", py::module_local(), "a pure decode step's decoder layers as one call (models/decode_step.py)")
-      .def(py::init<std::vector<int64_t>, std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<std::optional<torch::Tensor>>, std::vector<std::vector<torch::Tensor>>,
-                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>())
-      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
-      // No Python object is touched inside: the engine's other threads (its I/O) run meanwhile.
-      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>());
+at::Tensor Linear::operator()(const at::Tensor& x) const {
+  at::Tensor y;
+  switch (kind) {
+    case kDot: y = panel_matmul_dot(x, panels, n); break;
+    case kVector: y = panel_matmul(x, panels, n, param); break;
+    case kQ4: y = q4_matmul(x, panels, n, param); break;
+    case kG8: y = g8_matmul(x, panels, n, param); break;
+    case kI8: {  // W8A8 per channel: the rows quantized as Int8Linear does (ops.quantize_rows_u8)
+      auto q = quantize_rows_u8(x);
+      y = i8_matmul(q[0], q[1], panels, extra[0], extra[1], n);
+      break;
+    }
+    case kF8: {  // fp8: the rows as e4m3 codes, as Fp8Linear does (ops.e4m3_rows)
+      auto q = e4m3_rows_bf16(x);
+      y = f8_matmul(q[0], q[1], panels, extra[0], n);
+      break;
+    }
+    default: TORCH_CHECK(false, "unknown linear kind ", kind);
+  }
+  if (bias) y.add_(*bias);
+  return y;
 }
+
+DecodeLayers::DecodeLayers(std::vector<int64_t> kinds, std::vector<at::Tensor> panels, std::vector<int64_t> ns,
+             std::vector<int64_t> params, std::vector<std::optional<at::Tensor>> biases,
+             std::vector<std::vector<at::Tensor>> extras, std::vector<at::Tensor> norms, int64_t heads,
+             int64_t kv_heads, int64_t head_dim, double eps)
+    : norms_(std::move(norms)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+  const size_t n = kinds.size();
+  TORCH_CHECK(n % 4 == 0 && panels.size() == n && ns.size() == n && params.size() == n && biases.size() == n &&
+                  extras.size() == n,
+              "four linears a layer");
+  TORCH_CHECK(n > 0 && norms_.size() == n / 2, "at least one layer, two norms a layer");
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kF8, "unknown linear kind ", kinds[i]);
+    const size_t wanted = kinds[i] == kI8 ? 2 : kinds[i] == kF8 ? 1 : 0;
+    TORCH_CHECK(extras[i].size() == wanted, "linear kind ", kinds[i], " takes ", wanted, " extra tensors");
+    linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i]});
+  }
+  for (const auto& w : norms_) TORCH_CHECK(w.is_contiguous(), "norm weights must be contiguous");
+}
+at::Tensor DecodeLayers::run(at::Tensor residual, at::Tensor positions, at::Tensor cos, at::Tensor sin_signed,
+                  at::Tensor kv_caches, at::Tensor slots, at::Tensor block_tables,
+                  at::Tensor context_lens, double scale, int64_t kv_format) const {
+  const int64_t L = num_layers(), T = residual.size(0);
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual: [T, hidden], contiguous");
+  TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == L && kv_caches.size(1) == 2 &&
+                  kv_caches.is_contiguous(),
+              "kv_caches: [layers, 2, blocks, block_size, Hkv, width], contiguous");
+  TORCH_CHECK(kv_caches.size(4) == kv_heads_, "the cache's kv heads");
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T, "slots: [T] long");
+  auto sl = slots.contiguous();
+  const int64_t* s = sl.data_ptr<int64_t>();
+  const int64_t capacity = kv_caches.size(2) * kv_caches.size(3);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "slot out of range");
+  if (kv_format == 0)
+    TORCH_CHECK(kv_caches.scalar_type() == residual.scalar_type() && kv_caches.size(5) == head_dim_,
+                "plain cache rows: head_dim values of the model's dtype");
+
+  const int64_t D = head_dim_, qs = heads_ * D, kvs = kv_heads_ * D;
+  at::Tensor x = rms_norm(residual, norms_[0], eps_), m;
+  for (int64_t i = 0; i < L; ++i) {
+    const Linear* lin = &linears_[4 * i];
+    at::Tensor qkv = lin[0](x);
+    TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "qkv width");
+    rope_(qkv, heads_ + kv_heads_, D, positions, cos, sin_signed);
+    auto q = qkv.narrow(1, 0, qs).view({T, heads_, D});
+    auto k = qkv.narrow(1, qs, kvs).view({T, kv_heads_, D});
+    auto v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads_, D});
+    auto layer = kv_caches.select(0, i);
+    auto kc = layer.select(0, 0), vc = layer.select(0, 1);
+    if (kv_format == 0) {
+      write_plain(k, kc, s);
+      write_plain(v, vc, s);
+    } else {
+      kv_write_q8(k, v, kc, vc, sl, kv_format == 2);
+    }
+    auto o = paged_decode(q, kc, vc, block_tables, context_lens, scale, kv_format);
+    auto a = lin[1](o.reshape({T, qs}));
+    x = add_rms_norm(a, residual, norms_[2 * i + 1], eps_);
+    m = lin[3](silu_mul(lin[2](x)));
+    if (i + 1 < L) x = add_rms_norm(m, residual, norms_[2 * i + 2], eps_);
+  }
+  return m;
+}
+}  // namespace tm_decode

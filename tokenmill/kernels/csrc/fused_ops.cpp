@@ -2,7 +2,7 @@
 // several passes over memory, and several thread-pool fork/joins) with one loop computed in float32.
 // Rows are split across threads only when there are enough of them: a decode step of one token runs
 // on the calling thread, which measured faster than waking the pool for 576 numbers.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -41,9 +41,9 @@ static void rms_norm_rows(const T* x, T* residual, const T* w, T* out, int64_t r
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous());
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
@@ -52,10 +52,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // residual += x (in place); returns rms_norm(residual).
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.is_contiguous() && w.is_contiguous());
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type());
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
@@ -65,10 +65,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 }
 
 // [T, 2I] (gate | up) -> [T, I] = silu(gate) * up
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && gu.size(1) % 2 == 0);
   const int64_t rows = gu.size(0), n = gu.size(1) / 2;
-  auto out = torch::empty({rows, n}, gu.options());
+  auto out = at::empty({rows, n}, gu.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
     const scalar_t* in = gu.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -87,10 +87,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 // In place on the first `heads` heads of each row of qkv ([T, >= heads * D], row-strided):
 // x <- x * cos + roll(x, D/2) * sin_signed, with cos/sin rows picked by position.
-void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions, torch::Tensor cos,
-           torch::Tensor sin_signed) {
+void rope_(at::Tensor qkv, int64_t heads, int64_t D, at::Tensor positions, at::Tensor cos,
+           at::Tensor sin_signed) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin_signed.is_contiguous());
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && cos.scalar_type() == torch::kFloat);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat);
   auto pos = positions.contiguous();
   const int64_t rows = qkv.size(0), half = D / 2, stride = qkv.stride(0);
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -117,9 +117,9 @@ void rope_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor positions,
 
 // float32 -> bfloat16 through the kernels' own store (store_f32), exposed so tests can hold every
 // instruction-set build's rounding against PyTorch's.
-torch::Tensor to_bf16(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous());
-  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kBFloat16));
+at::Tensor to_bf16(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous());
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
   store_f32(x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), x.numel());
   return out;
 }

@@ -6,7 +6,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Paged decode attention for CPUs: one query token per sequence attends to its cached keys/values,
 // read in place through its block table (no gather copy), with the softmax in float32.
 // The query heads of a GQA group share each K/V read.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -621,8 +621,8 @@ static void decode_kernel_avx512(
 #endif
 
 template <typename T, typename R>
-static void run_decode(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& bt,
-                       const torch::Tensor& ctx, torch::Tensor& out, float scale) {
+static void run_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& bt,
+                       const at::Tensor& ctx, at::Tensor& out, float scale) {
   using E = typename R::elem;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = kc.size(1), Hkv = kc.size(2);
   const E* k = reinterpret_cast<const E*>(kc.data_ptr());
@@ -644,11 +644,11 @@ static void run_decode(const torch::Tensor& q, const torch::Tensor& kc, const to
 // q: [B, H, D] (rows may be strided), caches: [num_blocks, block_size, Hkv, row] contiguous, where a row
 // is D values of q's dtype (kv_format 0) or D 8-bit codes and a float32 scale (1: int8, 2: fp8 e4m3),
 // block_tables: [B, max_blocks] int64, context_lens: [B] int64. Returns [B, H, D].
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t kv_format) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor context_lens, double scale, int64_t kv_format) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
   auto bt = block_tables.contiguous();
   auto ctx = context_lens.contiguous();
@@ -658,10 +658,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   if (kv_format == 0) {
     TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == D, "cache rows: D values of q's dtype");
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_cache.size(3) == D + 4, "8-bit cache rows: D + 4 bytes");
+    TORCH_CHECK(k_cache.scalar_type() == at::kByte && k_cache.size(3) == D + 4, "8-bit cache rows: D + 4 bytes");
   }
   TORCH_CHECK(H <= 256, "at most 256 query heads");
-  auto out = torch::empty({B, H, D}, q.options());
+  auto out = at::empty({B, H, D}, q.options());
   const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (kv_format == 1)

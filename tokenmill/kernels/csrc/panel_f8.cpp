@@ -16,7 +16,7 @@
 // Why: the emulated path multiplied bf16 copies of the codes through oneDNN, reading bf16's bytes: on
 // AMD Zen 4 it ran at 0.63x the bf16 model at one stream (docs/benchmarks.md). Measured there only, so
 // models/ops.py uses it only on CPUs without AMX, as the bf16 dot loops.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -86,7 +86,7 @@ inline void f8_rows(const at::BFloat16* x, int64_t xs, const uint8_t* wp, int64_
 // x: [M, K] e4m3 activation codes held in bfloat16 (e4m3_rows_bf16's; rows may be strided);
 // x_scales: float32 [M] (or [M, 1]); panels: panel_pack of the [N, K] e4m3 codes viewed as int8;
 // w_scales: float32, one per panel column; n: N. Returns [M, N] bfloat16.
-torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor packed, torch::Tensor w_scales,
+at::Tensor f8_matmul(at::Tensor x, at::Tensor x_scales, at::Tensor packed, at::Tensor w_scales,
                         int64_t n) {
   TORCH_CHECK(panels::kBf16Loops, "the fp8 panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
@@ -102,7 +102,7 @@ torch::Tensor f8_matmul(torch::Tensor x, torch::Tensor x_scales, torch::Tensor p
   TORCH_CHECK(n > 0 && n <= cols, "n out of range");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K > 0, "K must be positive");
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   const int64_t pairs = K / 2, panel_bytes = K * kCols;

@@ -27,7 +27,7 @@
 // split into 16-bit pairs as it streams in: twice the multiply instructions of the 8-bit codes, as fast
 // up to 2 rows (the bytes bound them), 0.64x at 32 rows (AMD Zen 4); the 8-bit codes cost the int4
 // model +0.1% perplexity through its head alone (benchmarks/perplexity.py).
-#include <torch/extension.h>
+#include "tensor.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -133,10 +133,10 @@ __attribute__((always_inline)) inline void g8_pass16(const int16_t* xq, int64_t 
 
 // x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 1088] uint8 (g8_pack), n: N. Steps of
 // up to `wide_rows` rows take 16-bit activation codes (g8_pass16), larger ones 8-bit (g8_pass).
-torch::Tensor g8_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t wide_rows) {
+at::Tensor g8_matmul(at::Tensor x, at::Tensor packed, int64_t n, int64_t wide_rows) {
   group_quant::check_panels(x, packed, n, kGroupBytes, "the 8-bit group panels", "g8_pack");
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes;

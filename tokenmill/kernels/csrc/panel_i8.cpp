@@ -13,7 +13,7 @@
 // Why: oneDNN's u8 x s8 matmul on AMD Zen 4 (avx512_core_vnni) took longer at one row than the bf16 dot
 // loops over twice the bytes (docs/benchmarks.md, eleventh sitting); measured there only, so models/ops.py
 // uses it only on CPUs without AMX.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -85,8 +85,8 @@ inline void i8_rows(const uint8_t* x, int64_t xs, const float* x_scale, const in
 // [M, 1]); panels: panel_pack(codes, 4) of the [N, K] int8 weight codes; offsets: int32 [ceil(N/32) * 32],
 // 128 x each column's code sum (0 past N); w_scales: float32, one per panel column; n: N.
 // Returns [M, N] bfloat16.
-torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor packed, torch::Tensor offsets,
-                        torch::Tensor w_scales, int64_t n) {
+at::Tensor i8_matmul(at::Tensor xq, at::Tensor x_scales, at::Tensor packed, at::Tensor offsets,
+                        at::Tensor w_scales, int64_t n) {
   TORCH_CHECK(panels::kBf16Loops, "the int8 panel loops need a build for AVX512-BF16 (which has VNNI)");
   TORCH_CHECK(xq.dim() == 2 && xq.stride(1) == 1 && xq.scalar_type() == at::kByte,
               "xq must be [M, K] uint8 with contiguous rows");
@@ -103,7 +103,7 @@ torch::Tensor i8_matmul(torch::Tensor xq, torch::Tensor x_scales, torch::Tensor 
   TORCH_CHECK(n > 0 && n <= cols, "n out of range");
   const int64_t M = xq.size(0), K = xq.size(1);
   TORCH_CHECK(K > 0, "K must be positive");
-  auto y = torch::empty({M, n}, xq.options().dtype(at::kBFloat16));
+  auto y = at::empty({M, n}, xq.options().dtype(at::kBFloat16));
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   const int64_t quads = K / 4, panel_bytes = K * kCols;

@@ -28,7 +28,7 @@
 // from 16 rows on (0.7x), as they widen every weight once per group. A prompt's chunk in sweeps of 256
 // rows: 1.07x at 512 rows, 1.03x at 1024, 1.02x at 2048, so on such CPUs the panels are the only copy
 // of the weights (models/linear.py PackedLinear).
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <algorithm>
@@ -175,20 +175,20 @@ void dot_matmul(const bf16* x, int64_t lda, const bf16* w, bf16* y, int64_t M, i
 // N are zero): bfloat16 weights in pairs (g = 2) for the panel matmul, int8 codes in pairs for
 // panel_q8.cpp, e4m3 codes (as int8) in pairs for panel_f8.cpp, int8 codes in fours (g = 4, the layout of
 // vpdpbusd) for panel_i8.cpp.
-torch::Tensor panel_pack(torch::Tensor weight, int64_t group) {
+at::Tensor panel_pack(at::Tensor weight, int64_t group) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kChar),
               "weight must be [N, K] bfloat16 (or int8 codes)");
   TORCH_CHECK(group == 2 || group == 4, "group: 2 (k pairs) or 4 (k quads)");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kCols - 1) / kCols;
   TORCH_CHECK(K % group == 0, "K must be a multiple of the group (the layout groups k)");
-  auto padded = torch::zeros({panels * kCols, K}, weight.options());
+  auto padded = at::zeros({panels * kCols, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, kCols, K / group, group}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // x: [M, K] (bfloat16 or float32, rows may be strided), panels from panel_pack, n: output columns.
 // Rows up to `vector_rows` (at most 4) take the vector loops; more take brgemm (bfloat16 x, up to 96).
-torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int64_t vector_rows) {
+at::Tensor panel_matmul(at::Tensor x, at::Tensor panels, int64_t n, int64_t vector_rows) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kCols && panels.size(3) == 2 && panels.is_contiguous(),
               "panels: panel_pack's");
@@ -196,7 +196,7 @@ torch::Tensor panel_matmul(torch::Tensor x, torch::Tensor panels, int64_t n, int
   TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
   TORCH_CHECK(vector_rows >= 0 && vector_rows <= kMaxVectorRows, "vector_rows: 0 to 4");
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
   const bf16* w = panels.data_ptr<bf16>();
   if (M > vector_rows) {
@@ -216,7 +216,7 @@ bool panel_dot_available() { return panels::kBf16Loops; }
 
 // The dot loops for any number of bfloat16 rows, 256 a sweep of the weights (x's rows of a sweep stay in
 // L2 while the panels stream); only in builds for AVX512-BF16 (panel_dot_available).
-torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n) {
+at::Tensor panel_matmul_dot(at::Tensor x, at::Tensor panels, int64_t n) {
   TORCH_CHECK(panel_dot_available(), "the dot loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kCols && panels.size(3) == 2 && panels.is_contiguous(),
@@ -225,7 +225,7 @@ torch::Tensor panel_matmul_dot(torch::Tensor x, torch::Tensor panels, int64_t n)
   TORCH_CHECK(n > 0 && n <= panels.size(0) * kCols, "n out of range");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "dot loops: bfloat16 rows");
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
 #if defined(TM_AVX512_BF16)
   const bf16* xp = x.data_ptr<bf16>();
   panels::for_each_sweep(M, [&](int64_t r0, int64_t rows) {

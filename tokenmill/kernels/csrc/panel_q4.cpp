@@ -37,7 +37,7 @@
 //   Q8_0, and 1.08-1.11x faster at 8-128 rows on Zen 4 (the minima's term was a tenth of the arithmetic).
 // Every path sums each row in an order that does not depend on the other rows, so a row's result is the
 // same in any step that takes the same path (1-16 rows, 17 or more; above exact_rows with int8).
-#include <torch/extension.h>
+#include "tensor.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -294,7 +294,7 @@ void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq
 
 // y = x @ W^T over panels of one form (Sym: without minima), steps as q4_matmul's header says.
 template <bool Sym>
-void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_rows, bf16* yp) {
+void q4_run(const at::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_rows, bf16* yp) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t groups = K / kGroup, panel_bytes = groups * kGroupBytes<Sym>;
   const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);  // ~64 KB of codes a task at least
@@ -349,12 +349,12 @@ void q4_run(const torch::Tensor& x, const uint8_t* w, int64_t n, int64_t exact_r
 // x: [M, K] bfloat16 (rows may be strided), panels: [ceil(N/32), K/32, 640] uint8, or 576 without minima
 // (q4_pack), n: N. Steps of up to exact_rows rows with bf16 activations, larger ones with int8
 // activations (header).
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t exact_rows) {
+at::Tensor q4_matmul(at::Tensor x, at::Tensor packed, int64_t n, int64_t exact_rows) {
   const bool sym = packed.dim() == 3 && packed.size(2) == kGroupBytes<true>;
   group_quant::check_panels(x, packed, n, sym ? kGroupBytes<true> : kGroupBytes<false>, "the 4-bit panel loops",
                             "q4_pack");
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   if (sym)

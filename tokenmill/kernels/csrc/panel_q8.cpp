@@ -11,7 +11,7 @@
 // multiplied by the row's float32 x with FMAs (exact products, float32 sums); the column's scale last.
 // PyTorch's _weight_int8pack_mm took 1.56 ms for SmolLM2-135M's 49152 x 576 head at one row there, the
 // bf16 dot loops 1.27 ms for twice the bytes.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -93,7 +93,7 @@ void q8_rows(const float* xf, const int8_t* w, const float* scale, at::BFloat16*
 
 // x: [M, K] bfloat16 (rows may be strided); panels: panel_pack of the [N, K] int8 codes;
 // scales: [ceil(N/32) * 32] float32; n: N.
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n) {
+at::Tensor q8_matmul(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n) {
   TORCH_CHECK(panels::kBf16Loops, "the 8-bit panel loops need a build for AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "x must be [M, K] bfloat16 with contiguous rows");
@@ -105,7 +105,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kCols, "n out of range");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K > 0, "K must be positive");
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
 #if defined(TM_AVX512_BF16)
   const int8_t* w = packed.data_ptr<int8_t>();

@@ -9,7 +9,7 @@
 // once per query head. Here each (segment, kv head) packs its keys and values once into the layout the
 // micro-kernel wants, the query heads that share that kv head reuse them, and a block of queries only
 // multiplies the key panels its causal bound reaches.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -221,8 +221,8 @@ void gather_rows(const typename R::elem* cache, const int64_t* table, int64_t bl
 }
 
 template <typename R>
-void attend_cached(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t D, torch::Tensor k_cache,
-                   torch::Tensor v_cache, int64_t S, const int64_t* seg_start, const int64_t* seg_len,
+void attend_cached(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t D, at::Tensor k_cache,
+                   at::Tensor v_cache, int64_t S, const int64_t* seg_start, const int64_t* seg_len,
                    const int64_t* past, const int64_t* tables, int64_t table_width, float sc) {
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const auto* kc = reinterpret_cast<const typename R::elem*>(k_cache.data_ptr());
@@ -237,7 +237,7 @@ void attend_cached(const bf16* qp, int64_t qs, bf16* op, int64_t H, int64_t D, t
   });
 }
 
-void check_query(const torch::Tensor& q, const torch::Tensor& out, int64_t Hkv) {
+void check_query(const at::Tensor& q, const at::Tensor& out, int64_t Hkv) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "prefill_attention: bfloat16 queries and output only");
   TORCH_CHECK(q.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes(), "prefill_attention: shapes");
@@ -251,8 +251,8 @@ void check_query(const torch::Tensor& q, const torch::Tensor& out, int64_t Hkv) 
 // q [T, H, D], k and v [T, Hkv, D] (rows may be views of a fused qkv tensor: only the last dimension
 // must be contiguous), out [T, H, D] contiguous. Segment i is rows starts[i]..starts[i]+lens[i]-1, a
 // whole prompt: its own keys and values are its context.
-void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       torch::Tensor starts, torch::Tensor lens, double scale) {
+void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
+                       at::Tensor starts, at::Tensor lens, double scale) {
   check_query(q, out, k.size(1));
   TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.dim() == 3 && v.dim() == 3 &&
                   k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
@@ -277,9 +277,9 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 // sit at positions past[i]..; its keys and values 0..past[i]+lens[i]-1, this chunk's included (the
 // backend writes them first), are read from the paged cache [blocks, block_size, Hkv, width] through
 // block_tables[i] (kv_format 0: bf16 rows; 1: int8, 2: fp8 e4m3 rows with their float32 scale).
-void prefill_attention_cached(torch::Tensor q, torch::Tensor out, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor starts, torch::Tensor lens, torch::Tensor past,
-                              torch::Tensor block_tables, double scale, int64_t kv_format) {
+void prefill_attention_cached(at::Tensor q, at::Tensor out, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor starts, at::Tensor lens, at::Tensor past,
+                              at::Tensor block_tables, double scale, int64_t kv_format) {
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format: 0 (plain), 1 (int8) or 2 (fp8)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),

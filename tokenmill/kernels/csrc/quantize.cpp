@@ -6,7 +6,7 @@
 // instruction set: ref_int8, ~100x slower). One pass, one
 // thread-pool fork at most; as plain PyTorch this was five ops and five passes per linear, which cost
 // more than the int8 matmul saved.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cfloat>
@@ -39,11 +39,11 @@ static void quantize_rows(const T* x, uint8_t* q, float* scales, int64_t rows, i
 }
 
 // x: [M, K] (rows may be strided). Returns (uint8 [M, K] = q + 128, float32 scales [M, 1]).
-std::vector<torch::Tensor> quantize_rows_u8(torch::Tensor x) {
+std::vector<at::Tensor> quantize_rows_u8(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto q = torch::empty({rows, n}, x.options().dtype(torch::kByte));
-  auto s = torch::empty({rows, 1}, x.options().dtype(torch::kFloat));
+  auto q = at::empty({rows, n}, x.options().dtype(at::kByte));
+  auto s = at::empty({rows, 1}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_u8", [&] {
     quantize_rows<scalar_t>(x.data_ptr<scalar_t>(), q.data_ptr<uint8_t>(), s.data_ptr<float>(), rows, n,
                             x.stride(0));
@@ -68,8 +68,8 @@ static void scale_rows(T* y, const float* s, int64_t rows, int64_t n) {
   });
 }
 
-void scale_rows_(torch::Tensor y, torch::Tensor scales) {
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && scales.scalar_type() == torch::kFloat);
+void scale_rows_(at::Tensor y, at::Tensor scales) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && scales.scalar_type() == at::kFloat);
   TORCH_CHECK(scales.numel() == y.size(0) && scales.is_contiguous());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "scale_rows_", [&] {
     scale_rows<scalar_t>(y.data_ptr<scalar_t>(), scales.data_ptr<float>(), y.size(0), y.size(1));
@@ -109,11 +109,11 @@ static void e4m3_rows(const T* x, c10::BFloat16* codes, float* scales, int64_t r
 
 // x: [M, K] (rows may be strided). Returns (each row's e4m3 codes as bfloat16 [M, K], float32 scales
 // [M, 1], max|x| / 448): fp8 activations for a bf16 matmul that computes what an fp8 one does.
-std::vector<torch::Tensor> e4m3_rows_bf16(torch::Tensor x) {
+std::vector<at::Tensor> e4m3_rows_bf16(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto q = torch::empty({rows, n}, x.options().dtype(torch::kBFloat16));
-  auto s = torch::empty({rows, 1}, x.options().dtype(torch::kFloat));
+  auto q = at::empty({rows, n}, x.options().dtype(at::kBFloat16));
+  auto s = at::empty({rows, 1}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "e4m3_rows_bf16", [&] {
     e4m3_rows<scalar_t>(x.data_ptr<scalar_t>(), q.data_ptr<c10::BFloat16>(), s.data_ptr<float>(), rows, n,
                         x.stride(0));
@@ -138,12 +138,12 @@ static void scale_rows_cols_into(const c10::BFloat16* y, const float* rs, const 
 
 // out[r, c] = y[r, c] * rows[r] * cols[c], computed in float32 and rounded once to out's dtype (y:
 // [M, N] contiguous; rows float32 [M, 1]; cols float32 [1, N]): an fp8 matmul's scales on its sums.
-torch::Tensor scale_rows_cols(torch::Tensor y, torch::Tensor rs, torch::Tensor cs, at::ScalarType out_dtype) {
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == torch::kBFloat16);
-  TORCH_CHECK(rs.scalar_type() == torch::kFloat && cs.scalar_type() == torch::kFloat && rs.is_contiguous() &&
+at::Tensor scale_rows_cols(at::Tensor y, at::Tensor rs, at::Tensor cs, at::ScalarType out_dtype) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(rs.scalar_type() == at::kFloat && cs.scalar_type() == at::kFloat && rs.is_contiguous() &&
               cs.is_contiguous() && rs.numel() == y.size(0) && cs.numel() == y.size(1));
   const int64_t rows = y.size(0), n = y.size(1);
-  auto out = torch::empty({rows, n}, y.options().dtype(out_dtype));
+  auto out = at::empty({rows, n}, y.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_dtype, "scale_rows_cols", [&] {
     scale_rows_cols_into<scalar_t>(y.data_ptr<c10::BFloat16>(), rs.data_ptr<float>(), cs.data_ptr<float>(),
                                    out.data_ptr<scalar_t>(), rows, n);

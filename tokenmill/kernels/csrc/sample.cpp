@@ -2,7 +2,7 @@
 // given uniform number, in one C++ pass per row: no float32 copy of the logits, no softmax, cumsum or
 // finiteness tensors. As PyTorch ops (float copy, softmax, isfinite check, cumsum, searchsorted) this
 // was ~11 ms of a 50 ms served step at 32 rows of a 49k vocabulary.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
@@ -76,14 +76,14 @@ void sample_kernel(const T* x, int64_t R, int64_t V, int64_t stride, const float
 
 // logits: [R, V] float32/bfloat16/float16 (rows may be strided, vocab contiguous), temps: [R] float32
 // (> 0), u: [R] float32 in (0, 1]. Returns [R] int64 token ids, -1 where a row is no distribution.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temps, torch::Tensor u) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temps, at::Tensor u) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [R, V] with a contiguous vocab");
-  TORCH_CHECK(temps.scalar_type() == torch::kFloat && u.scalar_type() == torch::kFloat, "temps, u: float32");
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat, "temps, u: float32");
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(temps.numel() == R && u.numel() == R, "one temperature and one u per row");
   auto t = temps.contiguous();
   auto uu = u.contiguous();
-  auto out = torch::empty({R}, logits.options().dtype(torch::kLong));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "sample_rows", [&] {
     sample_kernel<scalar_t>(logits.data_ptr<scalar_t>(), R, V, logits.stride(0), t.data_ptr<float>(),
                             uu.data_ptr<float>(), out.data_ptr<int64_t>());
