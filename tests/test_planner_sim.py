@@ -4,6 +4,9 @@ and `tokenmill plan simulate` end to end on a short day. Pure Python/numpy: seco
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -166,6 +169,31 @@ def test_the_same_seed_gives_the_same_day_and_the_same_simulation() -> None:
     assert np.array_equal(runs[0].ttft, runs[1].ttft, equal_nan=True)
 
 
+def test_a_shorter_period_is_that_stretch_of_the_day_not_a_day_squeezed_into_it() -> None:
+    hour = 3600.0
+    day = T.diurnal(peak_rps=5.0, bursts=8, seed=3)
+    part = T.diurnal(duration_s=2 * hour, start_hour=14, peak_rps=5.0, bursts=8, seed=3)
+    # The same curve at the same time of day...
+    x = np.linspace(0.0, 2 * hour, 501)
+    assert np.allclose(part.rate_fn(x), day.rate_fn(x + 14 * hour), rtol=1e-12)
+    # ...and the day's own bursts in those hours (times from the period's start), not 8 crowded in.
+    inside = [
+        (b.start_s, b.duration_s)
+        for b in day.bursts
+        if b.start_s < 16 * hour and b.start_s + b.duration_s > 14 * hour
+    ]
+    got = [(b.start_s + 14 * hour, b.duration_s) for b in part.bursts]
+    assert inside and np.allclose(got, inside, rtol=0, atol=1e-6)
+    early = T.diurnal(duration_s=2 * hour, peak_rps=5.0, bursts=8, seed=3)
+    assert len(early.bursts) < 8
+    assert len(early.bursts) == sum(1 for b in day.bursts if b.start_s < 2 * hour)
+    assert part.clock_start_s == 14 * hour and day.clock_start_s == 0.0
+    # Arrivals over the two hours follow the afternoon's rate, near the peak (16:00).
+    assert len(part) == pytest.approx(2 * hour * float(part.rate_fn(x).mean()), rel=0.05)
+    with pytest.raises(ValueError, match="start hour"):
+        T.diurnal(duration_s=hour, start_hour=24)
+
+
 def test_trace_round_trip_csv_and_jsonl(tmp_path) -> None:
     tr = T.diurnal(duration_s=600, peak_rps=3, bursts=0, seed=2)
     path = tmp_path / "trace.csv"
@@ -233,12 +261,25 @@ def test_plan_simulate_cli_short_day(tmp_path) -> None:
         ],
     )
     assert res.exit_code == 0, res.output
-    o = json.loads(res.output)
+    o = json.loads(res.stdout)  # the progress goes to stderr
+    assert o["period"] == "00:00-00:30 of a simulated day"
+    # the default model's weights take two H100s to leave half of each GPU for the KV cache
+    assert o["deployment"]["model"] == "llama3-70b" and o["deployment"]["tp"] == 2
     names = [r["name"] for r in o["results"]]
     assert names[0].startswith("static") and names[1:] == ["load planner", "sla planner"]
     assert o["static"]["workers"] >= 1 and o["capacity_rps_per_worker"]["measured"] > 0
     assert all(0 <= r["attainment"] <= 1 for r in o["results"])
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_simulate_default_tp_leaves_half_the_memory_for_the_kv_cache() -> None:
+    from tokenmill.cli.plan import _default_tp
+
+    f = hardware.default_factors("h100-sxm", "fp8")
+    tps = {
+        m: _default_tp(arch.resolve(m), H100, "fp8", f) for m in ("llama3-8b", "llama3-70b", "llama3.1-405b")
+    }
+    assert tps == {"llama3-8b": 1, "llama3-70b": 2, "llama3.1-405b": 8}  # 8, 35 and 51 GB a GPU of 80
 
 
 def test_plan_simulate_cli_errors_are_one_line(tmp_path) -> None:
@@ -248,7 +289,34 @@ def test_plan_simulate_cli_errors_are_one_line(tmp_path) -> None:
         (["--trace", str(tmp_path / "missing.csv")], "cannot read the trace"),
         (["--precision", "fp3"], "--precision"),
         (["--capacity", "lots", "--duration-h", "0.1", "--peak-rps", "2"], "--capacity"),
+        (["--start-hour", "25", "--duration-h", "0.1"], "the start hour must be in [0, 24)"),
+        (["--trace", str(tmp_path / "t.csv"), "--start-hour", "3"], "--start-hour places the daily curve"),
     ]:
         res = runner.invoke(app, ["plan", "simulate", *args])
         assert res.exit_code == 2, (args, res.output)
         assert message in res.output and "Traceback" not in res.output
+
+
+def test_plan_simulate_prints_whole_tables_when_not_on_a_terminal() -> None:
+    """Under a pipe or a parent process: the result on stdout, its table uncut and titled with what was
+    simulated (two hours of the day, not "a simulated day"), the progress as plain lines on stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    args = ["plan", "simulate", "--duration-h", "2", "--peak-rps", "4", "--bursts", "0"]
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.strip() == "00:00-02:00 of a simulated day" for ln in lines), r.stdout
+    assert "\u2026" not in r.stdout, r.stdout  # nothing cut with an ellipsis
+    header = next(ln for ln in lines if "fleet" in ln and "GPU-hours" in ln)
+    for col in ("workers mean / max", "SLO attainment", "vs static", "TTFT p95 ms", "decisions (up/down)"):
+        assert col in header, header
+    for name in ("static", "load planner", "sla planner"):
+        assert any(name in ln and "%" in ln for ln in lines), (name, r.stdout)
+    assert "measuring a worker's capacity ..." in r.stderr and "sla planner: done in" in r.stderr, r.stderr
+    assert "\x1b[" not in r.stderr

@@ -1,5 +1,11 @@
 """`tokenmill plan simulate`: a day of traffic on a simulated fleet, static peak provisioning against the
-planner (tokenmill/cluster/planner: the same Planner class the fleet runs)."""
+planner (tokenmill/cluster/planner: the same Planner class the fleet runs).
+
+The defaults simulate a whole day in seconds: Llama 3 70B in FP8 on two H100s a worker, a few requests
+a second at the peak, so that the fleet grows to several workers from a few hundred thousand requests
+(the simulator's cost is per request). An 8B model's workers serve ~20 requests/s each: a fleet of the
+same size then means millions of requests and minutes (docs/benchmarks.md's day: 17 M, ~4 minutes).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,13 @@ import time
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tokenmill.cli.common import console, fail
+from tokenmill.cli.common import Steps, console, fail
 from tokenmill.cli.size import MODEL_HELP, _common
+
+PEAK_RPS = 6.0  # the default: a fleet of several 70B workers at the peak (module docstring)
+DAY_S = 86400.0
 
 plan_app = typer.Typer(
     no_args_is_help=True,
@@ -30,20 +38,27 @@ def plan_cmd() -> None:
 
 @plan_app.command("simulate")
 def simulate_cmd(
-    model: str = typer.Option("llama3-8b", help=MODEL_HELP),
+    model: str = typer.Option("llama3-70b", help=MODEL_HELP),
     gpu: str = typer.Option("h100-sxm", help="a100-80gb, h100-sxm, h200, l40s, b200, gb200-nvl72, cpu-2c"),
     precision: str = typer.Option("fp8", help="fp16, bf16, fp8, int8, int4 (weight-only)"),
-    tp: int = typer.Option(1, help="tensor parallel GPUs per worker"),
+    tp: int | None = typer.Option(
+        None,
+        help="tensor parallel GPUs per worker (default: the fewest of 1, 2, 4, 8 whose share of the "
+        "weights leaves half of each GPU's memory for the KV cache)",
+    ),
     factors: Path | None = typer.Option(None, help="efficiency factors from `tokenmill size calibrate`"),
     factor_profile: str = typer.Option("default", help="default (TRT-LLM fits) or nim (NIM 1.0, H100)"),
-    peak_rps: float = typer.Option(200.0, help="requests/s at the daily peak (before bursts)"),
+    peak_rps: float = typer.Option(PEAK_RPS, help="requests/s at the daily peak (before bursts)"),
     peak_to_trough: float = typer.Option(4.0, help="peak / trough of the daily curve"),
-    bursts: int = typer.Option(3, help="random bursts in the day"),
+    bursts: int = typer.Option(3, help="random bursts a day (a shorter period gets those that fall in it)"),
     burst_factor: float = typer.Option(2.0, help="a burst multiplies the rate by this for 5-15 minutes"),
     isl: int = typer.Option(2000, help="mean prompt tokens"),
     osl: int = typer.Option(200, help="mean output tokens"),
     length_sigma: float = typer.Option(0.3, help="lognormal spread of the lengths (0: fixed lengths)"),
-    duration_h: float | None = typer.Option(None, help="simulated hours (default 24, or the trace's span)"),
+    duration_h: float | None = typer.Option(
+        None, help="simulated hours of the daily curve, from --start-hour (default 24, or the trace's span)"
+    ),
+    start_hour: float = typer.Option(0.0, help="time of day the simulated period starts (0-24, curve only)"),
     trace: Path | None = typer.Option(None, help="CSV or JSONL of timestamp,isl,osl instead of the curve"),
     seed: int = typer.Option(0, help="traffic seed"),
     ttft_ms: float = typer.Option(1000.0, help="TTFT target"),
@@ -97,13 +112,17 @@ def simulate_cmd(
     modes = {"both": ["load", "sla"], "load": ["load"], "sla": ["sla"]}.get(mode)
     if modes is None:
         fail(f"--mode {mode!r}: use load, sla or both")
-    if tp < 1:
+    if tp is not None and tp < 1:
         fail("--tp must be at least 1")
+    if trace is not None and start_hour:
+        fail("--start-hour places the daily curve; a --trace has its own times")
     if not 0 < static_slo <= 100:
         fail("--static-slo is a percentage in (0, 100]")
     if capacity not in ("measured", "sizing"):
         _capacity(capacity, None, 0.0, 0.0)  # a number, or a one-line error now rather than after a day
     a, g, f = _common(model, gpu, precision, factors, factor_profile)
+    if tp is None:
+        tp = _default_tp(a, g, precision, f)
     if tp > g.gpus_per_server:
         fail(f"--tp {tp} is more than the {g.gpus_per_server} GPUs of a {g.name} server")
     d = Deployment(a, g, precision, f, tp)
@@ -132,9 +151,14 @@ def simulate_cmd(
                 osl=osl,
                 isl_sigma=length_sigma,
                 osl_sigma=length_sigma,
+                start_hour=start_hour,
                 seed=seed,
             )
-            spikes = f"{len(traffic.bursts)} bursts x{burst_factor:g}" if traffic.bursts else "no bursts"
+            spikes = (
+                f"bursts x{burst_factor:g}: {len(traffic.bursts)} in the period ({bursts} a day)"
+                if bursts
+                else "no bursts"
+            )
             source = (
                 f"diurnal curve, peak {peak_rps:g} req/s, peak/trough {peak_to_trough:g}, {spikes} "
                 f"({len(traffic):,} requests)"
@@ -144,15 +168,8 @@ def simulate_cmd(
     if not len(traffic):
         fail("the traffic has no requests")
 
-    progress = Progress(
-        TextColumn("{task.description:<34}"),
-        BarColumn(),
-        TextColumn("{task.percentage:>3.0f}%"),
-        TimeElapsedColumn(),
-        console=console if not json_out else None,
-        disable=json_out,
-        transient=False,
-    )
+    period = _period(traffic, trace is not None)
+    progress = Steps()  # on stderr, so that stdout is the result alone (JSON with --json)
     t0 = time.perf_counter()
     results: list = []
     with progress:
@@ -251,6 +268,7 @@ def simulate_cmd(
     rows = [_row(r, static) for r in results]
     out = {
         "command": command,
+        "period": period,
         "traffic": source,
         "deployment": {"model": a.name, "gpu": g.name, "precision": precision, "tp": tp, "factors": f.source},
         "targets": {"ttft_ms": ttft_ms, "itl_ms": itl_ms},
@@ -272,7 +290,7 @@ def simulate_cmd(
     }
     if plot is not None:
         try:
-            plot_day(traffic, results, plot, f"{a.name} {precision} on {g.name} (TP{tp}): {source}")
+            plot_day(traffic, results, plot, f"{period}, {a.name} {precision} on {g.name} (TP{tp}): {source}")
         except OSError as e:
             fail(f"cannot write the plot {plot}: {e.strerror or e}")
         out["plot"] = str(plot)
@@ -280,6 +298,40 @@ def simulate_cmd(
         print(json.dumps(out, indent=2))
         return
     _print(out, rows)
+
+
+def _default_tp(a, g, precision: str, f) -> int:
+    """The fewest GPUs per worker (1, 2, 4, 8) whose share of the weights leaves half of each GPU's
+    memory for the KV cache; the server's GPUs if none does (the fit is checked afterwards)."""
+    from tokenmill.sizing.roofline import Deployment
+
+    for tp in (1, 2, 4, 8):
+        if tp > g.gpus_per_server:
+            break
+        if Deployment(a, g, precision, f, tp).weight_gb_per_gpu() <= g.memory_gb / 2:
+            return tp
+    return g.gpus_per_server
+
+
+def _clock(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def _period(traffic, from_trace: bool) -> str:
+    """What the run simulates, in words: the title of its results."""
+    hours = traffic.duration_s / 3600
+    if from_trace or traffic.clock_start_s is None:
+        return f"{hours:g} h of a trace"
+    start, end = traffic.clock_start_s, traffic.clock_start_s + traffic.duration_s
+    days = traffic.duration_s / DAY_S
+    if start == 0 and days == round(days):
+        return "a simulated day" if days == 1 else f"{days:g} simulated days"
+    if end <= DAY_S:
+        return f"{_clock(start)}-{_clock(end)} of a simulated day"
+    if end <= 2 * DAY_S:
+        return f"simulated {hours:g} h, {_clock(start)} to {_clock(end - DAY_S)} the next day"
+    return f"simulated {hours:g} h from {_clock(start)}"
 
 
 def _capacity(spec: str, sizing, sizing_at_mean: float, measured: float):
@@ -337,7 +389,7 @@ def _print(out: dict, rows: list[dict]) -> None:
         "TTFT p95 ms",
         "ITL p95 ms",
         "decisions (up/down)",
-        title="a simulated day",
+        title=out["period"],
         title_justify="left",
     )
     for r in rows:

@@ -1,8 +1,10 @@
 """Traffic for the planner's simulator: the requests of a day, each an arrival time and its lengths.
 
-`diurnal` draws a day: a smooth daily curve (a cosine, lowest at `trough_hour`, highest twelve hours
-later) with a few short bursts on top, sampled as a non-homogeneous Poisson process (by thinning), with
-prompt and output lengths drawn from lognormal distributions around their means. The same seed gives
+`diurnal` draws traffic on the clock of a day: a smooth daily curve (a cosine, lowest at `trough_hour`,
+highest twelve hours later) with a few short bursts a day on top, sampled as a non-homogeneous Poisson
+process (by thinning), with prompt and output lengths drawn from lognormal distributions around their
+means. A period shorter than a day is that stretch of the day (from `start_hour`), with the bursts that
+fall in it: the same curve and bursts as the whole day, not a day squeezed into it. The same seed gives
 the same requests.
 
 `from_trace` reads recorded traffic. The format, one request per line:
@@ -48,6 +50,7 @@ class Traffic:
     duration_s: float  # the period the traffic covers (the simulation runs this long)
     bursts: tuple[Burst, ...] = ()
     rate_fn: object = None  # the arrival rate (req/s) as a function of time (numpy in, numpy out), if known
+    clock_start_s: float | None = None  # time of day at t = 0 (seconds after midnight), if known
 
     def __post_init__(self) -> None:
         if not (len(self.t) == len(self.isl) == len(self.osl)):
@@ -62,8 +65,14 @@ class Traffic:
     def window(self, start_s: float, end_s: float) -> Traffic:
         """The requests arriving in [start_s, end_s), shifted to start at 0."""
         lo, hi = np.searchsorted(self.t, [start_s, end_s], side="left")
+        clock = None if self.clock_start_s is None else (self.clock_start_s + start_s) % DAY_S
         return Traffic(
-            self.t[lo:hi] - start_s, self.isl[lo:hi], self.osl[lo:hi], end_s - start_s, rate_fn=None
+            self.t[lo:hi] - start_s,
+            self.isl[lo:hi],
+            self.osl[lo:hi],
+            end_s - start_s,
+            rate_fn=None,
+            clock_start_s=clock,
         )
 
     def rate(self, bin_s: float = 300.0) -> tuple[np.ndarray, np.ndarray]:
@@ -82,15 +91,19 @@ class Traffic:
 
 
 def diurnal_rate(
-    peak_rps: float, peak_to_trough: float = 4.0, trough_hour: float = 4.0, bursts: tuple[Burst, ...] = ()
+    peak_rps: float,
+    peak_to_trough: float = 4.0,
+    trough_hour: float = 4.0,
+    bursts: tuple[Burst, ...] = (),
+    start_hour: float = 0.0,
 ):
-    """The arrival rate (req/s) at times t (seconds): trough at `trough_hour` o'clock, peak twelve hours
-    later, peak / trough = `peak_to_trough`; bursts multiply it."""
+    """The arrival rate (req/s) at times t (seconds from `start_hour` o'clock): trough at `trough_hour`
+    o'clock, peak twelve hours later, peak / trough = `peak_to_trough`; bursts multiply it."""
     trough = peak_rps / peak_to_trough
 
     def rate(t: np.ndarray) -> np.ndarray:
         t = np.asarray(t, dtype=float)
-        phase = 2 * math.pi * (t / DAY_S - trough_hour / 24.0)
+        phase = 2 * math.pi * ((t / 3600.0 + start_hour - trough_hour) / 24.0)
         r = trough + (peak_rps - trough) * (1 - np.cos(phase)) / 2
         for b in bursts:
             r = np.where((t >= b.start_s) & (t < b.start_s + b.duration_s), r * b.factor, r)
@@ -113,11 +126,13 @@ def diurnal(
     max_isl: int | None = None,
     max_osl: int | None = None,
     trough_hour: float = 4.0,
+    start_hour: float = 0.0,
     seed: int = 0,
 ) -> Traffic:
-    """A day of traffic (module docstring). `bursts`: how many random bursts (each `burst_factor` x the
-    curve for `burst_minutes` minutes, starting anywhere in the day), or the bursts themselves. Lengths
-    are lognormal with means `isl`/`osl` and log-space deviations `isl_sigma`/`osl_sigma` (0: fixed
+    """Traffic from `start_hour` o'clock for `duration_s` (module docstring). `bursts`: how many random
+    bursts a day (each `burst_factor` x the curve for `burst_minutes` minutes, starting anywhere in its
+    day; the period gets those that overlap it), or the bursts themselves (times from the period's start).
+    Lengths are lognormal with means `isl`/`osl` and log-space deviations `isl_sigma`/`osl_sigma` (0: fixed
     lengths), clipped to [1, max] (max: 4 x the mean unless given)."""
     if duration_s <= 0 or peak_rps <= 0:
         raise ValueError("the duration and the peak rate must be positive")
@@ -125,18 +140,14 @@ def diurnal(
         raise ValueError("the peak-to-trough ratio must be at least 1")
     if isl < 1 or osl < 1:
         raise ValueError("mean prompt and output lengths must be at least 1 token")
+    if not 0 <= start_hour < 24:
+        raise ValueError("the start hour must be in [0, 24)")
     rng = np.random.default_rng(seed)
     if isinstance(bursts, int):
         if bursts < 0:
             raise ValueError("the number of bursts must be >= 0")
-        lo, hi = burst_minutes
-        starts = rng.uniform(0.0, duration_s, size=bursts)
-        lengths = rng.uniform(lo * 60, hi * 60, size=bursts)
-        bursts = tuple(
-            Burst(float(s), float(d), burst_factor)
-            for s, d in sorted(zip(starts.tolist(), lengths.tolist(), strict=True))
-        )
-    rate = diurnal_rate(peak_rps, peak_to_trough, trough_hour, bursts)
+        bursts = _daily_bursts(bursts, burst_factor, burst_minutes, start_hour * 3600, duration_s, seed)
+    rate = diurnal_rate(peak_rps, peak_to_trough, trough_hour, bursts, start_hour)
     top = peak_rps * max([1.0] + [b.factor for b in bursts])
     # Thinning: a homogeneous Poisson process at the top rate, each arrival kept with rate(t) / top.
     n = rng.poisson(top * duration_s)
@@ -149,7 +160,32 @@ def diurnal(
         float(duration_s),
         bursts,
         rate,
+        start_hour * 3600,
     )
+
+
+def _daily_bursts(
+    per_day: int,
+    factor: float,
+    minutes: tuple[float, float],
+    start_s: float,
+    duration_s: float,
+    seed: int,
+) -> tuple[Burst, ...]:
+    """`per_day` bursts in each calendar day the period touches, those overlapping it, with times from the
+    period's start. Each day's bursts come from their own generator (the seed and the day), so that any
+    stretch of a day has the bursts the whole day has there: a shorter run does not crowd them in."""
+    lo, hi = minutes
+    out = []
+    end_s = start_s + duration_s
+    for day in range(int(start_s // DAY_S), math.ceil(end_s / DAY_S)):
+        g = np.random.default_rng([seed, day])
+        starts = day * DAY_S + g.uniform(0.0, DAY_S, size=per_day)
+        lengths = g.uniform(lo * 60, hi * 60, size=per_day)
+        for b0, d in zip(starts.tolist(), lengths.tolist(), strict=True):
+            if b0 < end_s and b0 + d > start_s:
+                out.append(Burst(b0 - start_s, d, factor))
+    return tuple(sorted(out, key=lambda b: b.start_s))
 
 
 def constant(
