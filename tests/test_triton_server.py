@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -215,3 +219,243 @@ def test_grpc_front(server) -> None:
     stats = c.get_inference_statistics("linear_onnx", as_json=True)["model_stats"][0]
     assert int(stats["inference_count"]) >= 2
     c.close()
+
+
+# --- ensembles as perf_analyzer sees them (issue 50) ----------------------------------------------
+
+
+def _grpc_client(server):
+    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is a dependency")
+    return grpc, grpc.InferenceServerClient(server.grpc_url)
+
+
+def _count(d: dict, *keys: str) -> int:
+    """A statistics field from either client: gRPC's JSON writes int64 as strings and drops zeros."""
+    for k in keys:
+        d = d.get(k, {})
+    return int(d or 0)
+
+
+def _all_stats(protocol: str, client, gclient) -> dict[tuple[str, str], dict]:
+    """Every model's statistics, as perf_analyzer reads them for an ensemble (no name, no version)."""
+    if protocol == "http":
+        stats = client.get_inference_statistics()["model_stats"]
+    else:
+        stats = gclient.get_inference_statistics(as_json=True)["model_stats"]
+    return {(s["name"], s["version"]): s for s in stats}
+
+
+def _stats_version(name: str, version: str, start: dict, end: dict) -> str | None:
+    """perf_analyzer's choice of the statistics to read for (name, version) (its
+    DetermineStatsModelVersion): a given version must be in the statistics; with none given, the
+    highest version whose queue count grew during the measurement. None stands for its
+    "failed to find the requested model version"."""
+    if version:
+        return version if (name, version) in end else None
+    grew = [
+        int(v)
+        for (n, v), s in end.items()
+        if n == name
+        and _count(s, "inference_stats", "queue", "count")
+        > _count(start.get((n, v), {}), "inference_stats", "queue", "count")
+    ]
+    return str(max(grew)) if grew else None
+
+
+def _pipeline_input(protocol: str, batch: int):
+    raw = np.arange(4 * batch, dtype=np.int32).reshape(batch, 4)
+    mod = tritonclient if protocol == "http" else pytest.importorskip("tritonclient.grpc")
+    inp = mod.InferInput("RAW", [batch, 4], "INT32")
+    inp.set_data_from_numpy(raw)
+    return inp
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("version", ["", "1"])
+def test_perf_analyzer_calls_on_an_ensemble(client, server, protocol: str, version: str) -> None:
+    """The calls perf_analyzer makes for `-m pipeline` (with `-x 1` and without), in its order: the
+    model's metadata and config, each composing model's config (version "" for a step's -1), then all
+    models' statistics around the measurement, where it must find the ensemble's and every composing
+    model's version."""
+    _, gclient = _grpc_client(server)
+    if protocol == "http":
+        meta = client.get_model_metadata("pipeline", version)
+        cfg = client.get_model_config("pipeline", version)
+
+        def step_config(name: str, v: str) -> dict:
+            return client.get_model_config(name, v)
+
+        def ready(name: str, v: str) -> bool:
+            return client.is_model_ready(name, v)
+
+        def infer() -> None:
+            client.infer("pipeline", [_pipeline_input("http", 1)], model_version=version)
+    else:
+        meta = gclient.get_model_metadata("pipeline", version, as_json=True)
+        cfg = gclient.get_model_config("pipeline", version, as_json=True)["config"]
+
+        def step_config(name: str, v: str) -> dict:
+            return gclient.get_model_config(name, v, as_json=True)["config"]
+
+        def ready(name: str, v: str) -> bool:
+            return gclient.is_model_ready(name, v)
+
+        def infer() -> None:
+            gclient.infer("pipeline", [_pipeline_input("grpc", 1)], model_version=version)
+
+    assert meta["name"] == "pipeline" and meta["versions"] == ["1"] and meta["platform"] == "ensemble"
+    assert cfg["platform"] == "ensemble" and ready("pipeline", version)
+    steps = {}
+    for step in cfg["ensemble_scheduling"]["step"]:
+        v = "" if int(step["model_version"]) == -1 else str(step["model_version"])
+        name = step["model_name"]
+        assert step_config(name, v)["name"] == name and ready(name, v)
+        steps[name] = v
+    assert steps == {"preprocess": "", "linear_onnx": ""}
+
+    start = _all_stats(protocol, client, gclient)
+    for _ in range(3):
+        infer()
+    end = _all_stats(protocol, client, gclient)
+    for name, v in [("pipeline", version), *steps.items()]:
+        assert _stats_version(name, v, start, end) == "1", name
+    gclient.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_ensemble_statistics_count_its_own_requests(client, server, protocol: str) -> None:
+    """As Triton counts an ensemble: each request once (batch-weighted inference_count, one execution,
+    queue and compute counts), its compute times the sums of its steps' (the steps run one request
+    at a time here, so each step's batch is that request alone)."""
+    _, gclient = _grpc_client(server)
+    start = _all_stats(protocol, client, gclient)
+    for _ in range(3):
+        if protocol == "http":
+            client.infer("pipeline", [_pipeline_input("http", 2)])
+        else:
+            gclient.infer("pipeline", [_pipeline_input("grpc", 2)])
+    end = _all_stats(protocol, client, gclient)
+    gclient.close()
+
+    def delta(name: str, *keys: str) -> int:
+        return _count(end[(name, "1")], *keys) - _count(start.get((name, "1"), {}), *keys)
+
+    assert delta("pipeline", "inference_stats", "success", "count") == 3
+    assert delta("pipeline", "inference_count") == 6 and delta("pipeline", "execution_count") == 3
+    for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert delta("pipeline", "inference_stats", k, "count") == 3, k
+    for k in ("compute_input", "compute_infer", "compute_output"):
+        steps = sum(delta(m, "inference_stats", k, "ns") for m in ("preprocess", "linear_onnx"))
+        assert delta("pipeline", "inference_stats", k, "ns") == steps, k
+    assert delta("pipeline", "inference_stats", "compute_infer", "ns") > 0
+    assert _count(end[("pipeline", "1")], "last_inference") > 0
+    batches = {int(b["batch_size"]): b for b in end[("pipeline", "1")]["batch_stats"]}
+    assert _count(batches[2], "compute_infer", "count") >= 3
+    assert delta("preprocess", "inference_count") == 6 and delta("linear_onnx", "inference_count") == 6
+
+
+def _perf_analyzer() -> str | None:
+    """Triton's perf_analyzer: $TOKENMILL_PERF_ANALYZER, on PATH, or where tests/get_perf_analyzer.sh
+    puts it. No PyPI package installs it cleanly (see that script), so it is not a dev dependency."""
+    from tokenmill.paths import default_cache_dir
+
+    cached = default_cache_dir() / "perf_analyzer" / "perf_analyzer"
+    found = os.environ.get("TOKENMILL_PERF_ANALYZER") or shutil.which("perf_analyzer")
+    return found or (str(cached) if cached.is_file() else None)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_on_an_ensemble(server, protocol: str) -> None:
+    """perf_analyzer itself on the ensemble without -x: it measured nothing before ("failed to find
+    the requested model version"). Bounded: one concurrency level, 300 ms windows, at most 4 of them
+    (any spread counts as stable), and a timeout."""
+    exe = _perf_analyzer()
+    if exe is None:
+        pytest.skip("perf_analyzer not found: run tests/get_perf_analyzer.sh or set TOKENMILL_PERF_ANALYZER")
+    url = server.grpc_url if protocol == "grpc" else server.base_url.removeprefix("http://")
+    args = [exe, "-m", "pipeline", "-i", protocol, "-u", url, "--concurrency-range", "1"]
+    args += ["--measurement-interval", "300", "--max-trials", "4", "--stability-percentage", "1000"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    server_part = out.split("Server:", 1)[1]
+    assert int(re.search(r"Inference count: (\d+)", server_part).group(1)) > 0, out
+    assert "Composing models" in server_part and "preprocess, version: 1" in server_part, out
+
+
+# --- /v2 errors in Triton's shape -----------------------------------------------------------------
+
+
+SYSTEM_SHM, CUDA_SHM = "system shared memory is not supported", "CUDA shared memory is not supported"
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda c: c.get_system_shared_memory_status(), SYSTEM_SHM),
+        (lambda c: c.register_system_shared_memory("r", "/key", 64), SYSTEM_SHM),
+        (lambda c: c.unregister_system_shared_memory(), SYSTEM_SHM),
+        (lambda c: c.get_cuda_shared_memory_status(), CUDA_SHM),
+        (lambda c: c.register_cuda_shared_memory("r", b"\0" * 64, 0, 8), CUDA_SHM),
+        (lambda c: c.unregister_cuda_shared_memory("r"), CUDA_SHM),
+        (lambda c: c.get_trace_settings(), "trace settings are not supported"),
+        (lambda c: c.get_trace_settings("linear_onnx"), "trace settings are not supported"),
+        (lambda c: c.update_log_settings({"log_verbose_level": 1}), "log settings are not supported"),
+    ],
+)
+def test_unsupported_triton_routes_raise_protocol_errors(client, call, match: str) -> None:
+    # tritonclient reads {"error": ...}: FastAPI's {"detail": ...} made it fail decoding the answer.
+    with pytest.raises(InferenceServerException, match=match) as e:
+        call(client)
+    assert "decoding" not in str(e.value) and e.value.status() == "400"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/v2/nothing/here", 404, None),
+        ("GET", "/v2/models/linear_onnx/nothing", 404, None),
+        ("POST", "/v2/models/linear_onnx/versions/1/nothing", 404, None),
+        ("DELETE", "/v2/models/nope/config/extra", 404, None),
+        ("GET", "/v2/models/linear_onnx/infer", 405, "POST"),
+        ("GET", "/v2/models/linear_onnx/versions/1/infer", 405, "POST"),
+        ("PUT", "/v2/models/linear_onnx", 405, "GET"),
+        ("POST", "/v2/models/linear_onnx/config", 405, "GET"),
+        ("POST", "/v2/health/live", 405, "GET"),
+        ("POST", "/v2", 405, "GET"),
+        ("GET", "/v2/repository/index", 405, "POST"),
+        ("GET", "/v2/repository/models/linear_onnx/load", 405, "POST"),
+        ("DELETE", "/v2/models/stats", 405, "GET"),
+    ],
+)
+def test_unknown_v2_routes_and_methods_answer_in_triton_shape(server, method, path, status, allow) -> None:
+    r = httpx.request(method, f"{server.base_url}{path}")
+    assert r.status_code == status and r.headers.get("allow") == allow
+    body = r.json()
+    assert list(body) == ["error"] and path in body["error"] and method in body["error"]
+
+
+def test_unknown_models_raise_protocol_errors(client) -> None:
+    for call in (
+        lambda: client.get_model_metadata("nope"),
+        lambda: client.get_model_config("nope"),
+        lambda: client.get_inference_statistics("nope"),
+        lambda: client.get_model_metadata("linear_onnx", "9"),
+    ):
+        with pytest.raises(InferenceServerException, match="unknown model|no version 9") as e:
+            call()
+        assert "decoding" not in str(e.value) and e.value.status() == "404"
+
+
+def test_unsupported_grpc_calls_say_so(server) -> None:
+    _, gclient = _grpc_client(server)
+    for call, match in (
+        (gclient.get_system_shared_memory_status, SYSTEM_SHM),
+        (lambda: gclient.unregister_cuda_shared_memory("r"), CUDA_SHM),
+        (gclient.get_trace_settings, "trace settings are not supported"),
+        (gclient.get_log_settings, "log settings are not supported"),
+    ):
+        with pytest.raises(InferenceServerException, match=match) as e:
+            call()
+        assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+    gclient.close()

@@ -395,9 +395,8 @@ def test_memory_budget_unloads_least_recently_used(tmp_path) -> None:
     assert run(main()) == {"p1": "UNAVAILABLE", "p2": "READY"}
 
 
-def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
-    from tokenmill.triton.repository import ModelRepository
-
+def _pipeline_repository(tmp_path: Path) -> None:
+    """The example pipeline and sleeper, with linear_onnx replaced by a Python model."""
     for n in ("preprocess", "pipeline", "sleeper"):
         _copy(n, tmp_path)
     # A Python stand-in for linear_onnx with the same interface keeps this test free of ONNX files.
@@ -416,6 +415,12 @@ def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
         "        return [pb.InferenceResponse([pb.Tensor('Y', x[:, :2])]) for x in xs]\n"
     )
 
+
+def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
+    from tokenmill.triton.repository import ModelRepository
+
+    _pipeline_repository(tmp_path)
+
     async def main():
         repo = ModelRepository(tmp_path, mode="explicit", load_models=["pipeline"])
         await repo.start()
@@ -430,6 +435,53 @@ def test_ensemble_loads_and_unloads_its_steps(tmp_path) -> None:
     assert ready == {"pipeline": True, "preprocess": True, "linear_onnx": True, "sleeper": False}
     np.testing.assert_array_equal(out["Y"], [[1.0, 2.0]])
     assert after == {"pipeline": False, "preprocess": False, "linear_onnx": False}
+
+
+def test_ensemble_config_writes_every_step_version(tmp_path) -> None:
+    # perf_analyzer reads each step's model_version from the config; left out, the latest (-1) runs.
+    d = write(
+        tmp_path,
+        'platform: "ensemble"\nmax_batch_size: 8\n'
+        'input [ { name: "RAW" data_type: TYPE_INT32 dims: [4] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [4] } ]\n'
+        'ensemble_scheduling { step [ { model_name: "preprocess" input_map { key: "RAW" value: "RAW" }\n'
+        '  output_map { key: "SCALED" value: "Y" } } ] }',
+        name="ens",
+    )
+    steps = load_config(d).to_json()["ensemble_scheduling"]["step"]
+    assert [(s["model_name"], s["model_version"]) for s in steps] == [("preprocess", -1)]
+
+
+def test_ensemble_statistics_count_its_requests(tmp_path) -> None:
+    """An ensemble's own statistics count each request as Triton's do (they stayed at 0 inferences):
+    one execution of its batch size, a queue entry, and its steps' compute times added up."""
+    from tokenmill.triton.repository import ModelRepository
+
+    _pipeline_repository(tmp_path)
+
+    async def main():
+        repo = ModelRepository(tmp_path, mode="explicit", load_models=["pipeline"])
+        await repo.start()
+        for batch in (2, 2, 3):
+            await repo.infer("pipeline", None, InferRequest({"RAW": np.ones((batch, 4), np.int32)}))
+        stats = {n: repo.get(n).stats.to_json() for n in ("pipeline", "preprocess", "linear_onnx")}
+        await repo.close()
+        return stats
+
+    stats = run(main())
+    s = stats["pipeline"]
+    assert s["inference_count"] == 7 and s["execution_count"] == 3
+    assert {k: s["inference_stats"][k]["count"] for k in ("success", "fail", "queue", "compute_infer")} == {
+        "success": 3,
+        "fail": 0,
+        "queue": 3,
+        "compute_infer": 3,
+    }
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in s["batch_stats"]] == [(2, 2), (3, 1)]
+    # One request at a time: every step's batch is that request alone, so the sums are exact.
+    steps = sum(stats[n]["inference_stats"]["compute_infer"]["ns"] for n in ("preprocess", "linear_onnx"))
+    assert s["inference_stats"]["compute_infer"]["ns"] == steps > 0
+    assert s["last_inference"] > 0
 
 
 def test_requests_are_served_in_arrival_order(tmp_path) -> None:

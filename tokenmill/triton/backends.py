@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.triton.config import TritonModelConfig
+from tokenmill.triton.stats import RequestTimes
 
 
 class ModelError(Exception):
@@ -36,6 +37,8 @@ class InferRequest:
     flags: int = 0
     priority: int = 0
     timeout_us: int = 0
+    # Filled in as the request runs; an ensemble adds its steps' into its own statistics.
+    times: RequestTimes = field(default_factory=RequestTimes, compare=False, repr=False)
 
     @classmethod
     def from_protocol(

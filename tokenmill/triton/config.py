@@ -194,6 +194,9 @@ class TritonModelConfig:
                 str(p["key"]): p.get("value", {}) for p in dyn["priority_queue_policy"]
             }
         for step in d.get("ensemble_scheduling", {}).get("step", []):
+            # Written out when the file leaves it out: -1 (the latest) is what runs, and perf_analyzer
+            # reads every step's model_version.
+            step.setdefault("model_version", -1)
             for key in ("input_map", "output_map"):
                 step[key] = {m["key"]: m["value"] for m in step.get(key, [])}
         d["name"], d["backend"], d["max_batch_size"] = self.name, self.backend, self.max_batch_size

@@ -37,7 +37,7 @@ def check_graph(cfg: TritonModelConfig) -> None:
 async def run_ensemble(cfg: TritonModelConfig, req: InferRequest, infer: InferFn) -> Outputs:
     tensors = dict(req.inputs)
     pending = list(range(len(cfg.ensemble_steps)))
-    running: dict[asyncio.Task, int] = {}
+    running: dict[asyncio.Task, tuple[int, InferRequest]] = {}
     try:
         while pending or running:
             for i in list(pending):
@@ -53,15 +53,17 @@ async def run_ensemble(cfg: TritonModelConfig, req: InferRequest, infer: InferFn
                     task = asyncio.ensure_future(
                         infer(step["model_name"], step.get("model_version", -1), sub)
                     )
-                    running[task] = i
+                    running[task] = (i, sub)
                     pending.remove(i)
             if not running:
                 missing = [cfg.ensemble_steps[i]["model_name"] for i in pending]
                 raise InferError(400, f"ensemble {cfg.name!r}: steps {missing} never got their inputs")
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                step = cfg.ensemble_steps[running.pop(task)]
+                i, sub = running.pop(task)
+                step = cfg.ensemble_steps[i]
                 out = task.result()  # re-raises the step's InferError
+                req.times.add(sub.times)
                 for m in step.get("output_map", []):
                     if m["key"] not in out:
                         raise InferError(500, f"step {step['model_name']!r} did not return {m['key']!r}")

@@ -9,6 +9,7 @@ statistics and the repository calls; ModelStreamInfer (decoupled streaming) is n
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 import tokenmill
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import InferRequest
-from tokenmill.triton.http import EXTENSIONS
+from tokenmill.triton.http import EXTENSIONS, UNSUPPORTED
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
 
@@ -55,9 +56,27 @@ async def _abort(context: grpc.aio.ServicerContext, e: InferError) -> None:
     await context.abort(_STATUS.get(e.status, grpc.StatusCode.UNKNOWN), e.message)
 
 
+def _unsupported(route: str) -> Callable[..., Awaitable[None]]:
+    """A call of Triton's that tokenmill does not implement: UNIMPLEMENTED, saying so as HTTP's 400 does."""
+
+    async def call(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, UNSUPPORTED[route])
+
+    return call
+
+
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repo: ModelRepository) -> None:
         self.repo = repo
+
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = _unsupported(
+        "/v2/systemsharedmemory"
+    )
+    CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _unsupported(
+        "/v2/cudasharedmemory"
+    )
+    TraceSetting = _unsupported("/v2/trace")
+    LogSettings = _unsupported("/v2/logging")
 
     async def ServerLive(self, request, context):  # noqa: N802 (the service's method names)
         return service_pb2.ServerLiveResponse(live=True)

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.routing import Match
 
 import tokenmill
 from tokenmill.triton import dtypes
@@ -155,7 +157,54 @@ def build_router(repo: ModelRepository, max_body_bytes: int = 64 * 2**20) -> API
             return _error(e.status, e.message)
         return _infer_response(name, v.version, req_id, out, binary_out)
 
+    _unsupported_and_unknown_routes(r)
     return r
+
+
+# Triton's route families that tokenmill does not implement, and what their 400 says.
+UNSUPPORTED = {
+    "/v2/systemsharedmemory": "system shared memory is not supported by tokenmill: send tensors in the body",
+    "/v2/cudasharedmemory": "CUDA shared memory is not supported by tokenmill: send tensors in the body",
+    "/v2/trace": "trace settings are not supported by tokenmill",
+    "/v2/models/{name}/trace": "trace settings are not supported by tokenmill",
+    "/v2/models/{name}/versions/{version}/trace": "trace settings are not supported by tokenmill",
+    "/v2/logging": "log settings are not supported by tokenmill",
+}
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def _unsupported_and_unknown_routes(r: APIRouter) -> None:
+    """Every other path and method under /v2 answers in the protocol's shape, {"error": ...}: FastAPI's
+    own 404 and 405 ({"detail": ...}) make tritonclient and perf_analyzer fail decoding the answer.
+    Registered after every /v2 route, so they see only what no route took. They live on this router,
+    not in an app-wide handler, so the /v2 shape does not depend on the OpenAI routes' handlers."""
+
+    def unsupported(message: str):
+        async def answer() -> Response:
+            return _error(400, message)
+
+        return answer
+
+    for prefix, message in UNSUPPORTED.items():
+        for path in (prefix, prefix + "/{rest:path}"):
+            r.add_api_route(path, unsupported(message), methods=METHODS, include_in_schema=False)
+    served = [route for route in r.routes if isinstance(route, APIRoute)]
+
+    async def unknown(request: Request) -> Response:
+        # A route that matches the path but not the method makes this a 405, as Starlette would answer.
+        allowed = sorted(
+            {m for route in served if route.matches(request.scope)[0] == Match.PARTIAL for m in route.methods}
+        )
+        method, path = request.method, request.url.path
+        if allowed:
+            allow = ", ".join(allowed)
+            response = _error(405, f"method {method} is not allowed on {path} (allowed: {allow})")
+            response.headers["Allow"] = allow
+            return response
+        return _error(404, f"no such KServe v2 / Triton route: {method} {path}")
+
+    for path in ("/v2", "/v2/{rest:path}"):
+        r.add_api_route(path, unknown, methods=METHODS, include_in_schema=False)
 
 
 async def _params(request: Request) -> dict | None:

@@ -323,6 +323,7 @@ class ModelRepository:
         try:
             self._validate(v.cfg, req)
             if v.scheduler is None:
+                started = time.perf_counter_ns()
                 out = await run_ensemble(v.cfg, req, self.infer)
             else:
                 out = await v.scheduler.submit(req)
@@ -330,6 +331,8 @@ class ModelRepository:
         except InferError as e:
             v.stats.finished(False, time.perf_counter_ns() - t0, e.reason)
             raise
+        if v.scheduler is None:  # a model's scheduler counts its executions; an ensemble's are counted here
+            v.stats.ensemble_ran(req.batch_size(v.cfg), started - t0, req.times)
         v.stats.finished(True, time.perf_counter_ns() - t0)
         return out
 
