@@ -114,3 +114,32 @@ def test_greedy_structured_output_is_the_same_with_speculation(llm):
         assert got == [o.text for o in _chat(plain, spec, temperature=0)]
     finally:
         plain.close()
+
+
+STRINGS = {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4}
+
+
+@pytest.mark.slow
+def test_sampled_outputs_are_complete_or_cut_by_max_tokens(llm):
+    """Many seeds at temperature 0.7: every output is a document that validates and ends with "stop", or
+    was cut by max_tokens ("length", a prefix its grammar accepts). Nothing else may end it early: not the
+    request's stop strings or stop token ids (here the very text between two items), and min_tokens may
+    not make a complete document fail (its grammar then allows nothing but the end)."""
+    spec = StructuredOutputs(json=json.dumps(STRINGS))
+    between = llm.tokenizer.encode('", "', add_special_tokens=False)  # text inside any array of 2+ items
+    extras: list[dict] = [{}] * 24
+    extras += [{"stop": [",", '"'], "stop_token_ids": between}] * 12
+    extras += [{"min_tokens": 150}] * 12
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=200, seed=seed, structured=spec, **extra)
+        for seed, extra in enumerate(extras)
+    ]
+    chat = [{"role": "user", "content": "List a few fruits as a JSON array of strings."}]
+    outs = [o.outputs[0] for o in llm.chat([chat] * len(params), params)]
+    for p, out in zip(params, outs, strict=True):
+        if _complete(llm, spec, out):
+            jsonschema.validate(json.loads(out.text), STRINGS)
+            assert out.token_ids[-1] in llm.tokenizer.eos_token_ids | set(p.stop_token_ids)
+        else:
+            assert len(out.token_ids) == 200, (p, out.text)
+    assert any(o.finish_reason == "stop" for o in outs), "no output was complete: nothing validated"

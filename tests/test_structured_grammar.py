@@ -305,6 +305,35 @@ def test_rollback_restores_the_masks(backend, tokenizer):
     walk_text(backend, m, ids)  # and it walks the whole text again
 
 
+def test_stop_token_ids_end_the_output_only_once_it_is_complete(backend, tokenizer):
+    """A request's stop ids end it as EOS does (the scheduler stops on them): masked while the document is
+    incomplete, even where the grammar would take them as text (`",` between two items), and allowed
+    (with EOS) once it is complete, where accepting one ends the matcher."""
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4}
+    text = json.dumps(["apple", "pear", "fig"])
+    stops = sorted(set(tokenizer.encode('", "', add_special_tokens=False)))
+    head = tokenizer.encode('["apple', add_special_tokens=False)
+    plain = backend.matcher(json_spec(schema))
+    for t in head:
+        assert plain.accept(t)
+    assert allowed(plain, backend.vocab_size)[stops].any()  # without stop ids, they are text here
+    # The text a character at a time, so that no stop id spells any of it.
+    ids = [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+    assert not set(ids) & set(stops)
+    m = backend.matcher(json_spec(schema), stop_token_ids=[*stops, backend.vocab_size + 5])
+    for i, t in enumerate(ids):
+        mask = allowed(m, backend.vocab_size)
+        assert mask[t], f"token {i} ({t}) of a valid text is masked out"
+        assert not mask[stops].any(), f"a stop id allowed after {i} tokens of an incomplete document"
+        if i == len('["apple'):  # where `plain` took them as text: refused here
+            assert not m.accept(stops[0])
+        assert m.accept(t)
+    mask = allowed(m, backend.vocab_size)
+    assert mask[stops].all() and mask[sorted(backend.eos_ids)].all()
+    assert m.validate([stops[0]]) == 1 and m.validate([ids[0]]) == 0
+    assert m.accept(stops[-1]) and m.is_terminated()
+
+
 def test_rollback_is_bounded(backend, tokenizer):
     m = backend.matcher(StructuredOutputs(choice=CHOICES), max_rollback=1)
     with pytest.raises(ValueError):

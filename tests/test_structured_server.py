@@ -216,6 +216,35 @@ def test_json_schema_output_validates(client: openai.OpenAI, name: str, stream: 
     jsonschema.validate(json.loads(text), schema)
 
 
+def test_sampled_output_is_complete_or_cut_by_max_tokens(server, client: openai.OpenAI) -> None:
+    """Seeds at temperature 0.7, with stop strings, stop token ids (both the very text between two
+    items) and min_tokens that would all end the document early if they applied: every answer validates
+    and says "stop", or was cut by max_tokens and says "length"."""
+    import httpx
+
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 4}
+    r = httpx.post(f"{server.base_url}/tokenize", json={"prompt": '", "', "add_special_tokens": False})
+    between = r.json()["tokens"]
+    finishes = []
+    for seed in range(8):
+        text, finish = _chat(
+            client,
+            seed % 2 == 1,
+            messages=[{"role": "user", "content": "List a few fruits as a JSON array of strings."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "fruits", "schema": schema}},
+            temperature=0.7,
+            max_tokens=200,
+            seed=seed,
+            stop=[",", '"'],
+            extra_body={"stop_token_ids": between, "min_tokens": 100},
+        )
+        finishes.append(finish)
+        assert finish in ("stop", "length"), (finish, text)
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), schema)
+    assert "stop" in finishes, "no answer was complete: nothing validated"
+
+
 def test_json_object_parses(client: openai.OpenAI) -> None:
     for stream in (False, True):
         text, finish = _chat(

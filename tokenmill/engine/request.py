@@ -80,8 +80,11 @@ class Request:
         """After a new token: should the request end? (Stop strings need text: the frontend checks those.)"""
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
-        if n_out >= self.params.min_tokens:
-            if not self.params.ignore_eos and last in self.eos_token_ids:
+        # A grammar lets EOS and stop ids through only once its output is complete, and then nothing
+        # else: a constrained request ends there, whatever min_tokens and ignore_eos say.
+        constrained = self.params.structured is not None
+        if n_out >= self.params.min_tokens or constrained:
+            if (not self.params.ignore_eos or constrained) and last in self.eos_token_ids:
                 self.stop_token = last
                 return FinishReason.STOP
             if last in self.params.stop_token_ids:

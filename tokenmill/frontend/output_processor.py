@@ -33,8 +33,11 @@ class SequenceState:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.num_cached_tokens = 0
+        # Stop strings do not apply to constrained output: it ends where its grammar is complete (or at
+        # max_tokens), never cut in the middle of a document by a string that occurs inside it.
+        self.stops = [] if params.structured is not None else params.stop
         # Text that could still become a stop string is held back from streamed deltas.
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
 
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply an engine output; True if a stop string ended the sequence here."""
@@ -53,7 +56,7 @@ class SequenceState:
         if out.finish_reason is not None:
             # No more tokens will come: release text held back for an incomplete character.
             self.text += self.detok.flush()
-        hit = bool(self.params.stop) and self._check_stop_strings(prev_len)
+        hit = bool(self.stops) and self._check_stop_strings(prev_len)
         if out.finish_reason is not None and not hit:
             self.finish_reason = out.finish_reason.value
             self.stop_reason = out.stop_token
@@ -64,7 +67,7 @@ class SequenceState:
         # Only the new text (plus an overlap for stop strings spanning tokens) can hold a new match.
         begin = max(0, prev_len - self.holdback)
         best: tuple[int, str] | None = None
-        for s in self.params.stop:
+        for s in self.stops:
             pos = self.text.find(s, begin)
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, s)

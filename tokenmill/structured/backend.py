@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -70,14 +71,18 @@ class GrammarBackend:
         """Compile the spec (or find it cached); GrammarError if it is invalid or cannot be enforced."""
         self._compiled(spec)
 
-    def matcher(self, spec: StructuredOutputs, max_rollback: int = 0) -> GrammarMatcher:
-        """A fresh matcher at the start of the spec's grammar; rollback() undoes up to `max_rollback`."""
+    def matcher(
+        self, spec: StructuredOutputs, max_rollback: int = 0, stop_token_ids: Iterable[int] = ()
+    ) -> GrammarMatcher:
+        """A fresh matcher at the start of the spec's grammar; rollback() undoes up to `max_rollback`.
+        `stop_token_ids` (the request's) end the output as EOS does: allowed only once it is complete."""
         from tokenmill.structured.matcher import GrammarMatcher
 
         inner = self._compiled(spec).deep_copy()
         if self._eos_row is None:  # the same row whichever thread makes it first
             self._eos_row = _eos_only_row(self.eos_ids, self.vocab_size)
-        return GrammarMatcher(inner, self.eos_ids, self._eos_row, self.vocab_size, max_rollback)
+        stops = frozenset(t for t in stop_token_ids if 0 <= t < self.vocab_size)
+        return GrammarMatcher(inner, self.eos_ids, self._eos_row, self.vocab_size, max_rollback, stops)
 
     def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A pristine matcher for the spec: the compiled form, copied for each request (copies share the

@@ -4,7 +4,11 @@ End of sequence is handled here rather than by llguidance: EOS is accepted exact
 complete (`is_accepting`), and never reaches the engine's matcher. The engine treats EOS differently
 depending on whether the grammar can still grow (it does not count it for rollback, and does not
 validate it, once nothing else may follow), so keeping it out gives one rule for accept, validate and
-rollback alike."""
+rollback alike.
+
+A request's own `stop_token_ids` end it as EOS does (the scheduler stops on them), so they are end tokens
+here too: masked until the grammar is complete and never consumed as text. Otherwise a stop id that is
+also grammar text (`",` in a JSON array) would end the request in the middle of its document."""
 
 from __future__ import annotations
 
@@ -23,9 +27,12 @@ class GrammarMatcher:
         eos_row: torch.Tensor,
         vocab_size: int,
         max_rollback: int,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._inner = inner
-        self._eos = eos
+        self._eos = eos | stop_ids
+        # Stop ids llguidance does not know as EOS: its mask treats them as text, fill_bitmask fixes them.
+        self._stop_only = sorted(stop_ids - eos)
         self._eos_row = eos_row  # a bitmask row allowing only EOS, for after termination
         self._vocab_size = vocab_size
         self._max_rollback = max_rollback
@@ -42,8 +49,15 @@ class GrammarMatcher:
             )
         if self._eos_at is not None:
             bitmask[row].copy_(self._eos_row)
-        else:
-            llguidance.torch.fill_next_token_bitmask(self._inner, bitmask, row)
+            return
+        llguidance.torch.fill_next_token_bitmask(self._inner, bitmask, row)
+        if self._stop_only:
+            complete = self._inner.is_accepting()
+            words = bitmask[row]
+            for t in self._stop_only:
+                w = int(words[t >> 5]) & 0xFFFFFFFF
+                w = w | (1 << (t & 31)) if complete else w & ~(1 << (t & 31))
+                words[t >> 5] = w - (1 << 32) if w >= 1 << 31 else w  # int32 words: bit 31 is the sign
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (state unchanged) if the grammar does not allow it here."""
@@ -95,5 +109,5 @@ class GrammarMatcher:
         self._accepted -= n
 
     def is_terminated(self) -> bool:
-        """True once an EOS token was accepted (the grammar was complete)."""
+        """True once an EOS (or stop) token was accepted (the grammar was complete)."""
         return self._eos_at is not None

@@ -41,7 +41,7 @@ class RequestGrammars:
         try:
             if self._backend is None:
                 self._backend = GrammarBackend(self.tokenizer, self.vocab_size)
-            m = self._backend.matcher(spec, self.max_rollback)
+            m = self._backend.matcher(spec, self.max_rollback, st.params.stop_token_ids)
         except GrammarError as e:  # the server checks grammars first: only direct engine users get here
             self.failed[st.request_id] = f"GrammarError: {e}"
             return

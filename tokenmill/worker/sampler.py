@@ -1,6 +1,7 @@
 """Turn a step's logits into next tokens, request by request, in one batch; verify speculative drafts.
 
-Order of operations: logit bias, min_tokens (EOS masked), repetition / presence / frequency
+Order of operations: grammar mask, logit bias, min_tokens (EOS and stop ids masked, unless a grammar
+allows nothing else), repetition / presence / frequency
 penalties, then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Requests with a seed
 draw from their own generator, so their output does not depend on what else is in the batch.
 Logprobs are those of the model's raw distribution (before any of the above), as in vLLM.
@@ -283,7 +284,13 @@ class Sampler:
                 row.index_add_(0, ids, vals)
             banned = {t for t in banned if 0 <= t < vocab}  # ids past the vocabulary never come up
             if banned:
-                row[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+                ban = torch.tensor(sorted(banned), dtype=torch.long)
+                kept = row[ban] if p.structured is not None else None
+                row[ban] = float("-inf")
+                if kept is not None and bool(row.amax() == float("-inf")):
+                    # The grammar is complete and allows only its end: the constrained output wins over
+                    # min_tokens (the scheduler ends a constrained request on it whatever min_tokens says).
+                    row[ban] = kept
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
                 vals = row[seen]
