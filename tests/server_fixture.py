@@ -30,7 +30,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*args: str, api_key: str | None = None, timeout: float = 180.0):
+def running_server(*args: str, api_key: str | None = None, timeout: float = 180.0, new_session: bool = False):
+    """`new_session`: the server leads a process group of its own, as a terminal's foreground job
+    (its Ctrl-C is os.killpg(proc.pid, SIGINT)), and its engine processes are in it."""
     port = free_port()
     env = dict(os.environ)
     env.pop("TOKENMILL_API_KEY", None)
@@ -47,7 +49,14 @@ def running_server(*args: str, api_key: str | None = None, timeout: float = 180.
         "1024",
         *args,
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:

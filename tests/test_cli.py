@@ -1,11 +1,21 @@
-"""The command line: clear one-line errors, the catalog listing, a real generation."""
+"""The command line: clear one-line errors, the catalog listing, a real generation, a port in use, a
+damaged model file, Ctrl-C."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+from server_fixture import running_server
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -98,3 +108,197 @@ def test_serve_bad_planner_settings_are_one_line_errors() -> None:
     r = run("serve", "--workers", "2..4", "--disaggregate", "1P1D", "--planner", "sla",
             "--planner-capacity-rps", "1", "--port", "1")  # fmt: skip
     assert r.returncode == 2 and "--planner-prefill-capacity-rps" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- ports, damaged models, Ctrl-C (issue 50) ---------------------------------------------------
+
+
+@pytest.fixture
+def taken_port():
+    """A port some other program listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def unloadable_model(tmp_path: Path) -> Path:
+    """A .gguf file no engine can load: had the engine started, its error would be about this file."""
+    path = tmp_path / "not-a-model.gguf"
+    path.write_bytes(b"not a GGUF file at all")
+    return path
+
+
+@pytest.mark.parametrize("extra", [[], ["--workers", "2"]], ids=["one-engine", "fleet"])
+def test_serve_on_a_port_in_use_says_so_before_loading(
+    taken_port: int, unloadable_model: Path, extra: list[str]
+) -> None:
+    r = run("serve", "--model", str(unloadable_model), "--port", str(taken_port), *extra)
+    assert r.returncode == 2, r.stderr
+    # The port's error, not the model's: the port was checked before any engine started.
+    assert f"port {taken_port} on 127.0.0.1 is in use: pick another with --port" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "tokenmill serving" not in r.stderr + r.stdout
+
+
+def test_serve_on_a_grpc_port_in_use_says_so_before_loading(
+    taken_port: int, unloadable_model: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "repository"
+    repo.mkdir()
+    r = run("serve", "--model", str(unloadable_model), "--port", "0",
+            "--model-repository", str(repo), "--grpc-port", str(taken_port))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"port {taken_port} on 127.0.0.1 is in use: pick another with --grpc-port" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _damaged(model_path: Path, dest: Path, how: str) -> Path:
+    data = bytearray(model_path.read_bytes())
+    if how == "truncated":  # cut inside its last tensors, as an interrupted download leaves it
+        del data[-5_000_000:]
+    elif how == "bad-header":  # claims more tensors than it holds: the reader runs off its index
+        n_tensors = struct.unpack_from("<Q", data, 8)[0]
+        struct.pack_into("<Q", data, 8, n_tensors + 5)
+    elif how == "empty":
+        data = bytearray()
+    path = dest / f"{how}.gguf"
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "command"),
+    [
+        ("truncated", ["generate", "hi"]),
+        ("bad-header", ["generate", "hi"]),
+        ("empty", ["generate", "hi"]),
+        ("truncated", ["serve", "--port", "0"]),
+        ("bad-header", ["serve", "--port", "0", "--workers", "2"]),
+    ],
+)
+def test_damaged_gguf_is_one_line_error(
+    model_path: Path, tmp_path: Path, how: str, command: list[str]
+) -> None:
+    path = _damaged(model_path, tmp_path, how)
+    r = run(*command, "--model", str(path))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{path}: " in r.stderr and ("not a readable GGUF file" in r.stderr or "truncated" in r.stderr)
+
+
+def test_missing_model_path_is_one_line_error(tmp_path: Path) -> None:
+    for command in (["generate", "hi"], ["serve", "--port", "0"]):
+        r = run(*command, "--model", str(tmp_path / "no-such.gguf"))
+        assert r.returncode == 2 and "nor an existing path" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def session_processes(sid: int) -> list[str]:
+    """The live processes of session `sid` (a server started in a session of its own), as "pid command"."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the command's closing parenthesis: state, ppid, pgrp, session, ...
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{entry.name} {command}")
+    return found
+
+
+def left_behind(sid: int, timeout: float = 60.0) -> list[str]:
+    """The session's processes still alive after up to `timeout` seconds (none, once all have exited)."""
+    deadline = time.monotonic() + timeout
+    while (alive := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the foreground group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_stops_server_and_engines_without_a_traceback(workers: str) -> None:
+    with running_server("--workers", workers, new_session=True) as proc:
+        engines = [p for p in session_processes(proc.pid) if "spawn_main" in p]
+        assert len(engines) == int(workers), session_processes(proc.pid)  # the Ctrl-C reaches them too
+        ctrl_c(proc)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert left_behind(proc.pid) == []
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_answers_requests_in_flight_and_exits() -> None:
+    """The first Ctrl-C drains (requests in flight may finish); a second ends them with a 503 in
+    OpenAI's shape, streamed or not, rather than waiting for them or dropping their connections."""
+    import httpx
+    import openai
+
+    with running_server(new_session=True) as proc:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+        long = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}  # fits the 1024 context with a prompt
+        outcome: dict[str, object] = {}
+        streaming = threading.Event()
+
+        def complete() -> None:
+            try:
+                outcome["completion"] = client.completions.create(model="smollm2-135m", prompt="Once", **long)
+            except openai.APIError as e:
+                outcome["completion"] = e
+
+        def stream() -> None:
+            try:
+                chunks = client.chat.completions.create(
+                    model="smollm2-135m",
+                    messages=[{"role": "user", "content": "Tell a story."}],
+                    stream=True,
+                    **long,
+                )
+                for _ in chunks:
+                    streaming.set()
+                outcome["stream"] = "finished"
+            except openai.APIError as e:
+                outcome["stream"] = e
+
+        threads = [threading.Thread(target=complete), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(120), outcome
+
+        def running() -> float:
+            text = httpx.get(f"{proc.base_url}/metrics").text
+            return float(re.search(r"^tokenmill:num_requests_running\{.*\} (\S+)$", text, re.M).group(1))
+
+        deadline = time.monotonic() + 60
+        while running() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ctrl_c(proc)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{proc.base_url}/v1/health/ready").json()["message"] != "draining":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not outcome, outcome  # draining: the requests run on
+        ctrl_c(proc)
+        out = proc.communicate(timeout=120)[0]
+        for t in threads:
+            t.join(60)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+    completion, streamed = outcome.get("completion"), outcome.get("stream")
+    assert isinstance(completion, openai.APIStatusError) and completion.status_code == 503, completion
+    assert set(completion.body) == {"message", "type", "param", "code"}, completion.body
+    assert "shutting down" in completion.body["message"]
+    assert isinstance(streamed, openai.APIError) and "shutting down" in streamed.message, streamed
+    assert left_behind(proc.pid) == []

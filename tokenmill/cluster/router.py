@@ -80,6 +80,7 @@ class Worker:
     info: dict[str, Any] = field(default_factory=dict)
     active: dict[str, _Active] = field(default_factory=dict)
     joins: int = 0
+    last_error: str | None = None  # why its last attempt to join failed
     discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
     retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
     draining: bool = False  # gets no new requests: it finishes what it has, then leaves (the planner)
@@ -319,12 +320,20 @@ class RouterEngineClient(EngineClient):
         deadline = time.monotonic() + self.startup_timeout
         while True:
             pending = [w for w in self.workers if not w.retired]
-            await asyncio.gather(*(self._join(w, max(1.0, deadline - time.monotonic())) for w in pending))
+            left = max(1.0, deadline - time.monotonic())
+            # Failures are said once the round is over: each worker's warning where others came up,
+            # else the reasons in the one error (every worker of a bad model file fails alike).
+            await asyncio.gather(*(self._join(w, left, report=False) for w in pending))
             if any(w.up for w in self.workers):
+                for w in pending:
+                    if not w.up and w.last_error is not None:
+                        log.warning("worker %s is not up: %s", w.url, w.last_error)
                 break
             if self.discovery is None or time.monotonic() > deadline:
+                reasons = sorted({w.last_error for w in pending if w.last_error is not None})
                 raise EngineDeadError(
-                    f"no worker answered: {', '.join(w.url for w in pending) or 'none found'}"
+                    f"no worker answered ({', '.join(w.url for w in pending) or 'none found'})"
+                    + (f": {'; '.join(reasons)}" if reasons else "")
                 )
             await asyncio.sleep(self.discovery_interval_s)  # none found or ready yet: look again
             await self._discover()
@@ -362,12 +371,16 @@ class RouterEngineClient(EngineClient):
         """Where the worker listens now (a hook: a launcher may move a restarted worker); raises
         EngineDeadError while it cannot say."""
 
-    async def _join(self, w: Worker, timeout: float) -> None:
-        w.joining, w.last_attempt = True, time.monotonic()
+    async def _join(self, w: Worker, timeout: float, report: bool = True) -> None:
+        """Start a client for the worker and put it in rotation; on failure its reason is kept in
+        `w.last_error` (and logged, with `report`)."""
+        w.joining, w.last_attempt, w.last_error = True, time.monotonic(), None
         try:
             await self._resolve(w)
         except EngineDeadError as e:
-            log.warning("worker %s is not up: %s", w.name, e)
+            w.last_error = str(e)
+            if report:
+                log.warning("worker %s is not up: %s", w.name, e)
             w.joining = False
             return
         client = self._client_for(w, timeout)
@@ -399,7 +412,9 @@ class RouterEngineClient(EngineClient):
             elif self.settings.policy == "kv":
                 log.warning("worker %s publishes no KV events: routed by load alone", w.url)
         except (EngineDeadError, OSError, zmq.ZMQError) as e:
-            log.warning("worker %s is not up: %s", w.url, e)
+            w.last_error = str(e)
+            if report:
+                log.warning("worker %s is not up: %s", w.url, e)
             client.fail(f"not joined: {e}")  # and so not told to shut down: it may be starting still
             await client.shutdown()
             w.joining = False

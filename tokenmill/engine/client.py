@@ -38,6 +38,7 @@ from tokenmill.engine.protocol import (
     decode_from_engine,
     encode,
 )
+from tokenmill.worker.lifetime import interrupts_held
 
 # Contexts of clients not yet shut down. A context collected as garbage runs zmq_ctx_term in its
 # __del__, which waits for sockets the collector has already cut loose: it would hang the process (a
@@ -302,7 +303,8 @@ class LocalEngineLauncher:
             name="tokenmill-engine",
             daemon=True,  # its rank processes (parallelism) are started by subprocess: allowed
         )
-        self.proc.start()
+        with interrupts_held():  # a Ctrl-C while it imports is this process's to act on, not its
+            self.proc.start()
 
     def exit_reason(self) -> str | None:
         if self.proc is not None and not self.proc.is_alive():

@@ -35,7 +35,7 @@ from tokenmill.engine.protocol import (
     decode_to_engine,
     encode,
 )
-from tokenmill.worker.lifetime import die_with_parent
+from tokenmill.worker.lifetime import die_with_parent, ignore_interrupts, interrupted
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine_core import EngineCore
@@ -61,6 +61,9 @@ def serve_engine(
     """
     if launched_by_parent:
         die_with_parent()
+        # A terminal's Ctrl-C reaches this process too; the parent handles it and tells this one
+        # to stop (or dies, and die_with_parent ends this one): no KeyboardInterrupt here.
+        ignore_interrupts()
     parent = os.getppid() if launched_by_parent else None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -72,7 +75,7 @@ def serve_engine(
     try:
         engine = EngineCore(config)
     except Exception as e:  # report why, rather than dying silently
-        log.exception("the engine failed to start")
+        _log_start_failure(e, launched_by_parent)
         _refuse(sock, f"engine failed to start: {e}")
         sock.close(linger=500)
         return 1
@@ -103,6 +106,20 @@ def serve_engine(
             publisher.close()
         sock.close(linger=500)
     return 0
+
+
+def _log_start_failure(e: Exception, launched_by_parent: bool) -> None:
+    """A bad model file or setting (ValueError, OSError) is the user's to fix, and its message says
+    what: one line, or none where the parent that launched this engine prints it (the frontends get
+    it as Dead). Anything else is a fault, logged with its traceback."""
+    if interrupted():  # a Ctrl-C stopped the load (a compiler it ran): not a fault, nothing to say
+        return
+    if isinstance(e, (ValueError, OSError)):
+        log.debug("the engine failed to start", exc_info=e)
+        if not launched_by_parent:
+            log.error("the engine failed to start: %s", e)
+        return
+    log.error("the engine failed to start", exc_info=e)
 
 
 def _refuse(sock: zmq.Socket, message: str) -> None:

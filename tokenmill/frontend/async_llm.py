@@ -41,6 +41,15 @@ class AsyncLLM:
         # Called with each finished RequestOutput (the server records metrics with it).
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_aborted: Callable[[int], None] | None = None  # with the number of sequences cut short
+        self._in_flight: dict[int, Submitted] = {}  # by id(): what cut_off ends
+
+    def cut_off(self, error: Exception) -> int:
+        """End every request in flight with `error`, raised in its stream as an engine's would be: a
+        server that must stop now answers them (and aborts them in the engine) rather than dropping
+        their connections. Returns how many there were."""
+        for sub in self._in_flight.values():
+            sub.queue.put_nowait(error)
+        return len(self._in_flight)
 
     @classmethod
     async def start(
@@ -106,6 +115,7 @@ class AsyncLLM:
         disconnected), the request is aborted in the engine.
         """
         queue, live, proc = sub.queue, sub.live, sub.proc
+        self._in_flight[id(sub)] = sub
         try:
             while live:
                 item = await queue.get()
@@ -133,6 +143,7 @@ class AsyncLLM:
                         self.on_finished(ro)
                     yield ro
         finally:
+            self._in_flight.pop(id(sub), None)
             if live:
                 self.client.abort(sorted(live))
                 if self.on_aborted is not None:

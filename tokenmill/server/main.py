@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -16,6 +18,7 @@ from typing import Any
 
 import uvicorn
 
+from tokenmill.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig
@@ -70,7 +73,29 @@ def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
     from tokenmill.cluster.fleet import engine_client_for
 
-    llm = await AsyncLLM.start(config.engine, client=engine_client_for(config))
+    client = engine_client_for(config)  # the fleet's settings checked before anything starts
+    # The ports are taken before the engine loads (minutes, for a big model): one already in use is
+    # said at once, not after the load. Connections made meanwhile wait in the backlog.
+    http_sock = listen_socket(config.host, config.port, "--port")
+    grpc_hold = None
+    if config.model_repository and config.grpc_port:
+        grpc_hold = bind_socket(config.host, config.grpc_port, "--grpc-port (0: no gRPC)")
+    try:
+        await _serve(config, client, http_sock, grpc_hold, announce)
+    finally:
+        http_sock.close()
+        if grpc_hold is not None:
+            grpc_hold.close()
+
+
+async def _serve(
+    config: ServerConfig,
+    client: EngineClient,
+    http_sock: socket.socket,
+    grpc_hold: socket.socket | None,
+    announce: bool,
+) -> None:
+    llm = await AsyncLLM.start(config.engine, client=client)
     repo = None
     if config.model_repository:
         from tokenmill.triton.repository import ModelRepository
@@ -95,29 +120,22 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
         )
     )
     server.on_signal = lambda: setattr(app.state.tm, "draining", True)
+    server.cut_off = lambda: llm.cut_off(EngineDeadError("the server is shutting down"))
     server.busy = lambda: app.state.tm.admission.sequences > 0
     server.drain_timeout_s = config.drain_timeout_s
     if announce:
-        base = f"http://{config.host}:{config.port}"
-        print(
-            f"tokenmill serving {config.model_name!r} on {base} "
-            f"(max_model_len {llm.max_model_len}, engine loaded in {llm.client.info['load_seconds']:.2f}s)\n"
-            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{config.model_name}", "messages": """
-            f"""[{{"role": "user", "content": "Hello!"}}]}}'\n"""
-            f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{config.api_key or 'none'}')",
-            file=sys.stderr,
-            flush=True,
-        )
+        # Said once uvicorn serves on the socket: not before, when the server could still fail to start.
+        server.on_started = lambda: _announce(config, llm, http_sock.getsockname()[1])
     grpc_server = None
     try:
         if repo is not None:
             await repo.start()
-            if config.grpc_port:
+            if grpc_hold is not None:
                 from tokenmill.triton.grpc_front import start_grpc
 
+                grpc_hold.close()  # held against others until now: gRPC binds the port itself
                 grpc_server = await start_grpc(repo, config.host, config.grpc_port, config.api_key)
-        await server.serve()
+        await server.serve(sockets=[http_sock])
     finally:
         if planner is not None:
             await planner.stop()
@@ -128,6 +146,52 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
         await llm.shutdown()
 
 
+def _announce(config: ServerConfig, llm: AsyncLLM, port: int) -> None:
+    base = f"http://{config.host}:{port}"
+    print(
+        f"tokenmill serving {config.model_name!r} on {base} "
+        f"(max_model_len {llm.max_model_len}, engine loaded in {llm.client.info['load_seconds']:.2f}s)\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{config.model_name}", "messages": """
+        f"""[{{"role": "user", "content": "Hello!"}}]}}'\n"""
+        f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{config.api_key or 'none'}')",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class PortError(ValueError):
+    """A port the server cannot take: in use, not allowed, or an address this host does not have."""
+
+
+def _socket_for(host: str, port: int) -> socket.socket:
+    # A literal IPv6 address takes an IPv6 socket (as uvicorn picks); names and IPv4 addresses IPv4.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # A port whose last connections are still in TIME_WAIT (a server just restarted) is free to take.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
+
+
+def bind_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening; PortError with a one-line reason if it cannot be."""
+    sock = _socket_for(host, port)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortError(f"port {port} on {host} is in use: pick another with {flag}") from None
+        raise PortError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def listen_socket(host: str, port: int, flag: str) -> socket.socket:
+    """bind_socket, listening: the port is this server's from now on (uvicorn serves on the socket)."""
+    sock = bind_socket(host, port, flag)
+    sock.listen(2048)  # uvicorn's own backlog
+    return sock
+
+
 class _Server(uvicorn.Server):
     """uvicorn, except that a SIGTERM/SIGINT ends in a clean exit after the drain.
 
@@ -136,6 +200,8 @@ class _Server(uvicorn.Server):
     """
 
     on_signal: Callable[[], None] | None = None
+    cut_off: Callable[[], object] | None = None  # ends the requests in flight with an error answer
+    on_started: Callable[[], None] | None = None  # once it serves on its sockets
     busy: Callable[[], bool] = staticmethod(lambda: False)  # work in flight?
     drain_timeout_s: float = 30.0
     _draining: bool = False
@@ -144,7 +210,10 @@ class _Server(uvicorn.Server):
         # First signal: readiness turns false and new requests get 503 + Retry-After, while the
         # socket stays open (a load balancer sees a 503, not a refused connection) until in-flight
         # requests finish or the drain timeout passes. A second signal exits at once.
-        if self._draining or self.on_signal is None:
+        if self._draining:
+            asyncio.get_running_loop().call_soon(self._stop_now)  # on the loop, not inside the handler
+            return
+        if self.on_signal is None:
             super().handle_exit(sig, frame)
             return
         self._draining = True
@@ -154,9 +223,25 @@ class _Server(uvicorn.Server):
 
     async def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
-        while self.busy() and time.monotonic() < deadline:
+        while self.busy() and time.monotonic() < deadline and not self.should_exit:
             await asyncio.sleep(0.05)
-        super().handle_exit(sig, frame)
+        if not self.should_exit:  # (a second signal has stopped the server already)
+            self._stop_now()
+
+    def _stop_now(self) -> None:
+        """Exit without waiting for requests: those still running get an error answer first.
+
+        uvicorn, told to exit, waits for open requests once more (another drain timeout), and past it
+        cancels them, which logs a traceback per request and drops its connection.
+        """
+        if self.cut_off is not None:
+            self.cut_off()
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -30,12 +30,25 @@ SUPPORTED_TYPES = {
 }
 
 
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file the reader can make sense of: damaged, cut off, or something else."""
+
+
 class GGUFFile:
     """A GGUF file opened lazily (memory-mapped by the gguf package)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._reader = GGUFReader(str(self.path))
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except OSError:
+            raise  # cannot be read at all (permissions, a folder): the OS's own words say it
+        except Exception as e:
+            # A damaged file fails in the reader wherever the damage is (IndexError, ValueError, a bad
+            # enum, an undecodable string): name the file and what it is, not the parser's internals.
+            msg = f"{self.path}: not a readable GGUF file (corrupt or truncated?): {e}"
+            raise GGUFFormatError(msg) from e
+        self._check_extents()
         self._by_name = {t.name: t for t in self._reader.tensors}
         self.metadata: dict[str, Any] = {}
         for key, field in self._reader.fields.items():
@@ -45,6 +58,17 @@ class GGUFFile:
                 self.metadata[key] = field.contents()
             except Exception:  # an exotic field type we do not use; skip rather than fail the load
                 continue
+
+    def _check_extents(self) -> None:
+        """Every tensor's data lies inside the file: the reader maps a cut-off file's last tensors as
+        shorter arrays, which would fail later, far from the cause, or not at all for unread ones."""
+        size = self.path.stat().st_size
+        for t in self._reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise GGUFFormatError(
+                    f"{self.path}: truncated: tensor {t.name} ends at byte {end}, the file has {size}"
+                )
 
     @property
     def architecture(self) -> str:

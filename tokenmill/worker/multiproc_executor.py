@@ -29,7 +29,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.worker.executor import Executor, WorkerDiedError
 from tokenmill.worker.kv_spec import KVCacheSpec
-from tokenmill.worker.lifetime import die_with_parent
+from tokenmill.worker.lifetime import die_with_parent, ignore_interrupts, interrupts_held
 from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ def _free_port() -> int:
 
 def _rank_main(address: tuple[str, int], rank: int) -> None:
     die_with_parent()
+    ignore_interrupts()  # a Ctrl-C is the engine's owner's to act on: it stops the ranks through us
     conn = Client(address, authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send(("hello", rank))
     config, init_method = conn.recv()
@@ -111,7 +112,8 @@ class MultiprocExecutor(Executor):
                     f"{listener.address[0]}:{listener.address[1]}",
                     str(rank),
                 ]
-                self.procs.append(subprocess.Popen(cmd, env=env))
+                with interrupts_held():  # until the rank takes SIGINT over (ignore_interrupts)
+                    self.procs.append(subprocess.Popen(cmd, env=env))
             self.conns = self._accept(listener, world, startup_timeout)
             for conn in self.conns:
                 conn.send((rank_config, init_method))
