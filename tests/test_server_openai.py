@@ -199,3 +199,52 @@ def test_bad_input_is_400_in_openai_shape(server, path: str, body, status: int, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["code"] == status and err["type"]
+
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def test_unknown_routes_answer_in_openai_shape(client: openai.OpenAI, server) -> None:
+    # The official client reads the body's "error" object into the exception; FastAPI's own
+    # {"detail": "Not Found"} would leave it nothing but that dict.
+    for call in (
+        lambda: client.get("/nonexistent", cast_to=object),
+        lambda: client.post("/nonexistent", cast_to=object, body={"model": "smollm2-135m"}),
+    ):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert set(e.value.body) == OPENAI_ERROR_KEYS, e.value.body
+        assert "/v1/nonexistent" in e.value.body["message"] and e.value.body["code"] == 404
+    # A method the path does not take: 405 with the methods it does take.
+    with pytest.raises(openai.APIStatusError) as e:
+        client.get("/chat/completions", cast_to=object)
+    assert e.value.status_code == 405 and e.value.response.headers["allow"] == "POST"
+    assert set(e.value.body) == OPENAI_ERROR_KEYS and "POST" in e.value.body["message"], e.value.body
+    # Paths outside /v1 that are not KServe's (/v2) answer alike.
+    r = httpx.delete(f"{server.base_url}/tokenize")
+    assert r.status_code == 405 and set(r.json()["error"]) == OPENAI_ERROR_KEYS, r.text
+    r = httpx.get(f"{server.base_url}/nonexistent")
+    assert r.status_code == 404 and set(r.json()["error"]) == OPENAI_ERROR_KEYS, r.text
+
+
+def test_langchain_reports_an_unknown_route_as_such(server) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is a dev dependency")
+
+    def chat(base_url: str):
+        return langchain_openai.ChatOpenAI(
+            base_url=base_url,
+            api_key="unused",
+            model="smollm2-135m",
+            max_tokens=4,
+            temperature=0,
+            max_retries=0,
+        )
+
+    # The same client, pointed at the right base URL, is served: only the route differs below.
+    assert chat(f"{server.base_url}/v1").invoke("Hi").response_metadata["model_name"] == "smollm2-135m"
+    # langchain files every 404 as a model-not-found error; the message is what tells the user the URL
+    # is wrong, and it is the server's only when the body has OpenAI's shape.
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(f"{server.base_url}/v1/nonexistent").invoke("Hi")
+    assert set(e.value.body) == OPENAI_ERROR_KEYS, e.value.body
+    assert "Invalid URL (POST /v1/nonexistent/chat/completions)" in str(e.value)

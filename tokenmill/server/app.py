@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
@@ -85,6 +87,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
         return error_response(400, _describe(e.errors()), _param(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> Response:
+        # The router's own errors (an unknown path, a method the path does not take), which FastAPI
+        # writes as {"detail": ...}: OpenAI clients read only {"error": {...}}, and langchain turns a
+        # bare 404 into "model not found". KServe's /v2 is not the OpenAI API's: its router answers
+        # its unknown paths and methods itself ({"error": "..."}, triton/http.py), so what reaches
+        # here under /v2 (no --model-repository) is left as FastAPI writes it.
+        path = request.url.path
+        if path == "/v2" or path.startswith("/v2/"):
+            return await http_exception_handler(request, e)
+        return error_response(e.status_code, _http_message(request, e), headers=e.headers)
 
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
@@ -283,6 +297,16 @@ async def _cancel_on_disconnect(request: Request, coro: Awaitable[Any]) -> Any:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+def _http_message(request: Request, e: HTTPException) -> str:
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        return f"Invalid URL ({where}): no such route on this server"
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return f"Invalid method for URL ({where})" + (f": use {allowed}" if allowed else "")
+    return f"{e.detail} ({where})"
 
 
 def _describe(errors: list[dict]) -> str:

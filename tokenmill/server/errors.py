@@ -8,6 +8,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
