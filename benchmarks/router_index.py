@@ -23,7 +23,7 @@ import tracemalloc
 from tokenmill.cluster.kv_index import KVIndex
 from tokenmill.cluster.router import RouterEngineClient, RouterSettings, _Active, _Relay
 from tokenmill.engine.block_hash import ROOT_HASH, extend_block_hashes, hash_block
-from tokenmill.engine.kv_events import BlockStored, external_hash
+from tokenmill.engine.kv_events import external_hash, stored
 from tokenmill.engine.protocol import EngineRequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ def fill(index: KVIndex, workers: int, blocks: int, groups: list[list[int]], rng
     for g in groups:
         hashes = chain(g)  # each group's prompt on 4 workers
         for w in rng.sample(range(workers), 4):
-            index.apply(w, [BlockStored(hashes, None, g, BS)])
+            index.apply(w, [stored(hashes, None, g, BS)])
     parent = ROOT_HASH
     batch: list[int] = []
     i = 0
@@ -51,7 +51,7 @@ def fill(index: KVIndex, workers: int, blocks: int, groups: list[list[int]], rng
         batch.append(external_hash(parent))
         i += 1
         if len(batch) == 64:
-            index.apply(rng.randrange(workers), [BlockStored(batch, None, [], BS)])
+            index.apply(rng.randrange(workers), [stored(batch, None, [], BS)])
             batch = []
             if i % 4096 == 0:
                 parent = ROOT_HASH  # a new conversation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,12 +17,14 @@ from tokenmill.config import KVEventsConfig
 from tokenmill.engine.block_hash import ROOT_HASH, hash_block
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.kv_events import (
+    MEDIUM_DEVICE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_batch,
     encode_batch,
     external_hash,
+    stored,
 )
 from tokenmill.engine.kv_publisher import KVEventPublisher
 from tokenmill.engine.request import EngineRequest, Request
@@ -30,15 +33,67 @@ from tokenmill.sampling_params import SamplingParams
 BS = 4
 
 
+# -- vLLM's decoder -----------------------------------------------------------------------------------
+# vLLM's own event classes (vllm/distributed/kv_events.py in vLLM 0.32.0: BlockStored, BlockRemoved,
+# AllBlocksCleared, KVEventBatch) cannot be installed here (vLLM brings its own torch), so they are
+# written out as that file declares them, for what its decoder checks: the tags ("type": the class
+# name), the field names, and which fields have no default there. vLLM writes a field without a default
+# always (null if need be) and its decoder refuses an event that lacks one ("Object missing required
+# field 'lora_id'"); fields with a default there may be absent. Unknown fields are ignored, as there.
+ExternalBlockHash = int | bytes  # vLLM's: low 64 bits of the chained hash as an int, or the raw digest
+
+
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None  # no default in vLLM: required even as null
+    medium: str | None  # no default in vLLM: required ("GPU", "CPU", ...)
+    lora_name: str | None  # no default in vLLM: required even as null
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None  # no default in vLLM: required
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+vllm_decoder = msgspec.msgpack.Decoder(VllmKVEventBatch)
+
+
 def request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     return Request(EngineRequest(rid, tokens, SamplingParams(max_tokens=4), cache_salt=salt), 1024)
 
 
-def chain(tokens: list[int], salt: str | None = None) -> list[int]:
+def chain(tokens: list[int], salt: str | None = None, bs: int = BS) -> list[int]:
     """Published names of the full blocks, computed independently of the cache manager."""
     out, parent = [], ROOT_HASH
-    for i in range(len(tokens) // BS):
-        parent = hash_block(parent, tokens[i * BS : (i + 1) * BS], salt if i == 0 else None)
+    for i in range(len(tokens) // bs):
+        parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], salt if i == 0 else None)
         out.append(external_hash(parent))
     return out
 
@@ -100,22 +155,64 @@ def test_no_events_unless_asked() -> None:
 
 
 def test_wire_format_is_vllms() -> None:
-    """[ts, [event maps tagged "type"], dp_rank]; hashes as unsigned 64-bit ints."""
+    """[ts, [event maps tagged "type"], dp_rank]; hashes as unsigned 64-bit ints; every field vLLM's
+    decoder requires is written, null or not."""
     h = 0xF000_0000_0000_0001  # >= 2**63: must travel as uint64
-    payload = encode_batch([BlockStored([h], None, [1, 2, 3, 4], 4), BlockRemoved([h]), AllBlocksCleared()])
+    events = [
+        stored([h], None, [1, 2, 3, 4], 4),
+        stored([h + 1], h, [5, 6, 7, 8], 4, "CPU", [["salt"]]),
+        BlockRemoved([h], MEDIUM_DEVICE),
+        AllBlocksCleared(),
+    ]
+    payload = encode_batch(events)
     raw = msgspec.msgpack.decode(payload)
     assert isinstance(raw, list) and isinstance(raw[0], float)
-    stored, removed, cleared = raw[1]
-    assert stored == {
+    assert raw[1][0] == {
         "type": "BlockStored",
         "block_hashes": [h],
         "parent_block_hash": None,
         "token_ids": [1, 2, 3, 4],
         "block_size": 4,
-    }  # fields at their defaults are omitted, as vLLM's omit_defaults does ("GPU" is the default)
-    assert removed == {"type": "BlockRemoved", "block_hashes": [h]}
-    assert cleared == {"type": "AllBlocksCleared"}
-    assert decode_batch(payload).events[0] == BlockStored([h], None, [1, 2, 3, 4], 4)
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }  # extra_keys, at its default, is omitted as vLLM's omit_defaults does
+    assert raw[1][2:] == [
+        {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ]
+    batch = vllm_decoder.decode(payload)
+    s0, s1, r, c = batch.events
+    assert (s0.block_hashes, s0.parent_block_hash, s0.token_ids) == ([h], None, [1, 2, 3, 4])
+    assert (s0.block_size, s0.lora_id, s0.medium, s0.lora_name, s0.extra_keys) == (4, None, "GPU", None, None)
+    assert (s1.parent_block_hash, s1.medium, s1.extra_keys) == (h, "CPU", [("salt",)])
+    assert (r.block_hashes, r.medium) == ([h], "GPU") and isinstance(c, VllmAllBlocksCleared)
+    assert decode_batch(payload).events == events
+
+
+def test_our_consumer_still_reads_what_older_workers_sent() -> None:
+    """Workers before issue 50 left lora_id, medium and lora_name out (vLLM's decoder refuses that);
+    the router reads them during an upgrade all the same, as the device pool's."""
+    old = msgspec.msgpack.encode(
+        [
+            1.0,
+            [
+                {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": [1, 2],
+                 "block_size": 2},
+                {"type": "BlockStored", "block_hashes": [6], "parent_block_hash": None, "token_ids": [],
+                 "block_size": 2, "medium": "CPU"},
+                {"type": "BlockRemoved", "block_hashes": [5]},
+            ],
+            None,
+        ]
+    )  # fmt: skip
+    with pytest.raises(msgspec.ValidationError, match="missing required field"):
+        vllm_decoder.decode(old)
+    assert decode_batch(old).events == [
+        stored([5], None, [1, 2], 2),
+        stored([6], None, [], 2, "CPU"),
+        BlockRemoved([5], MEDIUM_DEVICE),
+    ]
 
 
 def test_decodes_legacy_arrays_signed_hashes_and_unknown_fields() -> None:
@@ -124,7 +221,7 @@ def test_decodes_legacy_arrays_signed_hashes_and_unknown_fields() -> None:
     )
     b = decode_batch(legacy)
     assert b.data_parallel_rank == 0
-    assert b.events == [BlockStored([2**64 - 1], None, [7, 8], 2), BlockRemoved([2**64 - 2])]
+    assert b.events == [stored([2**64 - 1], None, [7, 8], 2), BlockRemoved([2**64 - 2], MEDIUM_DEVICE)]
     newer = msgspec.msgpack.encode(
         {
             "ts": 2.0,
@@ -135,6 +232,9 @@ def test_decodes_legacy_arrays_signed_hashes_and_unknown_fields() -> None:
                     "parent_block_hash": None,
                     "token_ids": [1],
                     "block_size": 1,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
                     "group_idx": 0,
                     "kv_cache_spec_kind": "full_attention",
                 },
@@ -149,13 +249,13 @@ def test_decodes_legacy_arrays_signed_hashes_and_unknown_fields() -> None:
 def test_index_overlaps_follow_the_chain() -> None:
     idx = KVIndex()
     a = [1, 2, 3, 4]
-    idx.apply(0, [BlockStored(a, None, [], 4)])
-    idx.apply(1, [BlockStored(a[:2], None, [], 4)])
-    idx.apply(2, [BlockStored([9], None, [], 4)])
+    idx.apply(0, [stored(a, None, [], 4)])
+    idx.apply(1, [stored(a[:2], None, [], 4)])
+    idx.apply(2, [stored([9], None, [], 4)])
     assert idx.overlaps(a, 0b111) == {0: 4, 1: 2}
     assert idx.overlaps(a, 0b010) == {1: 2}
     assert idx.overlaps([1, 7, 3], 0b111) == {0: 1, 1: 1}  # a chain is matched from its start only
-    idx.apply(0, [BlockRemoved([2])])
+    idx.apply(0, [BlockRemoved([2], MEDIUM_DEVICE)])
     assert idx.overlaps(a, 0b111) == {0: 1, 1: 2}
     idx.apply(1, [AllBlocksCleared()])
     assert idx.overlaps(a, 0b111) == {0: 1}
@@ -164,7 +264,7 @@ def test_index_overlaps_follow_the_chain() -> None:
 
 
 def events_for(i: int) -> list[BlockStored]:
-    return [BlockStored([1000 + i], None, [i] * 4, 4)]
+    return [stored([1000 + i], None, [i] * 4, 4)]
 
 
 async def _subscribe(pub: KVEventPublisher, index: KVIndex, **kw) -> KVEventSubscriber:
@@ -292,3 +392,60 @@ def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> N
         assert decode_batch(payload).events == events_for(n)
     assert seqs == list(range(start, 4))
     s.close(0)
+
+
+def test_a_real_engines_events_decode_as_vllm_and_chain_on_every_tier(make_publisher) -> None:
+    """A real engine with prefix caching and a host offload tier, its events through the real publisher
+    (read back from its replay socket): every batch decodes with vLLM's classes, and every BlockStored,
+    the pool's ("GPU") and the host tier's ("CPU"), names blocks with the tokens and parent of the chain
+    computed from the requests' own tokens, as a consumer that hashes tokens itself (Dynamo) needs."""
+    from tokenmill import LLM
+
+    bs = 16
+    # Three prompts of 15 full blocks in a 40-block pool: the third evicts the first's blocks to host
+    # memory, and the first, asked again, is loaded back and evicts the second's.
+    prompts = [[100 + (p * 997 + j * 31) % 4000 for j in range(15 * bs + 3)] for p in range(3)]
+    llm = LLM(max_model_len=512, num_blocks=40, block_size=bs, kv_offload="host=200MB", enable_kv_events=True)
+    pub = make_publisher()
+    sequences = []
+    try:
+        for p in [*prompts, prompts[0]]:
+            (out,) = llm.generate([p], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+            sequences.append(p + list(out.outputs[0].token_ids))
+            pub.publish(llm.engine.kv.take_events())
+        assert llm.engine.stats().kv_connector["host_loads"] > 0
+    finally:
+        llm.close()
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.connect(pub.describe()["replay_endpoint"])
+    s.send_multipart([b"", (0).to_bytes(8, "big")])
+    payloads = []
+    while True:
+        assert s.poll(5000)
+        _, _, seq, payload = s.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            break
+        payloads.append(payload)
+    s.close(0)
+    events = [ev for payload in payloads for ev in vllm_decoder.decode(payload).events]
+
+    # The reference: each published hash's parent and tokens, from the sequences' own tokens.
+    ref: dict[int, tuple[int | None, list[int]]] = {}
+    for toks in sequences:
+        names = chain(toks, bs=bs)
+        for k, h in enumerate(names):
+            ref[h] = (names[k - 1] if k else None, toks[k * bs : (k + 1) * bs])
+    media = set()
+    for ev in events:
+        if not isinstance(ev, VllmBlockStored):
+            continue
+        media.add(ev.medium)
+        assert ev.block_size == bs and len(ev.token_ids) == bs * len(ev.block_hashes), ev
+        parent = ev.parent_block_hash
+        for k, h in enumerate(ev.block_hashes):
+            assert h in ref, ev
+            assert ref[h] == (parent, ev.token_ids[k * bs : (k + 1) * bs]), ev
+            parent = h
+    assert media == {"GPU", "CPU"}
+    removed = {ev.medium for ev in events if isinstance(ev, VllmBlockRemoved)}
+    assert "GPU" in removed

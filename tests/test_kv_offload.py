@@ -17,7 +17,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import KVOffloadConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.kv_events import BlockRemoved, BlockStored
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored, external_hash, stored
 from tokenmill.engine.offload_connector import HostIndex, OffloadConnector
 from tokenmill.engine.protocol import EngineStats
 from tokenmill.engine.request import EngineRequest, Request
@@ -129,6 +129,13 @@ def test_pool_evictions_become_host_saves_spills_and_events(tmp_path: Path) -> N
     removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"]
     stored_host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert len(removed) == 3 and len(stored_host) == 2
+    # Each host-tier event names its block as the pool's did: its parent and its tokens (a consumer that
+    # hashes tokens itself, as Dynamo does, drops a block stored without them).
+    names = [external_hash(h) for h in a.block_hashes]
+    for e in stored_host:
+        (k,) = [names.index(h) for h in e.block_hashes]
+        assert e.parent_block_hash == (names[k - 1] if k else None)
+        assert e.token_ids == a.all_token_ids[k * bs : (k + 1) * bs] and e.block_size == bs
     # The next step may spill a host slot: the slot's old block goes to the files before it is refilled.
     kv.free(b)
     c = _req("c", list(range(200, 209)))  # three blocks: b's unnamed tail block, then two evictions
@@ -147,8 +154,8 @@ def test_admission_finds_host_blocks_after_the_pool_hits(tmp_path: Path) -> None
     assert kv.allocate_slots(a, 17)
     a.num_computed_tokens = 17
     kv.free(a)
-    for h, block_id in kv.pool.cached_blocks()[2:]:  # the pool forgets blocks 2 and 3 (as if evicted)
-        conn.on_evicted(h, block_id)
+    for _, block_id in kv.pool.cached_blocks()[2:]:  # the pool forgets blocks 2 and 3 (as if evicted)
+        conn.on_evicted(kv.pool.blocks[block_id])
         kv.pool.uncache(kv.pool.blocks[block_id])
     conn.build_meta()
     again = _req("a2", list(range(1, 18)))
@@ -341,9 +348,9 @@ def test_a_router_keeps_crediting_a_block_the_pool_evicted_to_host_memory() -> N
     from tokenmill.cluster.kv_index import KVIndex
 
     index = KVIndex()
-    index.apply(0, [BlockStored([11, 12], None, [1] * 8, 4)])
+    index.apply(0, [stored([11, 12], None, [1] * 8, 4)])
     # The pool evicts block 12 and the connector saves it to host memory, in one batch, in this order.
-    index.apply(0, [BlockRemoved([12]), BlockStored([12], None, [], 4, medium="CPU")])
+    index.apply(0, [BlockRemoved([12], "GPU"), stored([12], 11, [1] * 4, 4, "CPU")])
     assert index.overlaps([11, 12], 0b1) == {0: 2}
-    index.apply(0, [BlockRemoved([12], medium="CPU")])  # the host tier let it go too
+    index.apply(0, [BlockRemoved([12], "CPU")])  # the host tier let it go too
     assert index.overlaps([11, 12], 0b1) == {0: 1}

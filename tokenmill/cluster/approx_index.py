@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 
 from tokenmill.cluster.kv_index import KVIndex
-from tokenmill.engine.kv_events import BlockRemoved, BlockStored
+from tokenmill.engine.kv_events import MEDIUM_DEVICE, BlockRemoved, stored
 
 
 class ApproxKVIndex(KVIndex):
@@ -22,7 +22,7 @@ class ApproxKVIndex(KVIndex):
 
     def record(self, worker: int, hashes: list[int], now: float) -> None:
         until = now + self.ttl_s
-        self.apply(worker, [BlockStored(list(hashes), None, [], 0)])
+        self.apply(worker, [stored(list(hashes), None, [], 0)])  # never published: hashes are all it needs
         for h in hashes:
             self._expiry[(worker, h)] = until
             heapq.heappush(self._heap, (until, worker, h))
@@ -36,7 +36,7 @@ class ApproxKVIndex(KVIndex):
                 del self._expiry[(worker, h)]
                 gone.setdefault(worker, []).append(h)
         for worker, hashes in gone.items():
-            self.apply(worker, [BlockRemoved(hashes)])
+            self.apply(worker, [BlockRemoved(hashes, MEDIUM_DEVICE)])
 
     def remove_worker(self, worker: int) -> None:
         super().remove_worker(worker)

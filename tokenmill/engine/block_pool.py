@@ -10,15 +10,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
+
+# What a KV event says of a named block besides its hash: its parent's published hash (None for a
+# chain's first block), its token ids, and its extra keys (the salt of a chain's first block, or None).
+EventInfo = tuple[int | None, list[int], list[Any] | None]
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "event_info")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        # Set with KV events on, while the block is named: an offload tier the block moves to
+        # announces it as fully as the pool did (a consumer chains blocks by parent and tokens).
+        self.event_info: EventInfo | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -30,7 +38,7 @@ class BlockPool:
         self,
         num_blocks: int,
         on_removed: Callable[[bytes], None] | None = None,
-        on_evicted: Callable[[bytes, int], None] | None = None,
+        on_evicted: Callable[[KVBlock], None] | None = None,
     ) -> None:
         """`on_removed` hears of every hash that stops naming a block here (for KV events);
         `on_evicted` of every cached block handed out again, before its content is overwritten
@@ -81,8 +89,9 @@ class BlockPool:
                 if self.on_removed is not None:
                     self.on_removed(b.block_hash)
                 if self.on_evicted is not None:
-                    self.on_evicted(b.block_hash, b.block_id)
+                    self.on_evicted(b)
                 b.block_hash = None
+                b.event_info = None
                 self.num_evictions += 1
             b.ref_cnt = 1
             out.append(b)
@@ -107,6 +116,7 @@ class BlockPool:
             if self.on_removed is not None:
                 self.on_removed(block.block_hash)
         block.block_hash = None
+        block.event_info = None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in eviction order (the first freed is evicted first)."""
@@ -127,3 +137,4 @@ class BlockPool:
                 if self.on_removed is not None:
                     self.on_removed(b.block_hash)  # type: ignore[arg-type]
                 b.block_hash = None
+                b.event_info = None

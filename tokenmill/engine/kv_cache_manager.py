@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.block_pool import BlockPool, KVBlock
-from tokenmill.engine.kv_events import MEDIUM_DEVICE, BlockRemoved, BlockStored, KVEvent, external_hash
+from tokenmill.engine.kv_events import MEDIUM_DEVICE, BlockRemoved, KVEvent, external_hash, stored
 from tokenmill.engine.request import Request
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class KVCacheManager:
             if blocks[i].block_hash is None and self.pool.cache(blocks[i], req.block_hashes[i])
         ]
         if named and self.events is not None:
-            self._stored(req, named)
+            self._stored(req, blocks, named)
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
         return self._blocks_to_take(req, num_new_tokens, computed or []) <= self.pool.num_free
@@ -128,12 +128,17 @@ class KVCacheManager:
                 if blocks[i].block_hash is None and self.pool.cache(blocks[i], req.block_hashes[i])
             ]
             if named and self.events is not None:
-                self._stored(req, named)
+                self._stored(req, blocks, named)
         return True
 
-    def _stored(self, req: Request, named: list[int]) -> None:
-        """BlockStored events for newly named blocks, one per run of consecutive blocks."""
-        bs, hashes = self.block_size, req.block_hashes
+    def _stored(self, req: Request, blocks: list[KVBlock], named: list[int]) -> None:
+        """BlockStored events for newly named blocks, one per run of consecutive blocks; each block
+        keeps its own part (parent, tokens, extra keys) for the tier it may be evicted to."""
+        bs, hashes, tokens = self.block_size, req.block_hashes, req.all_token_ids
+        for i in named:
+            parent = external_hash(hashes[i - 1]) if i else None
+            extra = [req.cache_salt] if i == 0 and req.cache_salt is not None else None
+            blocks[i].event_info = (parent, list(tokens[i * bs : (i + 1) * bs]), extra)
         runs: list[list[int]] = []
         for i in named:
             if runs and runs[-1][-1] == i - 1:
@@ -144,10 +149,10 @@ class KVCacheManager:
             first, last = run[0], run[-1]
             salted = first == 0 and req.cache_salt is not None
             self.events.append(  # type: ignore[union-attr]
-                BlockStored(
+                stored(
                     block_hashes=[external_hash(hashes[i]) for i in run],
                     parent_block_hash=external_hash(hashes[first - 1]) if first else None,
-                    token_ids=list(req.all_token_ids[first * bs : (last + 1) * bs]),
+                    token_ids=list(tokens[first * bs : (last + 1) * bs]),
                     block_size=bs,
                     extra_keys=[[req.cache_salt]] + [None] * (len(run) - 1) if salted else None,
                 )
@@ -159,7 +164,7 @@ class KVCacheManager:
         if events and isinstance(events[-1], BlockRemoved) and events[-1].medium == MEDIUM_DEVICE:
             events[-1].block_hashes.append(external_hash(block_hash))
         else:
-            events.append(BlockRemoved([external_hash(block_hash)]))
+            events.append(BlockRemoved([external_hash(block_hash)], MEDIUM_DEVICE))
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call (empty when events are off)."""

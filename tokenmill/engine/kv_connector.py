@@ -28,8 +28,8 @@ class KVConnectorScheduler(ABC):
         """The pool gave `blocks` for the request's blocks first, first+1, ...: load them."""
 
     @abstractmethod
-    def on_evicted(self, block_hash: bytes, block_id: int) -> None:
-        """The pool is about to reuse a block that held the content `block_hash` names."""
+    def on_evicted(self, block: KVBlock) -> None:
+        """The pool is about to reuse `block`, which still holds (and is still named by) its content."""
 
     @abstractmethod
     def build_meta(self) -> Any:

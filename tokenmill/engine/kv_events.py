@@ -4,8 +4,13 @@ ours and ours can read theirs.
 A batch is a positional array `[ts, events, data_parallel_rank]`; each event a map tagged by "type"
 (vLLM since mid-2026; older releases sent events as positional arrays too, which `decode_batch` also
 accepts). Block hashes go out as vLLM's default does: the low 64 bits of the chained block hash, as an
-unsigned integer. Every BlockStored carries its token ids, block size and parent hash, so a consumer
-that hashes tokens its own way (Dynamo) can chain them without knowing our hash function.
+unsigned integer. Every BlockStored, of every tier (the device pool's and the host tier's), carries its
+token ids, block size and parent hash, so a consumer that hashes tokens its own way (Dynamo) can chain
+them without knowing our hash function.
+
+The fields sent, and their order, are vLLM's (vllm/distributed/kv_events.py, v0.32). vLLM's decoder requires
+every field that has no default there (BlockStored's lora_id, medium and lora_name, BlockRemoved's
+medium, even when null): they have none here either, so they are always written.
 
 Torch-free: the router imports this.
 """
@@ -31,9 +36,9 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defa
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_DEVICE
-    lora_name: str | None = None
+    lora_id: int | None  # vLLM's deprecated numeric adapter id (no adapters here: None)
+    medium: str | None  # "GPU" for the device pool, "CPU" for the host tier
+    lora_name: str | None
     # vLLM carries the cache salt (and LoRA name) in per-block extra keys; the salt enters only the
     # first block of a prompt, and through the chain every later one.
     extra_keys: list[list[Any] | None] | None = None
@@ -41,7 +46,7 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defa
 
 class BlockRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False):
     block_hashes: list[int]
-    medium: str | None = MEDIUM_DEVICE
+    medium: str | None
 
 
 class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
@@ -64,6 +69,22 @@ _legacy_fields = {
     "BlockRemoved": list(BlockRemoved.__struct_fields__),
     "AllBlocksCleared": [],
 }
+# What a field missing from an older payload meant: vLLM before `medium` (#19737) and `lora_name`
+# (#27577) had only the device pool, and tokenmill's workers before issue 50 left these fields out when
+# they held these values. A router reads old and new workers alike during an upgrade.
+_missing_means: dict[str, Any] = {"lora_id": None, "medium": MEDIUM_DEVICE, "lora_name": None}
+
+
+def stored(
+    block_hashes: list[int],
+    parent_block_hash: int | None,
+    token_ids: list[int],
+    block_size: int,
+    medium: str = MEDIUM_DEVICE,
+    extra_keys: list[list[Any] | None] | None = None,
+) -> BlockStored:
+    """A BlockStored of a block run without LoRA (this engine serves none)."""
+    return BlockStored(block_hashes, parent_block_hash, token_ids, block_size, None, medium, None, extra_keys)
 
 
 def encode_batch(events: list[KVEvent], dp_rank: int | None = None) -> bytes:
@@ -92,6 +113,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         if kind not in _legacy_fields:
             continue  # an event kind we do not index (a newer vLLM's): skip, do not fail the batch
         fields = {k: v for k, v in ev.items() if k in _legacy_fields[kind]}
+        for key in _legacy_fields[kind]:
+            if key not in fields and key in _missing_means:
+                fields[key] = _missing_means[key]
         for key in ("block_hashes", "parent_block_hash"):
             fields[key] = _as_ints(fields.get(key))
         out.append(msgspec.convert({"type": kind, **fields}, KVEvent))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tokenmill.engine.block_pool import KVBlock
 from tokenmill.engine.kv_connector import KVConnectorScheduler
-from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
+from tokenmill.engine.kv_events import BlockRemoved, KVEvent, external_hash, stored
 from tokenmill.engine.request import Request
 from tokenmill.worker.kv_offload.file_store import block_path
 from tokenmill.worker.kv_offload.ops import OffloadOps
@@ -155,12 +155,14 @@ class OffloadConnector(KVConnectorScheduler):
         return first, valid
 
     # -- leaving the pool ----------------------------------------------------------------------------
-    def on_evicted(self, block_hash: bytes, block_id: int) -> None:
+    def on_evicted(self, block: KVBlock) -> None:
+        block_hash, block_id = block.block_hash, block.block_id
+        assert block_hash is not None, "the pool evicts named blocks only"
         host = self.host
         if host is not None:
             if host.lookup(block_hash) is not None:
                 host.touch(block_hash)
-                self._stored(block_hash)  # the pool's removal went out just before: still loadable here
+                self._stored(block)  # the pool's removal went out just before: still loadable here
                 return
             taken = host.take(block_hash)
             if taken is None:  # every slot is busy this step: straight to the files, keeping the chain whole
@@ -173,10 +175,10 @@ class OffloadConnector(KVConnectorScheduler):
                     self.ops.spills.append((slot, old))
                     self.c["file_saved_blocks"] += 1
                 if self.events is not None and not (self.is_cached and self.is_cached(old)):
-                    self.events.append(BlockRemoved([external_hash(old)], medium=MEDIUM_HOST))
+                    self.events.append(BlockRemoved([external_hash(old)], MEDIUM_HOST))
             self.ops.saves.append((block_id, slot, block_hash))
             self.c["host_saved_blocks"] += 1
-            self._stored(block_hash)
+            self._stored(block)
         else:
             self._save_to_files(block_hash, block_id)
 
@@ -187,11 +189,23 @@ class OffloadConnector(KVConnectorScheduler):
             self.ops.file_saves.append((block_id, block_hash))
             self.c["file_saved_blocks"] += 1
 
-    def _stored(self, block_hash: bytes) -> None:
-        if self.events is not None:
-            self.events.append(
-                BlockStored([external_hash(block_hash)], None, [], self.block_size, medium=MEDIUM_HOST)
+    def _stored(self, block: KVBlock) -> None:
+        """The host tier's BlockStored, as full as the pool's was: a consumer that indexes blocks by
+        their parent and tokens (Dynamo hashes the tokens itself) drops one without them."""
+        if self.events is None:
+            return
+        assert block.block_hash is not None and block.event_info is not None, "KV events name every block"
+        parent, tokens, extra = block.event_info
+        self.events.append(
+            stored(
+                [external_hash(block.block_hash)],
+                parent,
+                tokens,
+                self.block_size,
+                MEDIUM_HOST,
+                None if extra is None else [extra],
             )
+        )
 
     def build_meta(self) -> OffloadOps | None:
         ops, self.ops = self.ops, OffloadOps()

@@ -90,7 +90,7 @@ class PDConnector(KVConnectorScheduler):
         """Readers said they are done with these: those that were held."""
         return [rid for rid in request_ids if self.held.pop(rid, None) is not None]
 
-    def on_evicted(self, block_hash: bytes, block_id: int) -> None:
+    def on_evicted(self, block: KVBlock) -> None:
         return None  # blocks evicted here are not kept anywhere else
 
     def build_meta(self) -> TransferOps | None:
