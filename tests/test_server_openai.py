@@ -225,6 +225,12 @@ def test_unknown_routes_answer_in_openai_shape(client: openai.OpenAI, server) ->
     assert r.status_code == 405 and set(r.json()["error"]) == OPENAI_ERROR_KEYS, r.text
     r = httpx.get(f"{server.base_url}/nonexistent")
     assert r.status_code == 404 and set(r.json()["error"]) == OPENAI_ERROR_KEYS, r.text
+    # A server without a model repository serves no /v2; a KServe client still reads why, in its shape.
+    from tritonclient.http import InferenceServerClient
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="no --model-repository"):
+        InferenceServerClient(server.base_url.removeprefix("http://")).get_model_metadata("any")
 
 
 def test_langchain_reports_an_unknown_route_as_such(server) -> None:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -93,11 +92,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         # The router's own errors (an unknown path, a method the path does not take), which FastAPI
         # writes as {"detail": ...}: OpenAI clients read only {"error": {...}}, and langchain turns a
         # bare 404 into "model not found". KServe's /v2 is not the OpenAI API's: its router answers
-        # its unknown paths and methods itself ({"error": "..."}, triton/http.py), so what reaches
-        # here under /v2 (no --model-repository) is left as FastAPI writes it.
+        # its unknown paths and methods itself (triton/http.py); what reaches here under /v2 (a server
+        # without --model-repository) answers in the same shape, {"error": "..."}, which tritonclient reads.
         path = request.url.path
         if path == "/v2" or path.startswith("/v2/"):
-            return await http_exception_handler(request, e)
+            message = _http_message(request, e) + ("" if repository else " (no --model-repository is served)")
+            return JSONResponse({"error": message}, status_code=e.status_code, headers=e.headers)
         return error_response(e.status_code, _http_message(request, e), headers=e.headers)
 
     if config.api_key:
