@@ -95,7 +95,12 @@ async def _serve(
     grpc_hold: socket.socket | None,
     announce: bool,
 ) -> None:
-    llm = await AsyncLLM.start(config.engine, client=client)
+    note = asyncio.create_task(_say_loading(config, http_sock)) if announce else None
+    try:
+        llm = await AsyncLLM.start(config.engine, client=client)
+    finally:
+        if note is not None:
+            note.cancel()
     repo = None
     if config.model_repository:
         from tokenmill.triton.repository import ModelRepository
@@ -144,6 +149,18 @@ async def _serve(
         if repo is not None:
             await repo.close()
         await llm.shutdown()
+
+
+async def _say_loading(config: ServerConfig, sock: socket.socket, after_s: float = 3.0) -> None:
+    """A load that takes more than a few seconds (a first start caches weights and builds the kernels, a
+    big model takes minutes) says what is going on, rather than nothing until the banner."""
+    await asyncio.sleep(after_s)
+    where = f"{config.host}:{sock.getsockname()[1]}"
+    print(
+        f"tokenmill: loading {config.model_name!r}; serving on {where} once it is ready",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _announce(config: ServerConfig, llm: AsyncLLM, port: int) -> None:
