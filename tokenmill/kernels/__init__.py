@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from tokenmill.kernels.build import BUILT, CSRC, build, module_name
+from tokenmill.kernels.build import BUILT, CSRC, UNITS, build, module_name
 from tokenmill.kernels.isa import IsaLevel, best_level, get_level
 from tokenmill.paths import default_cache_dir
 
@@ -41,7 +41,7 @@ def build_dir(level: IsaLevel) -> Path:
     # changes to the .cpp files it is given, and a stale build must never be picked up.
     # Python's version too: the library is built against its headers.
     digest = hashlib.sha256(
-        " ".join([*level.flags, f"py{sys.version_info[0]}.{sys.version_info[1]}"]).encode()
+        " ".join([*level.flags, f"py{sys.version_info[0]}.{sys.version_info[1]}", repr(UNITS)]).encode()
     )
     for f in sorted(CSRC.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())

@@ -1,6 +1,8 @@
 // Python bindings of tokenmill's CPU kernels (one extension module, several sources). The one file that
-// includes <torch/extension.h> (pybind11 and torch's Python casters); the kernels include tensor.h.
-#include <torch/extension.h>
+// includes torch's Python side, and of it only pybind11 with torch's casters (Tensor, dtype) rather than
+// <torch/extension.h>, whose C++ frontend took ~100 s of a build to parse; the kernels include tensor.h.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <optional>
