@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from server_fixture import running_server
 
+from tokenmill.kernels.isa import best_level, is_x86
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -304,3 +306,12 @@ def test_second_ctrl_c_answers_requests_in_flight_and_exits() -> None:
     assert "shutting down" in completion.body["message"]
     assert isinstance(streamed, openai.APIError) and "shutting down" in streamed.message, streamed
     assert left_behind(proc.pid) == []
+
+
+@pytest.mark.skipif(not is_x86() or best_level() is None, reason="the kernels need an x86 CPU with AVX2")
+def test_kernels_builds_this_cpus_level_unless_told_all() -> None:
+    """`make run`'s set-up step: the best level this CPU runs, not every level (which took three times a
+    first start's build while the --all flag's name was shadowed by the function it names)."""
+    r = run("kernels")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("ready in") == 1 and f"CPU kernels ({best_level().name})" in r.stdout, r.stdout

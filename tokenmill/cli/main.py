@@ -76,7 +76,8 @@ def kernels(
 ) -> None:
     """Build (once per machine) and check tokenmill's C++ CPU kernels."""
     from tokenmill.kernels import build_dir, cpu_kernels, default_level
-    from tokenmill.kernels.isa import all_levels, cpu_summary
+    from tokenmill.kernels.isa import all_levels as every_level  # not the --all flag's name
+    from tokenmill.kernels.isa import cpu_summary
 
     console.print(f"CPU: {cpu_summary()}")
     try:
@@ -85,7 +86,7 @@ def kernels(
         err.print(f"[yellow]warning:[/yellow] {e}; the plain-PyTorch kernels will be used", highlight=False)
         return
     if all_levels:
-        levels += [lv for lv in all_levels() if lv.supported() and lv != levels[0]]
+        levels += [lv for lv in every_level() if lv.supported() and lv != levels[0]]
     for lv in levels:
         t0 = time.perf_counter()
         try:
