@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import session_processes
 from server_fixture import running_server
 
 from tokenmill.kernels.isa import best_level, is_x86
@@ -198,23 +199,6 @@ def test_missing_model_path_is_one_line_error(tmp_path: Path) -> None:
         r = run(*command, "--model", str(tmp_path / "no-such.gguf"))
         assert r.returncode == 2 and "nor an existing path" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
-def session_processes(sid: int) -> list[str]:
-    """The live processes of session `sid` (a server started in a session of its own), as "pid command"."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Fields after the command's closing parenthesis: state, ppid, pgrp, session, ...
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(f"{entry.name} {command}")
-    return found
 
 
 def left_behind(sid: int, timeout: float = 60.0) -> list[str]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import session_processes
 
 from tokenmill.kernels.build import CSRC, SOURCES, UNITS
 from tokenmill.kernels.isa import get_level, is_x86
@@ -34,21 +35,6 @@ def test_only_the_bindings_include_torchs_full_headers() -> None:
     python_side = sorted(name for name, text in texts.items() if "#include <torch/csrc/" in text)
     assert python_side == ["bindings.cpp"]
     assert {p.name for p in CSRC.glob("*.cpp")} == set(SOURCES)
-
-
-def _session(sid: int) -> list[int]:
-    """Live processes of session `sid` (the build child leads one: ninja and the compilers are in it)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-            pids.append(int(entry.name))
-    return pids
 
 
 def _build_child(folder: Path, timeout: float) -> int:
@@ -97,15 +83,15 @@ def test_a_killed_caller_takes_its_build_with_it(tmp_path: Path) -> None:
         said = "".join(lines)
         assert "building the CPU kernels (avx2)" in said, said
         assert f"/{len(UNITS)}] compiled" in said, said
-        assert len(_session(child)) > 1, "the compilers run in the build's session"
+        assert len(session_processes(child)) > 1, "the compilers run in the build's session"
         caller.kill()
         caller.wait()
         deadline = time.monotonic() + 20
-        while _session(child) and time.monotonic() < deadline:
+        while session_processes(child) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _session(child) == [], "compilers outlived the process that started them"
+        assert session_processes(child) == [], "compilers outlived the process that started them"
     finally:
         if caller.poll() is None:
             caller.kill()
-        for pid in _session(child) if "child" in locals() else []:
-            os.kill(pid, signal.SIGKILL)
+        for line in session_processes(child) if "child" in locals() else []:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
