@@ -2,8 +2,10 @@
 
 The fake server (tokenmill/bench/fake_server.py) runs in its own process and streams each request's
 first token X ms after it arrives, then one every Y ms, on an absolute schedule. The client adds a
-little of its own (HTTP handling on both sides, ~1-3 ms on this machine), so latencies are checked
-to within a few ms; intervals between chunks, which that overhead does not shift, more tightly.
+little of its own (HTTP handling on both sides: ~1-3 ms on an idle machine, p50 8 ms with the other
+core busy), so a latency is checked from below exactly (nothing arrives before its schedule) and from
+above within less than one inter-token interval, which still catches a metric that is off by a chunk;
+intervals between chunks, which that overhead does not shift, more tightly.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from tokenmill.bench.stats import parse_slos
 from tokenmill.bench.workload import WorkloadConfig
 from tokenmill.cli.main import app
 
-FIRST_MS, ITL_MS, OSL = 80.0, 15.0, 8
-OVERHEAD_MS = 8.0  # allowed client + server overhead on top of a known latency
+FIRST_MS, ITL_MS, OSL = 120.0, 30.0, 8
+OVERHEAD_MS = 20.0  # allowed client + server overhead on top of a known latency: less than ITL_MS
 
 
 @contextmanager
