@@ -185,8 +185,17 @@ def test_tensor_parallel_qwen2_with_biases_against_transformers(tp: int, tmp_pat
 @pytest.mark.slow
 def test_int8_pipeline_stages_are_smoothed_as_one_process(tmp_path: Path) -> None:
     """int8's smoothing across two pipeline stages: the second stage calibrates on the first's output,
-    so the stages answer as one smoothed process does, bit for bit (an empty cache: both measure)."""
-    opts = dict(quantization="int8", max_model_len=512, max_num_batched_tokens=32, cache_dir=str(tmp_path))
+    so the stages answer as one smoothed process does, bit for bit (an empty cache: both measure). On
+    one thread each: a matmul's sums are ordered by how its threads split it, so one process on two
+    threads (a stage gets one core of two) measures maxima a few bf16 ulps apart, and answers apart."""
+    opts = dict(
+        quantization="int8",
+        max_model_len=512,
+        max_num_batched_tokens=32,
+        cache_dir=str(tmp_path),
+        num_threads=1,
+        adaptive_threads=False,
+    )
     results, labels = [], []
     for pp in (1, 2):
         llm = LLM(**opts, pipeline_parallel_size=pp)
