@@ -74,6 +74,12 @@ def test_stop_token_ids_and_min_tokens(llm_bf16: LLM) -> None:
     first = ids.index(ids[3])
     assert out[0].outputs[0].token_ids == ids[: first + 1]
     assert out[0].outputs[0].stop_reason == ids[3]
+    # The stop token's text is not in the output (as vLLM), unless asked for.
+    tok = llm_bf16.tokenizer
+    assert out[0].outputs[0].text == tok.decode(ids[:first], skip_special_tokens=True)
+    p = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]], include_stop_str_in_output=True)
+    kept = llm_bf16.generate("Once upon a time", p)[0].outputs[0]
+    assert kept.text == tok.decode(ids[: first + 1], skip_special_tokens=True)
     # min_tokens: the stop token cannot end the sequence before 8 tokens.
     p = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]], min_tokens=8)
     assert len(llm_bf16.generate("Once upon a time", p)[0].outputs[0].token_ids) >= 8

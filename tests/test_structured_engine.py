@@ -130,8 +130,10 @@ def test_sampled_outputs_are_complete_or_cut_by_max_tokens(llm):
     extras: list[dict] = [{}] * 24
     extras += [{"stop": [",", '"'], "stop_token_ids": between}] * 12
     extras += [{"min_tokens": 150}] * 12
+    # Both: a complete document then allows only its end, and a stop id's text must not follow it.
+    extras += [{"stop_token_ids": between, "min_tokens": 150, "temperature": 1.0}] * 24
     params = [
-        SamplingParams(temperature=0.7, max_tokens=200, seed=seed, structured=spec, **extra)
+        SamplingParams(**{"temperature": 0.7, "max_tokens": 200, "seed": seed, "structured": spec, **extra})
         for seed, extra in enumerate(extras)
     ]
     chat = [{"role": "user", "content": "List a few fruits as a JSON array of strings."}]

@@ -52,7 +52,12 @@ class SequenceState:
         m.num_preemptions = out.num_preemptions
         self.num_cached_tokens = out.num_cached_tokens
         prev_len = len(self.text)
-        self.text += self.detok.add_tokens(out.new_token_ids)
+        shown = out.new_token_ids
+        if out.stop_token is not None and not self.params.include_stop_str_in_output:
+            # Ended by EOS or one of its stop_token_ids: the token stays in token_ids, its text does not
+            # join the output (as vLLM does), or ` "` ending a JSON document would follow the document.
+            shown = shown[:-1]
+        self.text += self.detok.add_tokens(shown)
         if out.finish_reason is not None:
             # No more tokens will come: release text held back for an incomplete character.
             self.text += self.detok.flush()
