@@ -97,6 +97,45 @@ def test_n_sequences_and_seeds(llm_bf16: LLM) -> None:
     assert [o.text for o in b.outputs] == texts
 
 
+def test_seeded_tokens_depend_only_on_seed_and_position(llm_fp32: LLM) -> None:
+    """float32, temperature 1, several prompts and seeds: a seeded request's tokens are the same with its
+    prompt's prefix cached or not, alone or in a batch, and with speculative decoding, whose drafts (with
+    the suffix proposer, taken from earlier requests' outputs too) change how many tokens each step
+    verifies. The logits of those passes differ in their last bits, which moves a seeded draw only when
+    its two best scores are that close (worker/sampler.py)."""
+    base = "A quiet forest where a fox, an owl and a bear tell each other stories every night. " * 2
+    prompts = [base + t for t in ("The fox said", "The owl asked the bear", "Then the rain came and")]
+    seeds = [1, 2]
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=24, seed=seed, ignore_eos=True)
+
+    def alone(llm: LLM, prompt: str, seed: int, cached: bool) -> list[int]:
+        if not cached:
+            llm.engine.kv.pool.reset_prefix_cache()
+        out = llm.generate(prompt, params(seed))[0]
+        assert (out.num_cached_tokens > 0) == cached
+        return out.outputs[0].token_ids
+
+    cold = {(q, s): alone(llm_fp32, q, s, cached=False) for s in seeds for q in prompts}
+    spec = LLM(
+        dtype="float32",
+        max_model_len=1024,
+        num_blocks=64,
+        speculative_config={"method": "suffix", "num_speculative_tokens": 5},
+    )
+    try:
+        for llm in (llm_fp32, spec):
+            for (q, s), want in cold.items():
+                assert alone(llm, q, s, cached=False) == want, ("cold", q, s)
+                assert alone(llm, q, s, cached=True) == want, ("cached", q, s)
+            batch = llm.generate([q for q, _ in cold], [params(s) for _, s in cold])
+            assert [o.outputs[0].token_ids for o in batch] == list(cold.values())
+        assert spec.engine.stats().spec_num_accepted_tokens > 0, "no draft was accepted: nothing was tested"
+    finally:
+        spec.close()
+
+
 def test_n_sequences_share_the_prompt_blocks(llm_bf16: LLM) -> None:
     kv = llm_bf16.engine.kv
     prompt = llm_bf16.tokenizer.encode("A long prompt whose blocks the sequences share. " * 8)

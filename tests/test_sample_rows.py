@@ -93,7 +93,7 @@ def test_rows_that_are_no_distribution(sample_rows) -> None:
 def _req(rid: str, seed: int | None, temperature: float) -> CachedRequestState:
     p = SamplingParams(temperature=temperature, seed=seed)
     new = NewRequestData(rid, [0], [], p, [], [], 0)
-    return CachedRequestState(new, None if seed is None else torch.Generator().manual_seed(seed))
+    return CachedRequestState(new)
 
 
 @pytest.mark.parametrize("level", level_names())

@@ -36,9 +36,7 @@ def make_req(
 ) -> Request:
     """A request with the given sampling params, prompt and already generated tokens."""
     p = SamplingParams(**params)
-    new = NewRequestData(rid, list(prompt), list(output), p, list(eos), [], 0)
-    # As the worker keeps it: a seeded request draws from its own generator.
-    return Request(new, None if p.seed is None else torch.Generator().manual_seed(p.seed))
+    return Request(NewRequestData(rid, list(prompt), list(output), p, list(eos), [], 0))
 
 
 def greedy(**params) -> Request:
@@ -207,9 +205,40 @@ def test_seeded_request_sampling_distribution():
     expected = [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38]
     s = Sampler()
     logits = rows(log_p(P3))
-    tokens = [s(logits, [req]).token_ids[0] for _ in range(2000)]
+    tokens = []
+    for _ in range(2000):  # one draw per output position, as the worker appends each token
+        tokens.append(s(logits, [req]).token_ids[0])
+        req.all_token_ids.append(tokens[-1])
     freqs = [tokens.count(t) / 2000 for t in range(3)]
     assert freqs == pytest.approx(expected, abs=0.035)
+
+
+def test_seeded_noise_is_exponential_and_a_function_of_seed_and_position():
+    from scipy import stats
+
+    from tokenmill.worker.sampler import seeded_exponentials
+
+    seeds, positions = (0, 1, -5, 2**63 - 1), (0, 1, 99)
+    e = torch.cat([seeded_exponentials(seed, pos, 2000) for seed in seeds for pos in positions])
+    assert bool((e > 0).all())
+    assert stats.kstest(e.numpy(), "expon").pvalue > 1e-4  # a false alarm once in 10^4 runs
+    same = seeded_exponentials(7, 3, 50)
+    assert torch.equal(same, seeded_exponentials(7, 3, 50))
+    assert not torch.equal(same, seeded_exponentials(7, 4, 50))
+    assert not torch.equal(same, seeded_exponentials(8, 3, 50))
+
+
+def test_seeded_draws_survive_logits_rounded_differently():
+    """What prefix caching does to a float32 request: logits a few ulps apart. A seeded draw moves only
+    when the two best scores of its race swap (none in these 1000 draws); a draw at one uniform number
+    against the cumulative sum over the vocabulary (the unseeded way) moved 9 of them."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, 49152) * 2.0  # a long tail, and 50 tokens well above it
+    x[:, :50] += torch.randn(1000, 50) * 3 + 6
+    y = x + torch.randn_like(x) * 1e-5
+    reqs = [make_req(f"r{i}", seed=i, temperature=1.0) for i in range(1000)]
+    a, b = Sampler()(x, reqs).token_ids, Sampler()(y, reqs).token_ids
+    assert a == b
 
 
 def test_seeded_request_is_reproducible_regardless_of_the_batch():
@@ -220,7 +249,10 @@ def test_seeded_request_is_reproducible_regardless_of_the_batch():
 
     alone_req = make_req("s", **params)
     alone_sampler = Sampler(seed=0)
-    alone = [alone_sampler(own[i : i + 1], [alone_req]).token_ids[0] for i in range(6)]
+    alone = []
+    for i in range(6):
+        alone.append(alone_sampler(own[i : i + 1], [alone_req]).token_ids[0])
+        alone_req.all_token_ids.append(alone[-1])
 
     mixed_req = make_req("s", **params)
     batch = [make_req("u"), make_req("t", seed=7), mixed_req, make_req("k", top_k=5, top_p=0.9)]
@@ -229,10 +261,34 @@ def test_seeded_request_is_reproducible_regardless_of_the_batch():
     for i in range(6):
         logits = torch.cat([others[i, :2], own[i : i + 1], others[i, 2:]])
         mixed.append(mixed_sampler(logits, batch).token_ids[2])
+        mixed_req.all_token_ids.append(mixed[-1])
     assert mixed == alone
     # And a different seed gives a different sequence (30 tokens, 6 draws: a clash is very unlikely).
     other_req = make_req("s2", seed=4321, temperature=0.9)
-    assert [Sampler()(own[i : i + 1], [other_req]).token_ids[0] for i in range(6)] != alone
+    other = []
+    for i in range(6):
+        other.append(Sampler()(own[i : i + 1], [other_req]).token_ids[0])
+        other_req.all_token_ids.append(other[-1])
+    assert other != alone
+
+
+def test_seeded_tokens_are_the_same_with_drafts():
+    """A seeded request verifying drafts emits the very tokens it draws one position at a time: kept
+    drafts where they equal those, then the draw at the first mismatch, for either kind of row."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, 40) * 0.5  # flat: a draft is often wrong, so both outcomes come up
+    for params in ({"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20}):
+        for seed in range(20):
+            req = make_req(output=(3, 1), seed=seed, **params)
+            one = []
+            for i in range(5):
+                one.append(Sampler()(logits[i : i + 1], [req]).token_ids[0])
+                req.all_token_ids.append(one[-1])
+            del req.all_token_ids[-5:]
+            for wrong in range(5):  # drafts right up to position `wrong`, then one that is not
+                draft = [*one[:wrong], (one[wrong] + 1) % 40][:4]
+                got = sampler_module.Sampler()(logits[: len(draft) + 1], [req], [draft]).token_ids[0]
+                assert got == one[: len(got)] and len(got) == min(wrong, 4) + 1
 
 
 def test_unseeded_requests_follow_the_engine_seed():
@@ -347,7 +403,7 @@ def test_the_draw_never_picks_a_token_without_mass():
     from tokenmill.worker.sampler import _inverse_cdf
 
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]]).repeat(5000, 1)
-    drawn = _inverse_cdf(probs, torch.Generator().manual_seed(0))
+    drawn = _inverse_cdf(probs, 1 - torch.rand(len(probs), generator=torch.Generator().manual_seed(0)))
     assert set(drawn[0::2].tolist()) == {1, 3} and set(drawn[1::2].tolist()) == {4}
     share = (drawn[0::2] == 1).float().mean().item()
     assert abs(share - 0.5) < 0.03  # sd 0.007 at 5000 draws

@@ -126,9 +126,7 @@ def test_a_draft_with_another_vocabulary_is_refused(model_path):
 
 
 def _state(rid: str, **params) -> CachedRequestState:
-    p = SamplingParams(**params)
-    gen = None if p.seed is None else torch.Generator().manual_seed(p.seed)
-    return CachedRequestState(NewRequestData(rid, [0], [], p, [], [], 0), gen)
+    return CachedRequestState(NewRequestData(rid, [0], [], SamplingParams(**params), [], [], 0))
 
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch():

@@ -46,8 +46,6 @@ class ModelRunner:
         self.backend: AttentionBackend = get_backend(backend, device.type, kv_spec.kv_format)
         self.sampler = Sampler(seed, ops=model.ops)
         self.requests: dict[str, CachedRequestState] = {}
-        # Kept across preemptions, so a seeded request's draws continue where they stopped.
-        self.generators: dict[str, torch.Generator] = {}
         # Given when it must live somewhere particular (shared memory that KV transfer peers map).
         self.kv_caches = (
             kv_caches
@@ -72,7 +70,6 @@ class ModelRunner:
                 self.grammars.forget(out.finished_req_ids)
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
-            self.generators.pop(rid, None)
         if out.preempted_req_ids:
             if self.speculator is not None:
                 self.speculator.forget(out.preempted_req_ids, None)
@@ -81,11 +78,7 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in out.new_requests:
-            gen = self.generators.get(new.request_id)
-            if gen is None and new.sampling_params.seed is not None:
-                gen = torch.Generator().manual_seed(new.sampling_params.seed)
-                self.generators[new.request_id] = gen
-            st = self.requests[new.request_id] = CachedRequestState(new, gen)
+            st = self.requests[new.request_id] = CachedRequestState(new)
             if self.grammars is not None:
                 self.grammars.add(st)
         for run in out.running_requests:

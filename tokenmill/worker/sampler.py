@@ -1,16 +1,24 @@
 """Turn a step's logits into next tokens, request by request, in one batch; verify speculative drafts.
 
 Order of operations: grammar mask, logit bias, min_tokens (EOS and stop ids masked, unless a grammar
-allows nothing else), repetition / presence / frequency
-penalties, then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Requests with a seed
-draw from their own generator, so their output does not depend on what else is in the batch.
-Logprobs are those of the model's raw distribution (before any of the above), as in vLLM.
+allows nothing else), repetition / presence / frequency penalties, then greedy argmax, or temperature,
+top-k, top-p, min-p and a draw. Logprobs are those of the model's raw distribution (before any of the
+above), as in vLLM.
 
-Drafts (speculative decoding) are verified against the distribution the request would sample from at
-each position: greedy requests keep drafts while they equal the argmax and then take the argmax;
-random ones accept draft x with probability p(x) and, at the first rejection, draw from p without x,
-or draw one more token from the position after the last draft when all were accepted. Either way the
-output is distributed exactly as token-by-token sampling from p (Leviathan et al. 2023, with q = 1).
+A seeded request draws by an exponential race on noise that depends only on its seed and the output
+position being drawn (`Sampler._race`), so its tokens depend on its seed, its position and its logits
+only: not on the rest of the batch, the step, preemption, prefix caching or speculation, and a rounding
+change in the logits moves a draw as rarely as it moves a greedy one. (A stateful generator per request
+drew once per verification step plus once per draft, so a request's tokens changed with the drafts it
+was offered.) Unseeded rows draw at one uniform number each from the sampler's generator: the first
+token whose cumulative probability reaches it, in one fused pass per row.
+
+Drafts (speculative decoding) are verified by drawing at every position what the request would draw
+there without drafts, and keeping drafts while they equal the draw; the draw at the first mismatch (or
+after the last draft) is the request's own next token. A draft x is so kept with probability p(x), and
+at a mismatch the token is distributed as p without x: rejection sampling with q = 1 (Leviathan et al.
+2023), so the output is distributed exactly as token-by-token sampling, and for a seeded request it is
+the very tokens token-by-token sampling gives (up to the logits' rounding in the verifying pass).
 """
 
 from __future__ import annotations
@@ -47,7 +55,6 @@ class _DraftRow:
         "_prefix",
         "_state",
         "eos_token_ids",
-        "generator",
         "num_output_tokens",
         "params",
         "request_id",
@@ -58,7 +65,6 @@ class _DraftRow:
         self.request_id = st.request_id
         self.params = st.params
         self.eos_token_ids = st.eos_token_ids
-        self.generator = st.generator
         self.num_output_tokens = st.num_output_tokens + len(prefix)
 
     @property
@@ -76,7 +82,7 @@ Row = CachedRequestState | _DraftRow
 class Sampler:
     def __init__(self, seed: int = 0, ops: TorchOps | None = None) -> None:
         """`ops`: whose `sample_rows` draws plain temperature samples and `argmax_rows` greedy ones (the
-        model's: fused C++ on a CPU)."""
+        model's: fused C++ on a CPU). `seed`: the generator of unseeded requests' draws."""
         self.generator = torch.Generator().manual_seed(seed)
         self.ops = ops or TorchOps()
 
@@ -141,53 +147,22 @@ class Sampler:
         if not plain:  # `plain` already found that no row edits its logits
             logits = self._apply_penalties(masked, rows, owned=masked is not raw or not keep_raw)
 
-        targets = torch.empty(len(rows), dtype=torch.long)
+        targets = [0] * len(rows)  # each row's draw: what the request takes at that position
         greedy_rows = [j for j, r in enumerate(rows) if r.params.greedy]
         if greedy_rows:
-            if len(greedy_rows) == len(rows):
-                targets = self.ops.argmax_rows(logits)
-            else:
-                targets[greedy_rows] = self.ops.argmax_rows(logits[greedy_rows])
-        target_list = targets.tolist()
+            whole = len(greedy_rows) == len(rows)
+            best = self.ops.argmax_rows(logits if whole else logits[greedy_rows]).tolist()
+            for j, t in zip(greedy_rows, best, strict=True):
+                targets[j] = t
         rand_rows = [j for j, r in enumerate(rows) if not r.params.greedy]
-        if not any(drafts) and not any(_truncates(rows[j].params) for j in rand_rows):
-            # Plain temperature sampling (the usual case): one fused pass per row, no probs tensor.
-            out = [[t] for t in target_list]
-            if rand_rows:
-                self._draw_plain(logits, rand_rows, reqs, out)
-            return SampleResult(out, self._logprobs(raw, reqs, first, out))
-        # All rows random (the usual case): the logits themselves, not a 6 MB copy of them.
-        picked = logits if len(rand_rows) == len(rows) else logits[rand_rows]
-        probs = self._probs(picked, [rows[j] for j in rand_rows]) if rand_rows else None
-        prob_row = {j: n for n, j in enumerate(rand_rows)}
-
+        if rand_rows:
+            self._draw(logits, rows, rand_rows, targets)
         out: list[list[int]] = []
-        draws: list[tuple[int, int, torch.Tensor]] = []  # (request, emitted slot, distribution) to draw
-        for i, r in enumerate(reqs):
-            d, f = drafts[i], first[i]
-            if r.params.greedy:
-                a = 0
-                while a < len(d) and d[a] == target_list[f + a]:
-                    a += 1
-                out.append([*d[:a], target_list[f + a]])
-                continue
-            assert probs is not None
+        for d, f in zip(drafts, first, strict=True):
             a = 0
-            if d:
-                # Accept draft x with probability p(x): the drafts carry no distribution (q = 1).
-                u = torch.rand(len(d), generator=r.generator or self.generator)
-                p_draft = probs[[prob_row[f + j] for j in range(len(d))], d]
-                while a < len(d) and bool(u[a] < p_draft[a]):
-                    a += 1
-            dist = probs[prob_row[f + a]]
-            if a < len(d):  # rejected: draw from p without the rejected token (the residual)
-                dist = dist.clone()
-                dist[d[a]] = 0.0
-                if not bool(dist.sum() > 0):
-                    dist = probs[prob_row[f + a]]  # p was all on the rejected token (u >= 1 is impossible)
-            out.append([*d[:a], -1])
-            draws.append((i, a, dist))
-        self._draw(draws, reqs, out)
+            while a < len(d) and d[a] == targets[f + a]:
+                a += 1
+            out.append([*d[:a], targets[f + a]])
         return SampleResult(out, self._logprobs(raw, reqs, first, out))
 
     @staticmethod
@@ -217,48 +192,67 @@ class Sampler:
                 logprobs[i] = entries
         return logprobs
 
-    def _draw_plain(
-        self, logits: torch.Tensor, rand_rows: list[int], reqs: list[CachedRequestState], out: list[list[int]]
-    ) -> None:
-        """The random rows' tokens at their temperatures, one row per request (no drafts): u from
-        each seeded request's generator, the others' in one batch from the sampler's, consumed as
-        _inverse_cdf consumes them (one number per draw)."""
-        u = torch.empty(len(rand_rows))
-        unseeded = []
-        for n, j in enumerate(rand_rows):
-            g = reqs[j].generator
-            if g is not None:
-                u[n] = 1 - torch.rand(1, generator=g)
-            else:
-                unseeded.append(n)
-        if unseeded:
-            u[unseeded] = 1 - torch.rand(len(unseeded), generator=self.generator)
-        temps = torch.tensor([reqs[j].params.temperature for j in rand_rows], dtype=torch.float32)
-        picked = logits if len(rand_rows) == logits.shape[0] else logits[rand_rows]
-        drawn = self.ops.sample_rows(picked, temps, u).tolist()
-        for n, (j, t) in enumerate(zip(rand_rows, drawn, strict=True)):
-            if t < 0:
-                # No distribution (logits overflowed, or every token ruled out): the argmax, as _probs
-                # does for such rows.
-                t = int(picked[n].float().nan_to_num(nan=-torch.inf).argmax())
-            out[j][0] = t
+    def _draw(self, logits: torch.Tensor, rows: list[Row], rand_rows: list[int], targets: list[int]) -> None:
+        """The random rows' tokens into `targets`: seeded rows by a race on their own noise (`_race`), the
+        others at one uniform number each from the sampler's generator: rows without top-k/p/min-p by the
+        fused kernel (one pass per row, no probs tensor), the rest from their cut distribution."""
+        seeded = [j for j in rand_rows if rows[j].params.seed is not None]
+        if seeded:
+            self._race(logits, rows, seeded, targets)
+        unseeded = [j for j in rand_rows if rows[j].params.seed is None]
+        if not unseeded:
+            return
+        u = 1 - torch.rand(len(unseeded), generator=self.generator)  # in (0, 1]
+        fused = [n for n, j in enumerate(unseeded) if not _truncates(rows[j].params)]
+        cut = [n for n, j in enumerate(unseeded) if _truncates(rows[j].params)]
+        if fused:
+            ids = [unseeded[n] for n in fused]
+            # All rows random and plain (the usual case): the logits themselves, not a 6 MB copy.
+            picked = logits if len(ids) == logits.shape[0] else logits[ids]
+            temps = torch.tensor([rows[j].params.temperature for j in ids], dtype=torch.float32)
+            drawn = self.ops.sample_rows(picked, temps, u[fused]).tolist()
+            for n, (j, t) in enumerate(zip(ids, drawn, strict=True)):
+                if t < 0:
+                    # No distribution (logits overflowed, or every token ruled out): the argmax, as
+                    # _probs does for such rows.
+                    t = int(picked[n].float().nan_to_num(nan=-torch.inf).argmax())
+                targets[j] = t
+        if cut:
+            ids = [unseeded[n] for n in cut]
+            probs = self._probs(logits[ids].float(), [rows[j] for j in ids])
+            for j, t in zip(ids, _inverse_cdf(probs, u[cut]).tolist(), strict=True):
+                targets[j] = t
 
-    def _draw(
-        self, draws: list[tuple[int, int, torch.Tensor]], reqs: list[CachedRequestState], out: list[list[int]]
-    ) -> None:
-        """The sampled token of each random request: seeded requests from their own generator, the
-        others in one batched draw from the sampler's."""
-        unseeded = []
-        for i, a, dist in draws:
-            g = reqs[i].generator
-            if g is not None:
-                out[i][a] = int(_inverse_cdf(dist.unsqueeze(0), g)[0])
+    def _race(self, logits: torch.Tensor, rows: list[Row], seeded: list[int], targets: list[int]) -> None:
+        """Seeded rows: the token with the largest log p_i - log E_i, where E_i ~ Exp(1) is drawn for
+        token i from the request's seed and output position alone (`seeded_exponentials`). That is a
+        draw from p (the exponential race; torch.multinomial and vLLM's sampler use it too), and it moves
+        only when a rounding change in the logits reorders the two best scores: as rare as a greedy
+        near-tie. A draw at one uniform number against the cumulative sum (the unseeded rows' way) moves
+        whenever the sum over the 49k tokens before it rounds differently: 0.5% of draws for logits 1e-6
+        apart in float32. The price: ~0.6 ms of noise per seeded row and step (49k tokens)."""
+        plain = [j for j in seeded if not _truncates(rows[j].params)]
+        cut = [j for j in seeded if _truncates(rows[j].params)]
+        vocab = logits.shape[-1]
+        for group in (plain, cut):
+            if not group:
+                continue
+            x = logits[group].float()
+            if group is cut:
+                score = self._probs(x, [rows[j] for j in group]).log()  # cut tokens: -inf, never drawn
             else:
-                unseeded.append((i, a, dist))
-        if unseeded:
-            drawn = _inverse_cdf(torch.stack([d for _, _, d in unseeded]), self.generator)
-            for (i, a, _), t in zip(unseeded, drawn.tolist(), strict=True):
-                out[i][a] = t
+                temps = torch.tensor([rows[j].params.temperature for j in group], dtype=torch.float32)
+                score = x / temps.unsqueeze(1)
+            noise = torch.stack(
+                [seeded_exponentials(rows[j].params.seed, rows[j].num_output_tokens, vocab) for j in group]
+            )
+            score = score.double() - noise.to(score.device).log()
+            best = score.nan_to_num(nan=-torch.inf).max(dim=-1)
+            for n, (j, t) in enumerate(zip(group, best.indices.tolist(), strict=True)):
+                if not bool(torch.isfinite(best.values[n])):
+                    # No distribution (logits overflowed, or every token ruled out): the argmax.
+                    t = int(x[n].nan_to_num(nan=-torch.inf).argmax())
+                targets[j] = t
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, reqs: list[Row], owned: bool = False) -> torch.Tensor:
@@ -348,17 +342,36 @@ class Sampler:
         return probs
 
 
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` [R, V] (rows need not sum to 1), drawn by inverting the row's
-    cumulative sum at one uniform number: one random number per row. torch.multinomial draws one
-    exponential per vocabulary entry instead, which took 46 ms for 32 rows of 49k (1.2 ms this way)
-    and was half of a served step at temperature 1. u lies in (0, total], so the first index whose
-    cumulative mass reaches it always has mass of its own (a zero-probability token is never drawn)."""
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers whose outputs pass BigCrush."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_exponentials(seed: int, position: int, n: int) -> torch.Tensor:
+    """n Exp(1) numbers (float64) for the draw of output token `position` (0-based) of a request with
+    `seed`: a function of the three only, whatever else the engine does (the same on every CPU). From a
+    generator seeded by a hash of seed and position; float64 so that the smallest numbers, which decide
+    draws of unlikely tokens, are not rounded to a few values; never 0 (its log would be -inf)."""
+    g = torch.Generator().manual_seed(_mix64(_mix64(seed & _MASK64) ^ position) >> 1)
+    # -log(1 - u) rather than exponential_(), which took 1.9 ms for 49k numbers against 0.7 ms this way.
+    u = torch.rand(n, dtype=torch.float64, generator=g)
+    return torch.log1p(u.neg_()).neg_().clamp_(min=2.0**-60)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [R, V] (rows need not sum to 1): the first whose cumulative mass
+    reaches u[r] in (0, 1] times the row's total. torch.multinomial draws one exponential per vocabulary
+    entry instead, which took 46 ms for 32 rows of 49k (1.2 ms this way). u > 0, so the token found
+    always has mass of its own (a zero-probability token is never drawn)."""
     cdf = probs.cumsum(dim=-1)
-    u = (1 - torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)) * cdf[
-        :, -1:
-    ]
-    return torch.searchsorted(cdf, u)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    target = u.to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def _banned(r: Row) -> set[int]:

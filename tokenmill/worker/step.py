@@ -4,7 +4,7 @@
 This is the line between the engine core, which decides what runs, and the workers, which run it. No
 live object crosses it: only ids, token ids, block ids and sampling parameters, so a step can go to a
 worker in another process (or, later, on another host) as it is. Running requests travel as diffs:
-the worker keeps what it was told before (tokens, block table, random generator) until the request
+the worker keeps what it was told before (tokens, block table) until the request
 is preempted or finished.
 """
 
@@ -55,8 +55,8 @@ class SchedulerOutput:
     # Draft tokens to verify per request (speculative decoding): they follow the request's known tokens
     # and are counted in its num_scheduled_tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # The workers drop these requests' state: preempted ones keep only their random generator (their
-    # draws continue where they stopped); finished ones are forgotten.
+    # The workers drop these requests' state (a preempted one comes back as a new request with its output
+    # so far; a seeded one's draws depend only on its seed and output position, so they carry on).
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     # Opaque to the engine loop: metadata for a KV connector (offload, prefill/decode transfer).
