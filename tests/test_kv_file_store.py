@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -192,6 +193,137 @@ def test_file_renamed_to_other_key_rejected(tmp_path: Path) -> None:
     os.rename(store.path(a), store.path(b))
     assert store.get(b) is None and store.corrupt == 1 and not store.path(b).exists()
     assert store.get(a) is None and store.misses == 1 and len(store) == 0 and store.used_bytes == 0
+
+
+def block_payload(data: bytes) -> bytes:
+    """The payload of a block file (format 1 or 2), read as anyone can: the header is in the clear."""
+    prefix = 14 if struct.unpack_from("<H", data, 4)[0] == 1 else 30  # magic, version, digest(s)
+    (key_len,) = struct.unpack_from("<H", data, prefix)
+    (length,) = struct.unpack_from("<Q", data, prefix + 2 + key_len)
+    return data[len(data) - length :]
+
+
+def forge_block_file(template: bytes, key: bytes, payload: bytes) -> bytes:
+    """What a writer of the directory who holds no key can make of a valid file: its header labelled for
+    `key`, its payload replaced, and the checksum recomputed as a plain hash (format 1: BLAKE2b of the
+    payload, which format 1 accepted; format 2: SHA-256 where the HMAC goes)."""
+    version = struct.unpack_from("<H", template, 4)[0]
+    prefix = 14 if version == 1 else 30
+    signed = template[:prefix] + struct.pack("<H", len(key)) + key + struct.pack("<Q", len(payload))
+    if version == 1:
+        return signed + hashlib.blake2b(payload, digest_size=16).digest() + payload
+    return signed + hashlib.sha256(signed + payload).digest() + payload
+
+
+def test_forged_block_with_a_plain_checksum_is_refused(tmp_path: Path) -> None:
+    store = FileStore(tmp_path, NS)
+    k = key_of(1)
+    store.put(k, payload_of(1))
+    path = store.path(k)
+    assert block_payload(path.read_bytes()) == payload_of(1)
+    path.write_bytes(forge_block_file(path.read_bytes(), k, payload_of(2)))
+    assert store.get(k) is None and store.corrupt == 1 and not path.exists()
+    assert store.put(k, payload_of(1)) and store.get(k) == payload_of(1)
+
+
+def test_block_relabelled_for_another_key_is_refused(tmp_path: Path) -> None:
+    # A's valid file copied to B's name, its header's key rewritten to B's (the checksum recomputed).
+    store = FileStore(tmp_path, NS)
+    a, b = key_of(1), key_of(2)
+    store.put(a, payload_of(1))
+    store.path(b).parent.mkdir(parents=True, exist_ok=True)
+    store.path(b).write_bytes(forge_block_file(store.path(a).read_bytes(), b, payload_of(1)))
+    assert store.get(b) is None and store.corrupt == 1 and not store.path(b).exists()
+    # and copied as it is
+    shutil.copy(store.path(a), store.path(b))
+    assert store.get(b) is None and store.corrupt == 2
+    assert store.get(a) == payload_of(1)
+
+
+def _get_within(store: FileStore, key: bytes, release: Path | None = None) -> list[bytes | None]:
+    """store.get(key) on a thread, given 60 s (a hang guard, not a timing); a FIFO left in the way
+    is opened for writing afterwards so that a reader blocked on it ends."""
+    got: list[bytes | None] = []
+    t = threading.Thread(target=lambda: got.append(store.get(key)), daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive() and release is not None:
+        with contextlib.suppress(OSError):
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("get() blocked on a FIFO in a block file's place")
+    assert not t.is_alive()
+    return got
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_only_regular_files_are_opened(tmp_path: Path, kind: str) -> None:
+    store = FileStore(tmp_path / "store", NS)
+    k = key_of(1)
+    store.put(k, payload_of(1))
+    path = store.path(k)
+    elsewhere = tmp_path / "elsewhere.kvb"
+    os.rename(path, elsewhere)  # a valid block file, outside the store
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        path.symlink_to(elsewhere)
+    else:
+        path.mkdir()
+    assert _get_within(store, k, release=path if kind == "fifo" else None) == [None]
+    assert store.corrupt == 1
+    assert elsewhere.read_bytes()  # what a symlink pointed to is left alone
+    if kind != "directory":
+        assert not os.path.lexists(path)  # removed: the block can be written again
+    # A put replaces whatever is in the block's place with a regular file, when it can.
+    if kind == "fifo":
+        os.mkfifo(path)
+    if kind != "directory":
+        assert store.put(k, payload_of(1)) and store.get(k) == payload_of(1)
+
+
+def test_stores_with_different_secrets_refuse_each_others_blocks(tmp_path: Path) -> None:
+    # Two workers of a shared directory configured with different keys (two deployments, or a forger).
+    mine = FileStore(tmp_path, NS, secret=b"deployment-key-one-0123456789")
+    theirs = FileStore(tmp_path, NS, secret=b"deployment-key-two-0123456789")
+    k = key_of(1)
+    theirs.put(k, payload_of(1))
+    assert mine.get(k) is None and mine.corrupt == 1
+    mine.put(k, payload_of(1))
+    assert theirs.get(k) is None and theirs.corrupt == 1
+    again = FileStore(tmp_path, NS, secret=b"deployment-key-two-0123456789")
+    again.put(k, payload_of(1))
+    assert theirs.get(k) == payload_of(1)  # the same key reads what another store wrote
+    with pytest.raises(ValueError, match="bytes"):
+        FileStore(tmp_path, NS, secret=b"short")
+
+
+def test_a_file_of_another_layout_is_refused(tmp_path: Path) -> None:
+    f32 = FileStore(tmp_path, NS, layout="torch.float32|30x2x16x3x64|368640")
+    bf16 = FileStore(tmp_path, NS, layout="torch.bfloat16|30x2x16x3x128|368640")
+    k = key_of(1)
+    f32.put(k, payload_of(1))
+    assert bf16.get(k) is None and bf16.corrupt == 1
+
+
+def test_a_private_directorys_key_file(tmp_path: Path) -> None:
+    store = FileStore(tmp_path, NS)
+    key_file = tmp_path / ".tokenmill-kv-key"
+    st = key_file.stat()
+    assert st.st_mode & 0o777 == 0o600 and st.st_size == 32
+    k = key_of(1)
+    store.put(k, payload_of(1))
+    assert FileStore(tmp_path, NS).get(k) == payload_of(1)  # a restart reads its blocks: the key is kept
+    os.chmod(key_file, 0o644)
+    with pytest.raises(ValueError, match="0600"):
+        FileStore(tmp_path, NS)
+    key_file.unlink()
+    os.symlink(tmp_path / "anything", key_file)
+    with pytest.raises(ValueError, match="not a regular file"):
+        FileStore(tmp_path, NS)
+    key_file.unlink()
+    assert FileStore(tmp_path, NS).get(k) is None  # a new key: the old blocks are refused
+    assert not list(tmp_path.glob(".tokenmill-kv-key.*"))
 
 
 def test_discard(tmp_path: Path) -> None:

@@ -9,10 +9,14 @@ without a model.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
+from test_kv_file_store import block_payload, forge_block_file
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import KVOffloadConfig
@@ -48,6 +52,7 @@ WORDS = [
 PROMPTS = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(220)) + f" story {i}:" for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 SMALL_POOL = {"dtype": "float32", "max_model_len": 512, "num_blocks": 40}
+SHARED_KEY = "TOKENMILL_KV_SHARED_KEY"
 
 
 # -- configuration -----------------------------------------------------------------------------------
@@ -184,8 +189,9 @@ def _rounds(llm: LLM, rounds: int = 2) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("tiers", ["host", "disk", "shared", "host+disk+shared"])
 def test_greedy_output_is_identical_when_blocks_come_back_from_a_tier(
-    tiers: str, reference: list[list[int]], tmp_path: Path
+    tiers: str, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(SHARED_KEY, "a-test-deployment-secret")
     spec = {
         "host": "host=200MB",
         "disk": f"disk={tmp_path / 'disk'}:100MB",
@@ -231,18 +237,104 @@ def test_warm_restart_and_a_damaged_block_is_recomputed(reference: list[list[int
     try:
         assert _rounds(llm, 1)[0] == reference
         kv = llm.engine.stats().kv_connector
+        layout = llm.engine.executor.worker.offload.disk.layout  # the payload's dtype and shape
     finally:
         llm.close()
     assert kv["disk_hits"] > 0  # a warm start: the first round already loads from disk
     assert kv["corrupt_blocks"] >= 1 and kv["file_load_failures"] >= 1
     # A damaged file that was read was removed, and the recomputed block written again whole when the
     # pool evicted it; one never read (past an earlier failure in its chain) is still refused.
-    store = FileStore(disk, files[0].parent.parent.name)
+    store = FileStore(disk, files[0].parent.parent.name, layout=layout)
     rewritten = [f for f, data in damaged.items() if f.exists() and f.read_bytes() != data]
     assert rewritten
     for f in damaged:
         if f.exists():
             assert (store.get(bytes.fromhex(f.stem)) is None) == (f not in rewritten)
+
+
+def test_a_forged_block_file_is_refused_and_the_answer_unchanged(
+    reference: list[list[int]], tmp_path: Path
+) -> None:
+    """Whoever can write the directory but holds no key relabels every block file with another block's
+    contents and recomputes the checksum: each is refused (recomputed), never served."""
+    disk = tmp_path / "disk"
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+    finally:
+        llm.close()
+    files = sorted(disk.rglob("*.kvb"))
+    assert len(files) >= 6 * 14
+    contents = [f.read_bytes() for f in files]
+    for i, f in enumerate(files):
+        other = block_payload(contents[(i + 1) % len(files)])
+        f.write_bytes(forge_block_file(contents[i], bytes.fromhex(f.stem), other))
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+        kv = llm.engine.stats().kv_connector
+    finally:
+        llm.close()
+    assert kv["disk_hits"] == 0 and kv["corrupt_blocks"] >= 6, kv
+
+
+def test_a_fifo_in_place_of_a_block_file_does_not_hang(reference: list[list[int]], tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        _rounds(llm, 1)
+    finally:
+        llm.close()
+    fifos = sorted(disk.rglob("*.kvb"))[::5]
+    for f in fifos:
+        f.unlink()
+        os.mkfifo(f)
+    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
+    try:
+        got: list[list[list[int]]] = []
+        t = threading.Thread(target=lambda: got.append(_rounds(llm, 1)[0]), daemon=True)
+        t.start()
+        t.join(60)  # a hang guard, not a timing: the round takes a few seconds
+        if t.is_alive():
+            for _ in range(600):  # let loaders blocked on the FIFOs go, so that the engine can close
+                for f in fifos:
+                    with contextlib.suppress(OSError):
+                        os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+                t.join(0.1)
+                if not t.is_alive():
+                    break
+            pytest.fail("a request hung on a FIFO in a block file's place")
+        assert got == [reference]
+        kv = llm.engine.stats().kv_connector
+    finally:
+        llm.close()
+    assert kv["corrupt_blocks"] >= 1 and kv["disk_hits"] > 0, kv
+
+
+def test_shared_tier_workers_with_different_keys_refuse_each_others_blocks(
+    reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(SHARED_KEY, "deployment-one-secret-key")
+    llm = LLM(**SMALL_POOL, kv_offload=f"shared={shared}")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+    finally:
+        llm.close()
+    assert len(list(shared.rglob("*.kvb"))) >= 6 * 14
+    monkeypatch.setenv(SHARED_KEY, "deployment-two-secret-key")
+    llm = LLM(**SMALL_POOL, kv_offload=f"shared={shared}")
+    try:
+        assert _rounds(llm, 1)[0] == reference
+        kv = llm.engine.stats().kv_connector
+    finally:
+        llm.close()
+    assert kv["shared_hits"] == 0 and kv["corrupt_blocks"] >= 6, kv
+    # No key, no shared tier: a key file inside the directory would be open to the writers it is
+    # meant to keep out.
+    monkeypatch.delenv(SHARED_KEY)
+    with pytest.raises(ValueError, match=SHARED_KEY):
+        LLM(**SMALL_POOL, kv_offload=f"shared={shared}")
 
 
 def test_a_block_of_another_layout_is_never_found(reference: list[list[int]], tmp_path: Path) -> None:

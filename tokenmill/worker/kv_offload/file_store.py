@@ -3,20 +3,30 @@
 One file per block, named by the block's content hash, under ``root/namespace/<first two hex chars>/``.
 A file is a fixed header followed by the payload::
 
-    magic b"TMKV" | version u16 | namespace digest 8s | key length u16 | key | payload length u64
-    | blake2b-128 of the payload
+    magic b"TMKV" | version u16 | namespace digest 8s | layout digest 16s | key length u16 | key
+    | payload length u64 | HMAC-SHA256 32s
 
-all little-endian. Every field is checked on read, so a stale, truncated or foreign file is dropped,
-never returned.
+all little-endian. The HMAC covers everything before it and the payload, so a file is bound to its
+block (the key it is looked up by), its namespace (model, dtype, weight precision, block shape, rank)
+and its layout (the tensor's dtype and shape), and only a holder of the store's secret can make one
+that passes. The secret of a private directory (the disk tier) is a random key kept beside the
+namespaces in ``root/.tokenmill-kv-key`` (mode 0600, made on first use); a shared directory's comes
+from the deployment (``TOKENMILL_KV_SHARED_KEY``, see tiers.py). Every field is checked on read, and
+only regular files are opened (a symlink, FIFO, device or directory in a block's place is refused
+without blocking), so a stale, truncated, foreign or forged file is dropped, never returned.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import itertools
+import logging
 import os
 import re
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -24,29 +34,106 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"TMKV"
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 # A temp file this old belongs to a writer that crashed (a live one renames it within milliseconds).
 STALE_TMP_SECONDS = 60.0
 MAX_KEY_BYTES = 64  # 128 hex chars: the file name stays far below NAME_MAX
+SECRET_FILE = ".tokenmill-kv-key"  # a private directory's HMAC key, in the store's root
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 16
 
-_HEAD = struct.Struct("<4sH8sH")  # magic, version, namespace digest, key length
-_TAIL = struct.Struct("<Q16s")  # payload length, payload checksum
+_HEAD = struct.Struct("<4sH8s16sH")  # magic, version, namespace digest, layout digest, key length
+_LENGTH = struct.Struct("<Q")  # payload length
+_MAC_BYTES = 32  # HMAC-SHA256 of the header up to here and the payload
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9._-]+")
+# Opened without following a symlink and without waiting for a FIFO's writer.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+log = logging.getLogger(__name__)
 
 
 class _Corrupt(Exception):
-    """The file is not a valid block for this key and namespace."""
-
-
-def _checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    """The file is not a valid block for this key, namespace, layout and secret."""
 
 
 def _namespace_digest(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=8).digest()
+
+
+def _layout_digest(layout: str) -> bytes:
+    return hashlib.blake2b(layout.encode(), digest_size=16).digest()
+
+
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """An open descriptor and its stat, for a regular file only: anything else in the block's place is
+    _Corrupt (with its identity), found without following it or blocking on it. FileNotFoundError and
+    other OSErrors propagate."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _Corrupt((st.st_dev, st.st_ino))
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        st = os.lstat(path)  # replaced meanwhile (by a symlink: ELOOP)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Corrupt((st.st_dev, st.st_ino)) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _Corrupt((st.st_dev, st.st_ino))
+    return fd, st
+
+
+def local_secret(root: str | Path) -> bytes:
+    """The HMAC key of a directory only this user writes (the disk tier): random, kept in
+    ``root/.tokenmill-kv-key`` (mode 0600) so a restart can read its blocks, made on first use.
+
+    A key file that is not a regular file of this user's, closed to everyone else, is refused with a
+    ValueError: whoever could write it could forge blocks.
+    """
+    root = Path(root)
+    path = root / SECRET_FILE
+    try:
+        return _read_secret_file(path)
+    except FileNotFoundError:
+        pass
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(8)}.new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(SECRET_BYTES))
+        try:
+            os.link(tmp, path)  # never replaces a key another process made first: theirs is used
+        except FileExistsError:
+            pass
+        except OSError:  # a filesystem without hard links
+            if not os.path.lexists(path):
+                os.rename(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return _read_secret_file(path)
+
+
+def _read_secret_file(path: Path) -> bytes:
+    try:
+        fd, st = _open_regular(path)
+    except _Corrupt:
+        raise ValueError(f"KV offload: {path} is not a regular file; remove it to make a new key") from None
+    with os.fdopen(fd, "rb") as f:
+        secret = f.read(4096)
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise ValueError(f"KV offload: {path} belongs to another user; remove it to make a new key")
+    if st.st_mode & 0o077:
+        raise ValueError(f"KV offload: {path} is open to other users (needs mode 0600); chmod 600 it")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"KV offload: {path} holds no key; remove it to make a new one")
+    return secret
 
 
 def _as_key(key: bytes) -> bytes:
@@ -68,9 +155,13 @@ class FileStore:
     """A byte-capacity LRU store of KV blocks on a filesystem, safe across threads and processes.
 
     Several processes may share one directory (the G4 tier): files appear by atomic rename, so a
-    reader sees a whole file or none, and ``get``/``contains`` find blocks other processes wrote.
+    reader sees a whole file or none, and ``get``/``contains`` find blocks other processes wrote
+    (with the same ``secret``: pass the deployment's, or each process makes its own key file).
     The capacity is enforced only over the blocks this process knows (those it wrote, found at
     start or read since); other processes' evictions show up as misses.
+
+    ``secret`` keys the files' HMACs (None: the directory's own key file, see local_secret);
+    ``layout`` names the payload's layout (dtype, shape), bound into every file beside the namespace.
     """
 
     def __init__(
@@ -81,6 +172,8 @@ class FileStore:
         *,
         name: str = "disk",
         on_evict: Callable[[bytes, bytes], None] | None = None,
+        secret: bytes | None = None,
+        layout: str = "",
     ) -> None:
         if not _NAMESPACE_RE.fullmatch(namespace) or namespace in (".", ".."):
             raise ValueError(f"namespace must be a file-name-safe string, got {namespace!r}")
@@ -91,9 +184,16 @@ class FileStore:
         self.root = Path(root)
         self.directory = self.root / namespace
         self.directory.mkdir(parents=True, exist_ok=True)
+        if secret is None:
+            secret = local_secret(self.root)
+        elif len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"a file tier's secret needs {MIN_SECRET_BYTES}+ bytes, got {len(secret)}")
+        self._secret = bytes(secret)
         self.on_evict = on_evict
         self._capacity = capacity_bytes
         self._ns_digest = _namespace_digest(namespace)
+        self.layout = layout
+        self._layout_digest = _layout_digest(layout)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self._used = 0
@@ -168,7 +268,7 @@ class FileStore:
             data = memoryview(data.tobytes())
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         target = self.path(key)
-        size = _HEAD.size + len(key) + _TAIL.size + data.nbytes
+        size = _HEAD.size + len(key) + _LENGTH.size + _MAC_BYTES + data.nbytes
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -181,7 +281,9 @@ class FileStore:
         try:
             try:
                 # Shared tier: the same content is already there; a stat is cheaper than a rewrite.
-                existing: int | None = target.stat().st_size
+                # (Anything but a regular file in its place is replaced.)
+                st = os.lstat(target)
+                existing: int | None = st.st_size if stat.S_ISREG(st.st_mode) else None
             except OSError:
                 existing = None
             if existing is not None:
@@ -223,8 +325,15 @@ class FileStore:
             ident = exc.args[0] if exc.args else None
             with self._lock:
                 self.corrupt += 1
+                corrupt = self.corrupt
                 self._drop(key)
                 self._unlink_if_same(target, ident)
+            if corrupt & (corrupt - 1) == 0:  # the 1st, 2nd, 4th, 8th... : a wrong key must not flood the log
+                log.warning(
+                    "KV offload: refused %d block file(s) in the %s tier (damaged, forged, another layout "
+                    "or key, or not a regular file), e.g. %s",
+                    corrupt, self.name, target,
+                )  # fmt: skip
             return None
         except OSError:
             # Unreadable for another reason (permissions, I/O error): a miss, but leave the file alone.
@@ -242,7 +351,7 @@ class FileStore:
                 adopted = True
         # The mtime carries the LRU order across restarts.
         with contextlib.suppress(OSError):
-            st = os.stat(target)
+            st = os.lstat(target)
             if (st.st_dev, st.st_ino) == ident:
                 os.utime(target)
         if adopted:
@@ -260,9 +369,15 @@ class FileStore:
 
     # -- internals ----------------------------------------------------------------------------------
 
+    def _mac(self, signed: bytes, payload: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._secret, signed, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
     def _header(self, key: bytes, data: memoryview) -> bytes:
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, self._ns_digest, len(key))
-        return head + key + _TAIL.pack(data.nbytes, _checksum(data))
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, self._ns_digest, self._layout_digest, len(key))
+        signed = head + key + _LENGTH.pack(data.nbytes)
+        return signed + self._mac(signed, data)
 
     def _write_tmp(self, target: Path, key: bytes, header: bytes, data: memoryview) -> Path:
         # Unique per process, thread and call, so concurrent writers never share a temp file.
@@ -288,35 +403,39 @@ class FileStore:
 
     def _read(self, key: bytes, target: Path) -> tuple[bytes, int, tuple[int, int]]:
         """Payload, file size and (device, inode); raises _Corrupt(ident) or OSError."""
-        with open(target, "rb") as f:
-            st = os.fstat(f.fileno())
-            ident = (st.st_dev, st.st_ino)
+        fd, st = _open_regular(target)
+        ident = (st.st_dev, st.st_ino)
+        with os.fdopen(fd, "rb") as f:
             head = f.read(_HEAD.size)
             if len(head) != _HEAD.size:
                 raise _Corrupt(ident)
-            magic, version, ns_digest, key_len = _HEAD.unpack(head)
+            magic, version, ns_digest, layout_digest, key_len = _HEAD.unpack(head)
             # Checked one by one: after a version mismatch the rest of the layout means nothing.
             if magic != MAGIC or version != FORMAT_VERSION or ns_digest != self._ns_digest:
                 raise _Corrupt(ident)
-            if key_len != len(key) or f.read(key_len) != key:
+            if layout_digest != self._layout_digest or key_len != len(key) or f.read(key_len) != key:
                 raise _Corrupt(ident)
-            tail = f.read(_TAIL.size)
-            if len(tail) != _TAIL.size:
+            tail = f.read(_LENGTH.size + _MAC_BYTES)
+            if len(tail) != _LENGTH.size + _MAC_BYTES:
                 raise _Corrupt(ident)
-            length, checksum = _TAIL.unpack(tail)
-            header_size = _HEAD.size + key_len + _TAIL.size
+            (length,) = _LENGTH.unpack_from(tail)
+            header_size = _HEAD.size + key_len + len(tail)
             # Before reading: a damaged length must not make us allocate a huge buffer.
             if st.st_size != header_size + length:
                 raise _Corrupt(ident)
             payload = f.read(length)
-        if len(payload) != length or _checksum(payload) != checksum:
+        if len(payload) != length:
+            raise _Corrupt(ident)
+        signed = head + key + tail[: _LENGTH.size]
+        if not hmac.compare_digest(self._mac(signed, payload), tail[_LENGTH.size :]):
             raise _Corrupt(ident)
         return payload, st.st_size, ident
 
     def _unlink_if_same(self, target: Path, ident: tuple[int, int] | None) -> None:
-        # Another process may have replaced the bad file with a good one since we read it.
+        # Another process may have replaced the bad file with a good one since we read it. (lstat: a
+        # symlink in a block's place is removed, never what it points to.)
         with contextlib.suppress(OSError):
-            st = os.stat(target)
+            st = os.lstat(target)
             if ident is None or (st.st_dev, st.st_ino) == ident:
                 os.unlink(target)
 

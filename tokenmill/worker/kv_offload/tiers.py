@@ -1,9 +1,11 @@
-"""What `--kv-offload` says: which tiers exist below the engine's pool, where, and how big; and the
-namespace that keeps blocks of one cache layout apart from every other in a file tier."""
+"""What `--kv-offload` says: which tiers exist below the engine's pool, where, and how big; the
+namespace that keeps blocks of one cache layout apart from every other in a file tier; and the shared
+tier's key."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -13,6 +15,8 @@ _UNITS = {
     "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30,
 }  # fmt: skip
+SHARED_KEY_ENV = "TOKENMILL_KV_SHARED_KEY"
+MIN_SHARED_KEY_BYTES = 16
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -86,3 +90,18 @@ def layout_namespace(model: str, dtype: str, quantization: str | None, spec: KVC
     if spec.kv_format:  # an 8-bit cache's blocks are another layout (older names stay as they were)
         text += f"|kv-{spec.kv_format}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def shared_tier_key() -> bytes:
+    """The shared tier's HMAC key: a per-deployment secret, the same on every worker of the directory
+    and unknown to anyone else who can write to it. None set is an error, not a key made up here: a
+    key file inside the shared directory would be readable (or replaceable) by the very writers the
+    key is meant to keep out."""
+    key = os.environ.get(SHARED_KEY_ENV, "").encode()
+    if len(key) < MIN_SHARED_KEY_BYTES:
+        raise ValueError(
+            f"--kv-offload shared= needs a per-deployment key: set {SHARED_KEY_ENV} to the same secret of "
+            f"at least {MIN_SHARED_KEY_BYTES} bytes on every worker sharing the directory "
+            f"(e.g. `openssl rand -hex 32`)"
+        )
+    return key

@@ -18,7 +18,7 @@ import torch
 from tokenmill.worker.kv_offload.block_store import BlockStore
 from tokenmill.worker.kv_offload.file_store import FileStore
 from tokenmill.worker.kv_offload.ops import OffloadOps
-from tokenmill.worker.kv_offload.tiers import OffloadTiers
+from tokenmill.worker.kv_offload.tiers import OffloadTiers, shared_tier_key
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class OffloadWorker:
         num_host_blocks: int,
         namespace: str,
         max_queued_bytes: int = 512 * 2**20,
+        shared_key: bytes | None = None,
     ) -> None:
         # [layers, k/v, blocks, tokens per block, kv heads, head dim]: a block is kv[:, :, b].
         self.kv = kv_caches
@@ -43,17 +44,35 @@ class OffloadWorker:
                 dtype=kv_caches.dtype,
                 device="cpu",
                 pin_memory=kv_caches.device.type == "cuda",
-            )  # fmt: skip
+            )
             if num_host_blocks
             else None
         )
+        # Bound into every block file beside the namespace (which names the model and cache format).
+        layout = f"{kv_caches.dtype}|{'x'.join(map(str, self.block_shape))}|{self.block_bytes}"
+        # Files are HMAC-signed: the disk tier with its directory's own key, the shared tier with the
+        # deployment's (TOKENMILL_KV_SHARED_KEY; without one the worker does not start).
         self.shared: BlockStore | None = (
-            FileStore(tiers.shared_path, namespace, tiers.shared_bytes, name="shared")
+            FileStore(
+                tiers.shared_path,
+                namespace,
+                tiers.shared_bytes,
+                name="shared",
+                secret=shared_key if shared_key is not None else shared_tier_key(),
+                layout=layout,
+            )
             if tiers.shared_path
             else None
         )
         self.disk: BlockStore | None = (
-            FileStore(tiers.disk_path, namespace, tiers.disk_bytes, name="disk", on_evict=self._to_shared)
+            FileStore(
+                tiers.disk_path,
+                namespace,
+                tiers.disk_bytes,
+                name="disk",
+                on_evict=self._to_shared,
+                layout=layout,
+            )
             if tiers.disk_path
             else None
         )
