@@ -90,7 +90,8 @@ def test_json_schema_outputs_validate(llm, schema, params):
 @pytest.mark.slow
 def test_json_object_regex_and_choice(llm):
     spec = StructuredOutputs(json_object=True)
-    outs = _chat(llm, spec, temperature=0.8, seed=1)
+    # Several seeds: whether this small model closes its object within max_tokens is up to the draws.
+    outs = [o for seed in (1, 2, 3) for o in _chat(llm, spec, temperature=0.8, seed=seed)]
     for out in outs:
         if _complete(llm, spec, out):
             assert isinstance(json.loads(out.text), dict)

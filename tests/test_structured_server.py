@@ -468,6 +468,20 @@ def test_tokenize_renders_tools_as_chat_does(server, client: openai.OpenAI) -> N
 
 # -- bad requests ------------------------------------------------------------------------------------------
 
+MUTUAL = {
+    "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+    },
+    "$ref": "#/$defs/a",
+}
+ANY_OF_5000 = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(5000)
+    ]
+}
+
 BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "invalid-schema": (
         {
@@ -523,6 +537,36 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
         "response_format",
         "cannot be combined",
     ),
+    # What compiled but could not be followed (issue #51, item 6): each was a 500 from the engine.
+    "grammar-without-finite-text": (
+        {"extra_body": {"guided_grammar": "start: a\na: a"}},
+        "guided_grammar",
+        "admits no output",
+    ),
+    "mutually-recursive-refs-without-a-base": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": MUTUAL}}},
+        "response_format",
+        "invalid JSON schema",
+    ),
+    "any-of-5000": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ANY_OF_5000}}},
+        "response_format",
+        "max is 2000",
+    ),
+    "tool-with-mutually-recursive-parameters": (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": MUTUAL}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tools",
+        "tool 'f'",
+    ),
+    # 100,000 choices: llguidance panicked after 58 s, and the panic's backtrace reached the client.
+    "choice-100k": (
+        {"extra_body": {"guided_choice": [f"item{i}" for i in range(100_000)]}},
+        "guided_choice",
+        "at most 2000",
+    ),
 }
 
 
@@ -533,6 +577,35 @@ def test_bad_requests_are_400s_naming_the_problem(client: openai.OpenAI, case: s
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **kwargs)
     error = e.value.body
     assert e.value.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert "backtrace" not in error["message"] and len(error["message"]) < 600, error
+
+
+def test_a_recursive_schema_with_a_way_out_is_followed(client: openai.OpenAI) -> None:
+    """Recursion is supported where a finite document exists: a tree whose children may be empty."""
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                },
+                "required": ["v", "kids"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    text, finish = _chat(
+        client,
+        False,
+        messages=[{"role": "user", "content": "A small tree as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}},
+        max_tokens=300,
+    )
+    if finish == "stop":
+        jsonschema.validate(json.loads(text), tree)
+    else:
+        assert finish == "length", (finish, text)
 
 
 def _children(pid: int) -> list[int]:

@@ -121,6 +121,9 @@ class GrammarBackend:
             raise GrammarError(f"{WHAT[kind]}: {message}")
         for warning in matcher.get_grammar_warnings():
             log.debug("grammar warning (%s): %s", kind, warning)
+        problem = _first_steps_problem(matcher.deep_copy(), self.eos_ids)
+        if problem is not None:
+            raise GrammarError(f"{WHAT[kind]}: {one_line(problem, drop_position=kind != 'grammar')}")
         return matcher
 
     def _unwritable_char(self, spec: StructuredOutputs, kind: str) -> str | None:
@@ -143,6 +146,40 @@ class GrammarBackend:
                 if not self._unwritable.isdisjoint(ch.encode("utf-8", "surrogatepass")):
                     return ch
         return None
+
+
+PROBE_STEPS = 2  # tokens walked at the door: llguidance's limits (row items, lexer items) trip by then
+
+
+def _first_steps_problem(m: llguidance.LLMatcher, eos: frozenset[int]) -> str | None:
+    """Why the grammar cannot give output, found by walking its first tokens (each step the first token
+    the mask allows), or None. A grammar with no finite derivation (`start: a`, `a: a`) fails its first
+    mask; mutually recursive `$ref`s without a way out, and `anyOf` past llguidance's row limit, fail
+    at the second. Found here they are a 400 at the door; in the engine they ended requests with a 500."""
+    no_output = "it admits no output (no finite text satisfies it)"
+    for _ in range(PROBE_STEPS):
+        mask = m.compute_bitmask()
+        if m.is_error():
+            error = m.get_error()
+            return no_output if not error or "NoExtensionBias" in error else error
+        if m.is_accepting():
+            return None
+        token = next(
+            (
+                i * 8 + b
+                for i, byte in enumerate(mask)
+                if byte
+                for b in range(8)
+                if byte >> b & 1 and i * 8 + b not in eos
+            ),
+            None,
+        )
+        if token is None:
+            return no_output
+        m.consume_token(token)
+        if m.is_error():
+            return m.get_error() or "the grammar engine gave up on it"
+    return None
 
 
 def _eos_only_row(eos: frozenset[int], vocab_size: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ class GrammarError(ValueError):
 def one_line(message: str, *, drop_position: bool = False) -> str:
     """The engine's (multi-line) message as one short line. `drop_position` removes a leading
     "at LINE(COL): " when it points into a grammar the user never wrote (one generated from a regex)."""
+    # A panic's stack (addresses, nothing for a client) and the tag of llguidance's short messages.
+    message = message.split("<backtrace>")[0].replace("<non-verbose/>", "")
     kept = [s for s in (line.strip() for line in message.splitlines()) if s]
     text = " ".join(s for s in kept if not _EXCERPT.match(s) and not _CARETS.match(s))
     if drop_position:
