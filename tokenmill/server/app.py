@@ -18,7 +18,7 @@ import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import APIError, error_response
+from tokenmill.server.errors import APIError, engine_unavailable, error_response
 from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware
 from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.server.metrics import Metrics
@@ -33,7 +33,6 @@ from tokenmill.server.openai_protocol import (
 from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
 from tokenmill.server.openapi import install as install_openapi
 from tokenmill.server.tool_calls import plan_tools, template_messages
-from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenmill.triton.repository import ModelRepository
@@ -149,7 +148,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             "max_model_len": info.get("max_model_len"),
             "kv_cache_blocks": info.get("num_blocks"),
             "block_size": info.get("block_size"),
-            "engine_pid": llm.client.engine_pid,
+            # A process id is for the operator (signals, profilers), not for whoever holds a key.
+            **({} if config.api_key else {"engine_pid": llm.client.engine_pid}),
         }
 
     @app.get("/v1/models")
@@ -179,27 +179,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         body = await _json_model(request, TokenizeRequest)
-        tok = llm.tokenizer
-        if body.messages is not None:
-            # The same prompt a chat completion would build: tools and tool turns rendered alike.
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-            try:
-                plan = plan_tools(tools, None)
-            except RequestFieldError as e:
-                raise APIError(400, str(e), e.param) from e
-            messages, prompt_tools = template_messages(
-                [chat_message_dict(m) for m in body.messages], plan, tok.supports_tools
-            )
-            extra = {"tools": prompt_tools} if prompt_tools else {}
-            try:
-                ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **extra)
-            except ChatTemplateError as e:
-                raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
-        elif body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            raise APIError(400, "send `prompt` (text) or `messages` (a chat)")
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        # Under admission like a generation: tokenizing is the work here, and it has a cost.
+        ticket = state.admission.admit()
+        try:
+            return await _tokenize(state, body)
+        finally:
+            state.admission.release(ticket)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -245,13 +230,34 @@ def _session_header(request: Request, body: CompletionRequest | ChatCompletionRe
         body.user = sid[:256]
 
 
+async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    serving, tok = state.serving, state.llm.tokenizer
+    if body.messages is not None:
+        # The same prompt a chat completion would build: tools and tool turns rendered alike.
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        try:
+            plan = plan_tools(tools, None)
+        except RequestFieldError as e:
+            raise APIError(400, str(e), e.param) from e
+        messages, prompt_tools = template_messages(
+            [chat_message_dict(m) for m in body.messages], plan, tok.supports_tools
+        )
+        extra = {"tools": prompt_tools} if prompt_tools else {}
+        ids = await serving.encode_chat(messages, body.add_generation_prompt, extra)
+    elif body.prompt is not None:
+        ids = (await serving.encode([body.prompt], "prompt", body.add_special_tokens))[0]
+    else:
+        raise APIError(400, "send `prompt` (text) or `messages` (a chat)")
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
+
+
 async def _generate(
     request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]]
 ) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
     if not state.llm.client.healthy:
-        raise APIError(503, f"the engine is not available: {state.llm.client.dead_reason or 'not ready'}")
+        raise APIError(503, engine_unavailable(state.llm.client.dead_reason or "not ready"))
     try:
         ticket = state.admission.admit()
     except APIError:

@@ -1,8 +1,9 @@
-"""Request bodies parsed with limits: JSON nesting depth, and text that is valid Unicode.
+"""Request bodies parsed with limits: JSON nesting depth, integer length, and text that is valid Unicode.
 
-Python's JSON decoder accepts lone UTF-16 surrogates ("\\ud800") and recurses once per nesting level;
-the first made the tokenizer and the engine protocol fail later with a 500, the second a 500 from
-RecursionError. Both are the client's mistake and get a 400 here, before anything else sees them.
+Python's JSON decoder accepts lone UTF-16 surrogates ("\\ud800"), recurses once per nesting level and
+refuses integers longer than sys.get_int_max_str_digits() with a bare ValueError; the first made the
+tokenizer and the engine protocol fail later with a 500, the others a 500 from RecursionError or
+ValueError. All are the client's mistake and get a 400 here, before anything else sees them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
         raise BodyError(f"the request body nests deeper than {max_depth} levels") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BodyError(f"the request body is not valid JSON: {e}") from e
+    except ValueError as e:  # what else the decoder refuses: an integer past sys.get_int_max_str_digits()
+        what = "an integer with too many digits" if "digits" in str(e) else "a value it cannot read"
+        raise BodyError(f"the request body is not valid JSON: {what}") from e
     _check(data, max_depth)
     return data
 

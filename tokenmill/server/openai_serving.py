@@ -17,7 +17,7 @@ from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.admission import Admission, Ticket
-from tokenmill.server.errors import APIError, error_body
+from tokenmill.server.errors import APIError, engine_unavailable, error_body
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -160,20 +160,54 @@ class OpenAIServing:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
 
     # -- completions ----------------------------------------------------------------------------
-    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        p = req.prompt
+    def check_text_fits(self, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, text too long to fit the context whatever it encodes to: a 20 MB
+        prompt took the tokenizer 30 s to count out for a 400."""
+        tok, limit = self.llm.tokenizer, self.llm.max_model_len
+        for text in texts:
+            if (floor := tok.token_floor(text)) >= limit:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens, but the prompt has more than "
+                    f"{floor} tokens ({len(text)} characters). Shorten the prompt.",
+                    param,
+                )
+
+    async def encode(
+        self, texts: list[str], param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Token ids of each text, off the event loop (health checks and streams go on meanwhile)."""
+        self.check_text_fits(texts, param)
         tok = self.llm.tokenizer
+        return await asyncio.to_thread(lambda: [tok.encode(t, add_special_tokens) for t in texts])
+
+    async def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
         if isinstance(p, str):
-            return [(p, tok.encode(p))]
+            return [(p, (await self.encode([p]))[0])]
         if all(isinstance(x, int) for x in p):
             return [(None, list(p))]  # type: ignore[arg-type]
         if all(isinstance(x, str) for x in p):
-            return [(x, tok.encode(x)) for x in p]  # type: ignore[union-attr]
+            texts: list[str] = list(p)  # type: ignore[arg-type]
+            return list(zip(texts, await self.encode(texts), strict=True))
         return [(None, list(x)) for x in p]  # type: ignore[arg-type]
+
+    async def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool, extra: dict, param: str = "messages"
+    ) -> list[int]:
+        """A chat's prompt ids, off the event loop, after the same length check as a prompt's."""
+        self.check_text_fits(["".join(_texts(messages))], param)
+        tok = self.llm.tokenizer
+        try:
+            return await asyncio.to_thread(
+                tok.encode_chat, messages, add_generation_prompt=add_generation_prompt, **extra
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, f"could not apply the chat template: {e}", param) from e
 
     async def completions(self, req: CompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        prompts = self.completion_prompts(req)
+        prompts = await self.completion_prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         structured = await self.output_constraint(req)
         jobs = []
@@ -299,7 +333,7 @@ class OpenAIServing:
         except RequestRejectedError as e:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
-            raise APIError(503, f"the engine is not available: {e}") from e
+            raise APIError(503, engine_unavailable(e)) from e
         except RequestFailedError as e:
             raise APIError(500, str(e)) from e
         assert last is not None
@@ -337,10 +371,7 @@ class OpenAIServing:
             [chat_message_dict(m) for m in req.messages], plan, tok.supports_tools
         )
         extra = {"tools": prompt_tools} if prompt_tools else {}
-        try:
-            ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, **extra)
-        except ChatTemplateError as e:
-            raise APIError(400, f"could not apply the chat template: {e}", "messages") from e
+        ids = await self.encode_chat(messages, req.add_generation_prompt, extra)
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         p = self.params(req, len(ids), max_tokens, logprobs, structured)
@@ -493,8 +524,8 @@ def stream_error(e: Exception) -> dict:
         return error_body(e.status, e.message, e.param)
     if isinstance(e, RequestRejectedError):
         return error_body(400, str(e))
-    if isinstance(e, EngineDeadError):
-        return error_body(503, f"the engine is not available: {e}")
+    if isinstance(e, EngineDeadError):  # its reason may name the engine's ipc:// socket: not for clients
+        return error_body(503, engine_unavailable(e))
     if isinstance(e, RequestFailedError):
         return error_body(500, str(e))
     return error_body(500, f"internal error: {type(e).__name__}")
@@ -505,4 +536,16 @@ def _offsets(tokens: list[str]) -> list[int]:
     for t in tokens:
         out.append(pos)
         pos += len(t)
+    return out
+
+
+def _texts(messages: list[dict]) -> list[str]:
+    """The text of a chat's messages (string contents and text parts): a floor of what it encodes to."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return out

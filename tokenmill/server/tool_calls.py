@@ -35,8 +35,26 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 ChoiceMode = Literal["none", "auto", "required", "named"]
-# What json.loads raises on text that is not JSON, including text nested deeper than Python recurses.
-NOT_JSON = (json.JSONDecodeError, RecursionError)
+# What json.loads raises on text that is not JSON, including text nested deeper than Python recurses
+# and integers past Python's digit limit (a bare ValueError).
+NOT_JSON = (ValueError, RecursionError)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str) -> Any:
+    """JSON as RFC 8259 has it: Python's json.loads also takes NaN, Infinity and -Infinity, which are
+    not JSON, and a call's arguments written with them would reach the client as text no JSON parser
+    reads. Raises one of NOT_JSON on anything else."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def dumps_arguments(value: Any) -> str:
+    """A call's arguments as the text the client gets: always JSON (raises ValueError for NaN or an
+    infinity, which a value from loads_strict never holds)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def new_call_id() -> str:
@@ -392,13 +410,19 @@ class HermesParser(ToolCallParser):
 
     def _call(self, body: str) -> tuple[str, str] | None:
         try:
-            obj = json.loads(body)
+            obj = loads_strict(body)
         except NOT_JSON:
             return None
         if not isinstance(obj, dict) or not _known(obj.get("name"), self.names):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        if isinstance(args, str):  # arguments written as a JSON string: they must hold JSON themselves
+            try:
+                loads_strict(args)
+            except NOT_JSON:
+                return None
+            return obj["name"], args
+        return obj["name"], dumps_arguments(args)
 
 
 def _tag_prefix_length(text: str, tag: str) -> int:
@@ -510,12 +534,12 @@ class ArrayParser(ToolCallParser):
         if self.args_from >= 0:
             return
         try:
-            obj = json.loads(self.text[start : self.pos + 1])
+            obj = loads_strict(self.text[start : self.pos + 1])
         except NOT_JSON:
             return
         if isinstance(obj, dict) and _known(obj.get("name"), self.names) and "arguments" in obj:
             out.calls.append(self.header(obj["name"]))
-            arguments = json.dumps(obj["arguments"], ensure_ascii=False)
+            arguments = dumps_arguments(obj["arguments"])
             out.calls.append(CallFragment(self.calls_made - 1, arguments))
 
 
@@ -525,6 +549,6 @@ def _known(name: Any, names: set[str]) -> bool:
 
 def _json_string(text: str) -> str | None:
     try:
-        return json.loads(text)
+        return loads_strict(text)
     except NOT_JSON:  # an escape JSON does not have
         return None

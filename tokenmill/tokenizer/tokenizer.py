@@ -113,6 +113,18 @@ class Tokenizer:
         """Number of token ids, including added (special) tokens."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (special tokens included): the bound that lets a
+        text's length say it cannot fit before it is tokenized (`token_floor`)."""
+        return max((len(s) for s in self.backend.get_vocab(with_added_tokens=True)), default=1) or 1
+
+    def token_floor(self, text: str) -> int:
+        """Fewer tokens than `text` can ever encode to, without tokenizing it: each token stands for at
+        most max_token_chars characters, and normalization (NFKC composing up to 3 code points into
+        one, as Hangul jamo do) is allowed for by a factor of 3."""
+        return len(text) // (3 * self.max_token_chars)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special-token strings in the text become their ids; BOS (and EOS) are
         added only when `add_special_tokens` and the config's add_bos_token (add_eos_token) say so."""

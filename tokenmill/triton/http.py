@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 
 import tokenmill
+from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.repository import ModelRepository
@@ -59,8 +60,8 @@ def build_router(repo: ModelRepository, max_body_bytes: int = 64 * 2**20) -> API
         ready_only = False
         if body.strip():
             try:
-                ready_only = bool(json.loads(body).get("ready", False))
-            except (json.JSONDecodeError, AttributeError):
+                ready_only = bool(parse_json(body).get("ready", False))
+            except (BodyError, AttributeError):
                 return _error(400, "repository index body must be a JSON object")
         return JSONResponse(repo.index(ready_only))
 
@@ -212,8 +213,8 @@ async def _params(request: Request) -> dict | None:
     if not body.strip():
         return {}
     try:
-        d = json.loads(body)
-    except json.JSONDecodeError:
+        d = parse_json(body)
+    except BodyError:  # not JSON, too deep, an integer past Python's digit limit
         return None
     if not isinstance(d, dict):
         return None
@@ -289,9 +290,9 @@ def _parse_infer(
     else:
         head, blob = body, b""
     try:
-        d = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InferError(400, f"the request body is not valid JSON: {e}") from None
+        d = parse_json(head)
+    except BodyError as e:  # not JSON, too deep, an integer past Python's digit limit, a lone surrogate
+        raise InferError(400, str(e)) from None
     if not isinstance(d, dict) or not isinstance(d.get("inputs"), list):
         raise InferError(400, "an infer request needs an 'inputs' list")
     params = d.get("parameters") or {}

@@ -98,8 +98,27 @@ class ModelRepository:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
+    def model_dir(self, name: str) -> Path | None:
+        """The folder of model `name`, or None when `name` is not a plain name of a folder in the
+        repository: one path component (no '/', '\\', NUL, '.' or '..'), whose folder, symlinks
+        resolved, is a direct child of the repository's. Names come from clients: `root / name` with
+        '..' or an absolute path would leave the repository (and run the model.py found there)."""
+        if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            return None
+        path = self.root / name
+        try:
+            if path.resolve().parent != self.root.resolve() or not path.is_dir():
+                return None
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, a name the OS refuses
+            return None
+        return path
+
+    def _has_model(self, name: str) -> bool:
+        d = self.model_dir(name)
+        return d is not None and (d / "config.pbtxt").is_file()
+
     def on_disk(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and (p / "config.pbtxt").is_file())
+        return sorted(p.name for p in self.root.iterdir() if self._has_model(p.name))
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -151,10 +170,11 @@ class ModelRepository:
                 else "model control mode is none: start the server with "
                 "--model-control-mode explicit to load and unload models",
             )
-        model_dir = self.root / name
-        if not (model_dir / "config.pbtxt").is_file():
+        if not self._has_model(name):
+            # The same answer for every name that is not a model of the repository, valid or not:
+            # nothing tells whether a path outside it exists.
             if strict:
-                raise InferError(400, f"failed to load {name!r}: no such model in {self.root}")
+                raise InferError(400, f"failed to load {name!r}: no such model in the repository")
             return
         async with self.lock:
             entry = self.entries.setdefault(name, Entry(name))
@@ -171,8 +191,8 @@ class ModelRepository:
     async def _load_locked(self, name: str) -> None:
         """Load (or reload) a model with the lock held; an ensemble first loads its steps that are not
         ready. Raises on failure and leaves what was loaded before in place."""
-        model_dir = self.root / name
-        if not (model_dir / "config.pbtxt").is_file():
+        model_dir = self.model_dir(name)
+        if model_dir is None or not (model_dir / "config.pbtxt").is_file():
             raise ValueError(f"model {name!r} is not in the repository")
         entry = self.entries.setdefault(name, Entry(name))
         entry.state, entry.reason = LOADING, ""
@@ -246,7 +266,7 @@ class ModelRepository:
     async def unload(self, name: str, unload_dependents: bool = False, api: bool = True) -> None:
         if api and self.mode != "explicit":
             raise InferError(400, "model control mode is not explicit: unloading is not allowed")
-        if name not in self.entries and not (self.root / name).is_dir():
+        if name not in self.entries and self.model_dir(name) is None:
             raise InferError(400, f"failed to unload {name!r}: no such model")
         async with self.lock:
             deps = []
@@ -286,7 +306,7 @@ class ModelRepository:
 
     def get(self, name: str, version: str | int | None = None) -> Version:
         e = self.entries.get(name)
-        if e is None and not (self.root / name).is_dir():
+        if e is None and self.model_dir(name) is None:
             raise InferError(404, f"unknown model: {name!r}")
         if e is None or e.state != READY or not e.versions:
             reason = f" ({e.reason})" if e is not None and e.reason else ""

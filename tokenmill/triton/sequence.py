@@ -82,6 +82,7 @@ class SequenceBatcher(BatchScheduler):
                 f"inference request to model {self.cfg.name!r} must specify a non-zero or "
                 "non-empty correlation ID (sequence_id)",
             )
+        self._check_correlation_id(cid)
         start = bool(req.flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
         seq = self.sequences.get(cid)
         if start and (seq is None or seq.ended or not seq.queue):
@@ -104,6 +105,29 @@ class SequenceBatcher(BatchScheduler):
         self.stats.enqueued()
         self.wake[seq.instance].set()
         return await p.future
+
+    def _check_correlation_id(self, cid: object) -> None:
+        """A sequence_id the model's CORRID control input can carry, refused here with a 400: found
+        only when its batch is formed, it used to stop that instance's dispatcher, and every later
+        request to the instance waited forever."""
+        if isinstance(cid, bool) or not isinstance(cid, int | str):
+            raise InferError(400, f"sequence_id must be an integer or a string, not {type(cid).__name__}")
+        for name, kind, values in self.controls:
+            if kind != "CONTROL_SEQUENCE_CORRID" or values[0] == np.object_:
+                continue  # a TYPE_STRING CORRID takes either kind of ID (an integer as its digits)
+            dt = np.dtype(values[0])
+            if isinstance(cid, str):
+                raise InferError(
+                    400,
+                    f"model {self.cfg.name!r} takes integer sequence IDs (its CORRID control input "
+                    f"{name!r} is {dt.name}), not the string sequence_id {cid[:64]!r}",
+                )
+            if dt.kind in "iu" and not np.iinfo(dt).min <= cid <= np.iinfo(dt).max:
+                raise InferError(
+                    400,
+                    f"sequence_id {cid} does not fit the {dt.name} CORRID control input of model "
+                    f"{self.cfg.name!r}",
+                )
 
     def _ready(self, idx: int) -> list[tuple[int | str, _Sequence]]:
         ready = [(c, s) for c, s in self.sequences.items() if s.instance == idx and s.queue and not s.busy]
@@ -128,9 +152,15 @@ class SequenceBatcher(BatchScheduler):
             for cid, s in chosen:
                 p = s.queue.popleft()
                 s.busy = True
-                self._add_controls(p.req, cid)
+                try:
+                    self._add_controls(p.req, cid)
+                except Exception as e:  # this request fails; the dispatcher must go on for the others
+                    if not p.future.done():
+                        p.future.set_exception(InferError(400, f"sequence {cid!r}: {e}"))
+                    continue
                 batch.append(p)
-            await self.run_batch(idx, batch)
+            if batch:
+                await self.run_batch(idx, batch)
             for cid, s in chosen:
                 s.busy = False
                 s.last_ns = time.perf_counter_ns()
