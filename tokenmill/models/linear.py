@@ -454,11 +454,7 @@ def amx_brgemm_available() -> bool:
     """Whether the panel matmul of 3-96 rows runs on oneDNN's brgemm micro-kernel here: CPUs with AMX,
     with oneDNN allowed to use it. Without AMX the panel matmul's own dot loops are faster (ops.py)."""
     limit = _onednn_limit()
-    return (
-        cpu_has("amx_tile")
-        and torch.backends.mkldnn.is_available()
-        and (limit == "ALL" or "AMX" in limit)
-    )
+    return cpu_has("amx_tile") and torch.backends.mkldnn.is_available() and (limit == "ALL" or "AMX" in limit)
 
 
 def bf16_brgemm_available() -> bool:
