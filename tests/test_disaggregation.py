@@ -26,6 +26,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.kv_transfer.ops import make_grant
 from tokenmill.worker.kv_transfer.transfer_engine import (
     TransferClient,
     TransferError,
@@ -62,16 +63,18 @@ def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool, layou
     dst = torch.zeros(shape, dtype=dtype)
     server = TransferServer(src, path, layout=layout)
     client = TransferClient(dst, timeout_s=5, use_shm=use_shm, layout=layout)
+    key, now = bytes.fromhex(server.describe()["grant_key"]), time.time()
+    grant = ("req-1", [7, 2, 5, 99], make_grant(key, "req-1", [7, 2, 5, 99], now, now + 60))
     try:
-        client.read(server.endpoint, [7, 2, 5], [0, 1, 9])
+        client.read(server.endpoint, [7, 2, 5], [0, 1, 9], grant)
         assert torch.equal(dst[:, :, 0], src[:, :, 7]) and torch.equal(dst[:, :, 9], src[:, :, 5])
         assert torch.equal(dst[:, :, 1], src[:, :, 2]) and not dst[:, :, 3].any()
         by = (client.blocks_by_shm, client.blocks_by_tcp)
         assert by == ((3, 0) if use_shm and path is not None else (0, 3))
-        client.done(server.endpoint, "req-1")
-        assert server.take_done() == ["req-1"] and server.take_done() == []
         with pytest.raises(TransferError, match="out of range"):
-            TransferClient(dst, 5, use_shm=False, layout=layout).read(server.endpoint, [99], [0])
+            TransferClient(dst, 5, use_shm=False, layout=layout).read(server.endpoint, [99], [0], grant)
+        client.done(server.endpoint, "req-1", grant)
+        assert server.take_done() == ["req-1"] and server.take_done() == []
     finally:
         client.close()
         server.close()

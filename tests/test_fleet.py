@@ -4,6 +4,7 @@ salts, a killed worker (unstarted requests retried, running streams ended with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -157,6 +158,61 @@ def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> 
             router.set_policy("kv")
             await run(llm, "after", prefix(llm, 3), routing_key=key)
         finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_worker_killed_just_after_submission_never_leaves_streams_hanging() -> None:
+    """Issue 51, item 4: after an earlier kill and rejoin, 8 streams are submitted; at once one worker
+    is killed (SIGKILL) and the other goes silent while alive (SIGSTOP: a worker heard from lately but
+    no longer answering, as the restarted workers that left rotation for "no word for 40 s"). Every
+    stream ends, answered or with an error, within the router's bounds (lost_after_s, retry_wait_s),
+    not the client's heartbeat timeout (set far beyond the guard here)."""
+
+    async def main() -> None:
+        launchers = [LocalEngineLauncher(worker_config(CONFIG, i, 2)) for i in range(2)]
+        settings = RouterSettings("kv", lost_after_s=4.0, retry_wait_s=4.0)
+        router = LaunchingRouter(launchers, [], settings)
+        router.heartbeat_timeout = 600.0  # the bounds must not lean on the heartbeat timeout
+        llm = await AsyncLLM.start(CONFIG, client=router)
+        stopped: list[int] = []
+        try:
+            await run(llm, "warm", prefix(llm, 0))
+            first = router.launchers[router.workers[0].url]
+            os.kill(first.proc.pid, signal.SIGKILL)  # the earlier kill ...
+            await until(lambda: router.stats_router.worker_losses >= 1)
+            await until(lambda: router.num_up == 2 and router.restarts == 1, timeout=120)  # ... and rejoin
+            await until(lambda: router.num_answering == 2)
+            p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+            ended: dict[str, str] = {}
+
+            async def stream(i: int) -> None:
+                try:
+                    await run(llm, f"s{i}", prefix(llm, 10 + i), p)
+                    ended[f"s{i}"] = "answered"
+                except EngineDeadError:
+                    ended[f"s{i}"] = "error"
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+            await until(lambda: all(f"s{i}" in router.placements for i in range(8)))
+            slots = {router.placements[f"s{i}"][0] for i in range(8)}
+            victim = router.launchers[router.workers[0].url].proc.pid
+            silent = router.launchers[router.workers[1].url].proc.pid
+            os.kill(victim, signal.SIGKILL)
+            os.kill(silent, signal.SIGSTOP)
+            stopped.append(silent)
+            # A guard against a hang only (the bounds above end them in seconds), not a timing assertion.
+            done, pending = await asyncio.wait(tasks, timeout=120)
+            for t in pending:
+                t.cancel()
+            assert not pending, f"hung streams: {[f's{i}' for i in range(8) if f's{i}' not in ended]}"
+            assert len(ended) == 8, ended
+            assert slots == {0, 1}, "streams were on both workers"
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
             await llm.shutdown()
 
     asyncio.run(main())

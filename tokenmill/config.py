@@ -61,9 +61,11 @@ class KVEventsConfig:
     indexes. Off by default: a lone engine has nobody to tell."""
 
     enable_kv_events: bool = setting(False, flag="kv-events", help="publish KV cache events")
-    kv_events_endpoint: str = setting("tcp://*:5557", help="PUB socket the events go out on (bound)")
+    kv_events_endpoint: str = setting(
+        "tcp://127.0.0.1:5557", help="PUB socket the events go out on (bound; tcp://*:5557 for all hosts)"
+    )
     kv_events_replay_endpoint: str | None = setting(
-        "tcp://*:5558", help="ROUTER socket answering replay requests for missed events (bound)"
+        "tcp://127.0.0.1:5558", help="ROUTER socket answering replay requests for missed events (bound)"
     )
     kv_events_topic: str = setting("", help="topic frame of every event message")
     kv_events_buffer_steps: int = setting(10_000, help="event batches kept for replay")

@@ -246,23 +246,39 @@ def serve(config: ServerConfig) -> None:
         pass
 
 
-def worker(config: EngineConfig, listen: str) -> None:
+def worker(
+    config: EngineConfig, listen: str, secret_file: str | None = None, allow_shutdown: bool = False
+) -> None:
     """Serve one engine over the engine protocol, for a front started elsewhere (`serve --worker-url`).
 
-    Anyone who can reach the address can use the engine: listen on 127.0.0.1 or a private network.
+    With a shared secret (--secret-file, $TOKENMILL_WORKER_SECRET_FILE or $TOKENMILL_WORKER_SECRET, the
+    same on the fronts) only fronts that know it are served. Without one, anyone who can reach the
+    address can use the engine: a warning says so unless it listens on loopback or ipc://.
     """
     import logging
 
     import zmq
 
     from tokenmill.engine.engine_server import serve_engine
+    from tokenmill.engine.protocol import SECRET_ENV, worker_secret
 
     if not listen.startswith(("tcp://", "ipc://")):
         fail(f"--listen {listen!r}: use tcp://HOST:PORT or ipc://PATH")
+    try:
+        secret = worker_secret(secret_file)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read the shared secret: {e}")
     check_models(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if secret is None and not is_loopback(listen):
+        logging.getLogger("tokenmill.worker").warning(
+            "listening on %s without a shared secret: anyone who reaches it can use this engine "
+            "(set %s or --secret-file, on the fronts too)",
+            listen,
+            SECRET_ENV,
+        )
     try:
-        code = serve_engine(config, listen)
+        code = serve_engine(config, listen, secret=secret, allow_shutdown=allow_shutdown)
     except zmq.ZMQError as e:
         fail(f"cannot listen on {listen}: {e}")
     except KeyboardInterrupt:
@@ -303,10 +319,33 @@ config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve)
 _listen = typer.Option(
     ..., "--listen", help="where to serve the engine protocol: tcp://HOST:PORT or ipc://PATH"
 )
+_secret_file = typer.Option(
+    None, "--secret-file", help="file with the shared secret fronts must know (else $TOKENMILL_WORKER_SECRET)"
+)
+_allow_shutdown = typer.Option(False, "--allow-shutdown", help="obey a front's Shutdown message")
 config_command(
     app, "worker", EngineConfig, ENGINE_SECTIONS, worker,
-    extra=[inspect.Parameter("listen", inspect.Parameter.KEYWORD_ONLY, default=_listen, annotation=str)],
+    extra=[inspect.Parameter("listen", inspect.Parameter.KEYWORD_ONLY, default=_listen, annotation=str),
+           inspect.Parameter("secret_file", inspect.Parameter.KEYWORD_ONLY, default=_secret_file,
+                             annotation=str | None),
+           inspect.Parameter("allow_shutdown", inspect.Parameter.KEYWORD_ONLY, default=_allow_shutdown,
+                             annotation=bool)],
 )  # fmt: skip
+
+
+def is_loopback(address: str) -> bool:
+    """ipc://, or tcp:// on 127.x.x.x, ::1 or localhost."""
+    import ipaddress
+
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main() -> None:

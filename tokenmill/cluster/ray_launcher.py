@@ -29,6 +29,7 @@ class EngineActor:
         import ray
 
         from tokenmill.engine.engine_server import serve_engine
+        from tokenmill.engine.protocol import worker_secret
 
         host = host or ray.util.get_node_ip_address()
         # Every port is taken by its own bind ("*": any free one), never picked first and bound later:
@@ -51,7 +52,7 @@ class EngineActor:
         self.thread = threading.Thread(
             target=serve_engine,
             args=(self.config, f"tcp://{host}:*"),
-            kwargs={"bound": bound},
+            kwargs={"bound": bound, "secret": worker_secret()},  # the fronts' secret, if set
             name="tokenmill-engine",
             daemon=True,
         )

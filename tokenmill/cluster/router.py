@@ -7,6 +7,12 @@ against the load the router has put on it. Workers come and go: one whose connec
 process exits, or who stops answering leaves rotation; requests of a lost worker that have not yet
 produced a token are sent to another worker, streams already under way end with an error; a worker
 that answers again rejoins with its index rebuilt from its events.
+
+Every request ends, answered or with an error, within stated bounds of silence: a retry goes only to a
+worker heard from within SUSPECT_AFTER_S (one that has proven it answers), waiting at most
+RouterSettings.retry_wait_s for one; a request whose worker sends nothing (no output, no heartbeat) for
+RouterSettings.lost_after_s after it was sent is taken as lost (retried if it has no token yet, else
+ended with an error), well before the client's own heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 SUSPECT_AFTER_S = 1.0  # a worker silent this long gets no new requests (a long step may explain it)
 REJOIN_EVERY_S = 1.0
 MAX_RETRIES = 2
+RETRY_POLL_S = 0.1  # how often a retry waiting for a worker that answers looks again
 
 
 @dataclass
@@ -58,6 +65,13 @@ class RouterSettings:
     approx_ttl_s: float = 120.0
     seed: int = 0
     disagg: DisaggSettings | None = None  # prefill/decode disaggregation (cluster/disagg.py)
+    # A retry goes only to a worker answering now (heard from within SUSPECT_AFTER_S); with none, it
+    # waits this long for one, then the request ends with EngineDeadError (the server's 503).
+    retry_wait_s: float = 10.0
+    # A request whose worker has sent nothing (no output, no heartbeat: engines beat each second, during
+    # steps too) for this long since the request was sent is lost: retried if it has no token yet, else
+    # ended with EngineDeadError, rather than waiting for the client's heartbeat timeout (40 s).
+    lost_after_s: float = 10.0
 
 
 @dataclass
@@ -114,9 +128,10 @@ class Worker:
         self.prefill_blocks = self.decode_blocks = 0
 
     def answering(self, now: float) -> bool:
-        """Gets new requests: up (connected, not known dead: the supervisor drops dead ones within
-        0.1 s) and heard from within SUSPECT_AFTER_S."""
-        return self.up and self.client is not None and now - self.client.last_heard < SUSPECT_AFTER_S
+        """Gets new requests: up, connected, not known dead (the supervisor drops dead ones within
+        0.1 s, but a retry may look sooner) and heard from within SUSPECT_AFTER_S."""
+        c = self.client
+        return self.up and c is not None and c.dead_reason is None and now - c.last_heard < SUSPECT_AFTER_S
 
 
 @dataclass
@@ -133,7 +148,9 @@ class RouterStats:
 class _Relay:
     """Stands in for the caller's queue at a worker's client: sees each output (or error) first."""
 
-    __slots__ = ("router", "req", "queue", "slot", "started", "tries", "hashes")
+    __slots__ = (
+        "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
+    )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
         self.router, self.req, self.queue = router, req, queue
@@ -141,6 +158,9 @@ class _Relay:
         self.started = False
         self.tries = 0
         self.hashes: list[int] | None = None
+        self.sent_at = 0.0  # time.monotonic() of the last dispatch
+        self.failed: set[tuple[int, int]] = set()  # (slot, joins) of the workers it was lost on
+        self.wait_until: float | None = None  # a retry waiting for a worker that answers: until then
 
     def put_nowait(self, item: object) -> None:
         r = self.router
@@ -151,7 +171,10 @@ class _Relay:
             if item.finish_reason is not None:
                 r._release(self)
         elif isinstance(item, EngineDeadError) and not self.started and self.tries <= MAX_RETRIES:
-            r.workers[self.slot].drop_active(self.req.request_id)  # stays findable for abort
+            w = r.workers[self.slot]
+            w.drop_active(self.req.request_id)  # stays findable for abort
+            self.failed.add((w.slot, w.joins))  # not sent there again (but after it rejoins)
+            self.wait_until = None
             r.stats_router.retries += 1
             asyncio.get_running_loop().call_soon(r._redispatch, self)
             return
@@ -166,7 +189,7 @@ class RouterEngineClient(EngineClient):
         urls: list[str],
         settings: RouterSettings | None = None,
         startup_timeout: float = 600.0,
-        heartbeat_timeout: float = 40.0,
+        heartbeat_timeout: float | None = None,  # None: default_heartbeat_timeout()
         names: list[str] | None = None,
         discovery: Discovery | None = None,
         discovery_interval_s: float = 5.0,
@@ -460,6 +483,33 @@ class RouterEngineClient(EngineClient):
                     await self._leave(w, w.client.dead_reason)
                 elif not w.up and not w.joining and now - w.last_attempt >= REJOIN_EVERY_S:
                     asyncio.create_task(self._join(w, startup_timeout_rejoin(self.startup_timeout)))
+            self._find_lost(time.monotonic())
+
+    def _find_lost(self, now: float) -> None:
+        """Requests whose worker has sent nothing (no output, no heartbeat) for settings.lost_after_s
+        since they were sent are lost: aborted there (should it speak again), then retried if they have
+        no token yet, else ended with EngineDeadError; the worker gets no retries while it is silent."""
+        bound = self.settings.lost_after_s
+        for w in self.workers:
+            c = w.client
+            # (a client known dead has failed its requests already)
+            if not w.active or c is None or c.dead_reason is not None or now - c.last_heard <= bound:
+                continue
+            lost = [
+                relay
+                for rid in w.active
+                if (relay := self._where.get(rid)) is not None
+                and relay.slot == w.slot
+                and now - relay.sent_at > bound
+            ]
+            if not lost:
+                continue
+            why = f"no word from worker {w.name} for {now - c.last_heard:.0f}s (lost after {bound:g}s)"
+            log.warning("%d requests on worker %s are lost: %s", len(lost), w.name, why)
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                c.abort([relay.req.request_id for relay in lost])  # its late outputs go nowhere
+            for relay in lost:
+                relay.put_nowait(EngineDeadError(why))
 
     # -- requests -----------------------------------------------------------------------------
     def _hashes(self, relay: _Relay) -> list[int]:
@@ -477,14 +527,27 @@ class RouterEngineClient(EngineClient):
         return self._hasher
 
     def _pick(self, relay: _Relay, exclude: set[int], role: str | None = None) -> tuple[Worker, int]:
+        """The worker for a request (and the prompt blocks it holds). A retry goes only to a worker that
+        answers now, and not again to one it was lost on (unless that worker has rejoined since)."""
         ups = [
-            w for w in self.workers if w.up and not w.draining and w.slot not in exclude and _fits(w, role)
+            w
+            for w in self.workers
+            if w.up
+            and not w.draining
+            and w.slot not in exclude
+            and _fits(w, role)
+            and w.client is not None
+            and w.client.dead_reason is None  # known dead: the supervisor is about to drop it
+            and (w.slot, w.joins) not in relay.failed
         ]
-        # A worker silent for a second gets no new requests; all of them silent: a long step, not death.
+        # A worker silent for a second gets no new requests; all of them silent: a long step, not death
+        # (settings.lost_after_s bounds the wait). A retry never waits on one that has not proven it answers.
         now = time.monotonic()
-        answering = [w for w in ups if w.answering(now)] or ups
+        answering = [w for w in ups if w.answering(now)]
+        if not answering and relay.tries == 0:
+            answering = ups
         if not answering:
-            raise EngineDeadError("no worker is up")
+            raise EngineDeadError("no worker is up" if not ups else "no worker answers")
         req = relay.req
         parent = req.request_id.split("#", 1)[0]
         if role != "prefill" and parent != req.request_id and parent in self._siblings:
@@ -633,6 +696,7 @@ class RouterEngineClient(EngineClient):
         w, overlap = self._pick(relay, exclude, role or self._role())
         req = relay.req
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
+        was = relay.slot
         relay.slot, relay.tries = w.slot, relay.tries + 1
         st = self.stats_router
         st.decisions[self.settings.policy] += 1
@@ -643,18 +707,39 @@ class RouterEngineClient(EngineClient):
         if len(self.placements) > 10_000:
             self.placements.popitem(last=False)
         self._where[req.request_id] = relay
+        relay.sent_at = time.monotonic()
         assert w.client is not None
-        w.client.add_request(req, relay)  # type: ignore[arg-type]
+        try:
+            w.client.add_request(req, relay)  # type: ignore[arg-type]
+        except Exception:  # not sent (its client has just failed): as if never picked
+            w.drop_active(req.request_id)
+            self._where.pop(req.request_id, None)
+            relay.slot, relay.tries = was, relay.tries - 1
+            raise
 
     def _redispatch(self, relay: _Relay) -> None:
+        """Send a request lost before its first token to a worker that answers now; with none, look
+        again every RETRY_POLL_S (the loop goes on meanwhile) for settings.retry_wait_s, then end the
+        request with EngineDeadError."""
         rid = relay.req.request_id
         if self._where.get(rid) is not relay:
             return  # aborted while the retry waited
+        now = time.monotonic()
+        if relay.wait_until is None:
+            relay.wait_until = now + self.settings.retry_wait_s
         try:
-            self._dispatch(relay, {relay.slot})
-        except Exception as e:  # noqa: BLE001 - no worker left: the caller gets the error
-            del self._where[rid]
-            relay.queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+            self._dispatch(relay, set())
+        except EngineDeadError as e:
+            if now < relay.wait_until:
+                self._where[rid] = relay  # still findable for abort while it waits
+                asyncio.get_running_loop().call_later(RETRY_POLL_S, self._redispatch, relay)
+                return
+            self._where.pop(rid, None)
+            wait = self.settings.retry_wait_s
+            relay.queue.put_nowait(EngineDeadError(f"{e} within {wait:g}s to take the request over"))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            self._where.pop(rid, None)
+            relay.queue.put_nowait(EngineDeadError(str(e)))
 
     def _started(self, relay: _Relay) -> None:
         self.workers[relay.slot].start_active(relay.req.request_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
 import tempfile
 import time
 import uuid
@@ -23,8 +24,11 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.protocol import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
     AbortRequests,
     AddRequest,
+    Challenge,
     Dead,
     EngineRequest,
     EngineStats,
@@ -37,6 +41,9 @@ from tokenmill.engine.protocol import (
     ToEngine,
     decode_from_engine,
     encode,
+    hello_mac,
+    secure_socket,
+    worker_secret,
 )
 from tokenmill.worker.lifetime import interrupts_held
 
@@ -57,6 +64,15 @@ def new_context() -> zmq.asyncio.Context:
 def destroy_context(ctx: zmq.asyncio.Context) -> None:
     ctx.destroy(linger=0)
     _LIVE_CONTEXTS.discard(ctx)
+
+
+HEARTBEAT_TIMEOUT_ENV = "TOKENMILL_ENGINE_HEARTBEAT_TIMEOUT_S"
+
+
+def default_heartbeat_timeout() -> float:
+    """How long an engine may stay silent before its requests fail: $TOKENMILL_ENGINE_HEARTBEAT_TIMEOUT_S
+    seconds, else 40. Engines heartbeat each second, during steps too (engine_server.py)."""
+    return float(os.environ.get(HEARTBEAT_TIMEOUT_ENV) or 40.0)
 
 
 class EngineDeadError(RuntimeError):
@@ -107,27 +123,35 @@ class ZmqEngineClient(EngineClient):
     """Talks the engine protocol to an engine served at `address` (ipc:// on this host, tcp:// from
     anywhere). It does not start the engine: see MPEngineClient for one it launches itself.
 
-    An engine that stops answering (no heartbeat for `heartbeat_timeout` seconds) is declared dead,
-    and its requests fail rather than wait forever.
+    An engine that stops answering (no heartbeat for `heartbeat_timeout` seconds; it heartbeats during
+    long steps too) is hung or out of reach: its requests fail rather than wait forever, and it is out
+    of service until it speaks again. Only its exit, a lost connection or its Dead end it for good.
     """
 
     def __init__(
         self,
         address: str,
         startup_timeout: float = 600.0,
-        heartbeat_timeout: float = 40.0,
+        heartbeat_timeout: float | None = None,
         launcher: LocalEngineLauncher | None = None,
+        secret: bytes | None = None,
     ) -> None:
-        """`launcher`: the engine's process, when this client's owner started it: its exit is noticed
-        at once, and shutdown() stops it."""
+        """`secret`: the workers' shared secret, for an engine that asks for it (default:
+        protocol.worker_secret(), from the environment).
+        `launcher`: the engine's process, when this client's owner started it: its exit is noticed
+        at once, and shutdown() stops it. `heartbeat_timeout`: None reads default_heartbeat_timeout()."""
         self.address = address
+        self.secret = secret if secret is not None else worker_secret()
         self.launcher = launcher
         self.startup_timeout = startup_timeout
+        if heartbeat_timeout is None:
+            heartbeat_timeout = default_heartbeat_timeout()
         self.heartbeat_timeout = heartbeat_timeout
         self.info = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: EngineStats | None = None
         self._dead: str | None = None
+        self._silent: str | None = None  # why the engine is out of service until it speaks again
         self._last_heard = 0.0
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -139,6 +163,7 @@ class ZmqEngineClient(EngineClient):
     async def start(self) -> None:
         self._ctx = new_context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        secure_socket(self._sock, self.secret, self.address, server=False)
         self._sock.connect(self.address)
         self._sock.send(encode(Hello()))
         deadline = time.monotonic() + self.startup_timeout
@@ -148,6 +173,14 @@ class ZmqEngineClient(EngineClient):
                 if isinstance(msg, Ready):
                     self.info = msg.info
                     break
+                if isinstance(msg, Challenge):
+                    if self.secret is None:
+                        self._dead = (
+                            f"the engine at {self.address} wants the workers' shared secret: set "
+                            f"{SECRET_ENV} or {SECRET_FILE_ENV}"
+                        )
+                        raise EngineDeadError(self._dead)
+                    self._sock.send(encode(Hello(hello_mac(self.secret, msg.nonce))))
                 if isinstance(msg, Dead):
                     self._dead = msg.message
                     raise EngineDeadError(msg.message)
@@ -155,8 +188,11 @@ class ZmqEngineClient(EngineClient):
                 self._dead = f"{gone} while starting"
                 raise EngineDeadError(self._dead)
             if time.monotonic() > deadline:
+                hint = ""  # a worker with a secret finishes no handshake with a front that lacks it
+                if self.secret is None and self.address.startswith("tcp://"):
+                    hint = f" (if it has a shared secret, set {SECRET_ENV} or {SECRET_FILE_ENV} here too)"
                 raise EngineDeadError(
-                    f"no engine answered at {self.address} within {self.startup_timeout:.0f}s"
+                    f"no engine answered at {self.address} within {self.startup_timeout:.0f}s{hint}"
                 )
         self._last_heard = time.monotonic()
         self._tasks = [
@@ -169,6 +205,7 @@ class ZmqEngineClient(EngineClient):
         while True:
             msg = decode_from_engine(await self._sock.recv())
             self._last_heard = time.monotonic()
+            self._silent = None  # an engine that speaks is back in service
             if isinstance(msg, StepOutputs):
                 for out in msg.outputs:
                     q = self._queues.get(out.request_id)
@@ -189,8 +226,21 @@ class ZmqEngineClient(EngineClient):
             await asyncio.sleep(0.25)
             if (gone := self._process_exit()) is not None:
                 self._fail(gone)
-            elif time.monotonic() - self._last_heard > self.heartbeat_timeout:
-                self._fail(f"no word from the engine at {self.address} for {self.heartbeat_timeout:.0f}s")
+            elif self._silent is None and time.monotonic() - self._last_heard > self.heartbeat_timeout:
+                why = f"no word from the engine at {self.address} for {self.heartbeat_timeout:.0f}s"
+                self._go_silent(why)
+
+    def _go_silent(self, reason: str) -> None:
+        """The engine is hung or out of reach, but maybe not gone: its requests fail now (and are
+        aborted there, should it come back), and it is out of service until its next message."""
+        self._silent = reason
+        ids = list(self._queues)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+        self._queues.clear()
+        if ids:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(encode(AbortRequests(ids)))
 
     async def _watch_connection(self) -> None:
         """A dropped connection (the engine's process died, its host closed it) fails requests at
@@ -224,6 +274,8 @@ class ZmqEngineClient(EngineClient):
         self._sock.send(encode(msg))  # a DEALER send on an asyncio socket never blocks here
 
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        if self._silent is not None and self._dead is None:
+            raise EngineDeadError(self._silent)  # it would wait for an engine that may never answer
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         self._queues[req.request_id] = q
         self._send(AddRequest(req))
@@ -244,7 +296,7 @@ class ZmqEngineClient(EngineClient):
     @property
     def healthy(self) -> bool:
         fresh = time.monotonic() - self._last_heard < self.heartbeat_timeout  # a long step is not death
-        return self._dead is None and self._process_exit() is None and fresh
+        return self._dead is None and self._silent is None and self._process_exit() is None and fresh
 
     @property
     def last_heard(self) -> float:
@@ -257,7 +309,8 @@ class ZmqEngineClient(EngineClient):
 
     @property
     def dead_reason(self) -> str | None:
-        return self._dead
+        """Why the engine is out of service: gone for good, or silent until it speaks again."""
+        return self._dead or self._silent
 
     @property
     def stats(self) -> EngineStats | None:
@@ -273,7 +326,8 @@ class ZmqEngineClient(EngineClient):
         # closes (closing drops unsent messages: linger 0).
         launcher = self.launcher
         told = False
-        alive = self._ctx is not None and self._dead is None and self._process_exit() is None
+        # (a silent engine is not told: it may be back soon, and serve another client of its launcher)
+        alive = self._ctx is not None and self.dead_reason is None and self._process_exit() is None
         if launcher is not None and alive:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(encode(Shutdown()))

@@ -6,6 +6,7 @@ EngineClient) adds requests, calls `step()` and turns the outputs into text and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.offload_connector import OffloadConnector
-from tokenmill.engine.pd_connector import PDConnector
+from tokenmill.engine.pd_connector import PDConnector, validate_kv_transfer
 from tokenmill.engine.protocol import EngineCoreOutput, EngineStats, TokenLogprobs
 from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.scheduler import Scheduler
@@ -143,7 +144,8 @@ class EngineCore:
             "model": self.config.model,
             "pid": os.getpid(),
             "kv_role": self.config.kv_transfer.kv_role,
-            "kv_transfer": self.executor.kv_transfer_info(),
+            # Where peers read this worker's blocks; the key of its read grants stays here.
+            "kv_transfer": {k: v for k, v in self.executor.kv_transfer_info().items() if k != "grant_key"},
         }
 
     @property
@@ -183,6 +185,11 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")
+        if req.kv_transfer is not None:  # checked here, so a malformed one fails this request only
+            req = dataclasses.replace(
+                req,
+                kv_transfer=validate_kv_transfer(req.kv_transfer, self.kv.block_size, self.max_model_len),
+            )
         self.scheduler.add_request(Request(req, self.max_model_len))
 
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:

@@ -3,17 +3,21 @@
 
 The engine binds a ROUTER socket; each frontend connects a DEALER and says Hello, and is answered
 Ready (or Dead, if the engine could not load). Outputs go to the frontend that added the request;
-while idle every frontend gets an empty StepOutputs heartbeat each second, so it can tell a live
-engine from a hung or vanished one. Messages are engine/protocol.py's.
+while idle, and while a step runs (from a thread of its own: a long prefill takes seconds), every
+frontend gets an empty StepOutputs heartbeat each second, so it can tell a live engine from a hung or
+vanished one. Messages are engine/protocol.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
+import secrets
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,6 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.protocol import (
     AbortRequests,
     AddRequest,
+    Challenge,
     Dead,
     EngineCoreOutput,
     FinishReason,
@@ -34,6 +39,8 @@ from tokenmill.engine.protocol import (
     StepOutputs,
     decode_to_engine,
     encode,
+    hello_mac,
+    secure_socket,
 )
 from tokenmill.worker.lifetime import die_with_parent, ignore_interrupts, interrupted
 
@@ -43,6 +50,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+# A step running longer than this is taken as hung: its heartbeats stop, and the frontends fail its
+# requests after their heartbeat timeout (a step's token budget takes seconds, a minute on a slow CPU).
+HUNG_STEP_S = 600.0
+# Fault injection for tests: each engine step takes this many seconds longer (a slow forward pass).
+SLOW_STEP_ENV = "TOKENMILL_TEST_SLOW_STEP_S"
 FAILED_START_GRACE_S = 3.0  # how long an engine that failed to load stays to tell frontends why
 
 
@@ -52,10 +64,14 @@ def serve_engine(
     *,
     launched_by_parent: bool = False,
     bound: Callable[[str], None] | None = None,
+    secret: bytes | None = None,
+    allow_shutdown: bool | None = None,
 ) -> int:
     """Load the engine, serve it at `address` until told to stop; return an exit code.
 
     `launched_by_parent`: the engine belongs to the process that started it and stops with it.
+    `secret`: frontends must prove they know it (engine/protocol.py's Hello); messages of others are
+    dropped. `allow_shutdown`: obey a frontend's Shutdown (default: only when launched by the parent).
     `bound(endpoint)`: called once the socket listens, with the endpoint it took (`tcp://host:*` asks
     for any free port, chosen by the bind itself, so two engines starting at once cannot race for one).
     """
@@ -67,6 +83,7 @@ def serve_engine(
     parent = os.getppid() if launched_by_parent else None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+    secure_socket(sock, secret, address, server=True)
     sock.bind(address)
     if bound is not None:
         bound(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
@@ -92,7 +109,9 @@ def serve_engine(
             sock.close(linger=500)
             return 1
         info["kv_events"] = publisher.describe()
-    server = _Server(engine, sock, info, parent, publisher)
+    if allow_shutdown is None:
+        allow_shutdown = launched_by_parent
+    server = _Server(engine, sock, info, parent, publisher, secret=secret, allow_shutdown=allow_shutdown)
     try:
         server.loop()
     except Exception as e:
@@ -139,13 +158,26 @@ class _Server:
         info: dict,
         parent: int | None,
         publisher: KVEventPublisher | None = None,
+        secret: bytes | None = None,
+        allow_shutdown: bool = True,
     ) -> None:
         self.engine, self.sock, self.info, self.parent = engine, sock, info, parent
         self.publisher = publisher
+        self.secret, self.allow_shutdown = secret, allow_shutdown
+        self.nonces: dict[bytes, bytes] = {}  # frontend identity -> the challenge it has to answer
+        self.authed: set[bytes] = set()  # frontends that proved they know the secret
         self.clients: dict[bytes, float] = {}  # frontend identity -> when it was last sent anything
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that added it
+        self.slow_step_s = float(os.environ.get(SLOW_STEP_ENV) or 0)
+        # The socket is this thread's, but lent to the heartbeat thread while a step runs (a long
+        # prefill takes seconds): `io` is held by whichever uses it. A ZeroMQ socket may pass between
+        # threads through a full memory barrier, which taking a lock is.
+        self.io = threading.Lock()
+        self.stepping_since: float | None = None  # time.monotonic() the running step began
+        self.last_stats = engine.stats()  # what heartbeats during a step carry
+        self._stopping = threading.Event()
 
-    def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead) -> None:
+    def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead | Challenge) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a frontend that left: its messages are dropped
             self.sock.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
 
@@ -154,6 +186,48 @@ class _Server:
             self.send(ident, msg)
 
     def loop(self) -> None:
+        with self._heartbeats():
+            self._loop()
+
+    @contextlib.contextmanager
+    def _heartbeats(self) -> Iterator[None]:
+        """This thread holds the socket (but for steps), the heartbeat thread runs, until the loop ends."""
+        beat = threading.Thread(target=self._beat_during_steps, name="tokenmill-heartbeat", daemon=True)
+        self.io.acquire()
+        beat.start()
+        try:
+            yield
+        finally:
+            self._stopping.set()
+            self.io.release()
+            beat.join()
+
+    def _beat_during_steps(self) -> None:
+        """While a step runs, each frontend still gets the idle heartbeat each second (with the stats of
+        the last step): a long step is not a silent engine."""
+        while not self._stopping.wait(HEARTBEAT_S / 4):
+            with self.io:
+                since, now = self.stepping_since, time.monotonic()
+                if since is None or now - since > HUNG_STEP_S:
+                    continue
+                for ident, last in list(self.clients.items()):
+                    if now - last >= HEARTBEAT_S:
+                        self.send(ident, StepOutputs([], self.last_stats))
+                        self.clients[ident] = now
+
+    def _step(self) -> list[EngineCoreOutput]:
+        """One engine step, the socket lent to the heartbeat thread meanwhile."""
+        self.stepping_since = time.monotonic()
+        self.io.release()
+        try:
+            if self.slow_step_s:
+                time.sleep(self.slow_step_s)
+            return self.engine.step()
+        finally:
+            self.io.acquire()
+            self.stepping_since = None
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             busy = engine.has_unfinished()
@@ -169,7 +243,7 @@ class _Server:
                     if not self.handle(ident, data, outputs):
                         return
             if engine.has_unfinished():
-                outputs.extend(engine.step())
+                outputs.extend(self._step())
             if self.publisher is not None:
                 self.publisher.publish(engine.kv.take_events())
             now = time.monotonic()
@@ -185,23 +259,54 @@ class _Server:
             log.warning("dropped a message the engine protocol does not allow: %s", e)
             return True
         if isinstance(msg, Hello):
+            if self.secret is not None and not self.authenticate(ident, msg):
+                return True
             self.clients[ident] = time.monotonic()
             self.send(ident, Ready(self.info))
+        elif self.secret is not None and ident not in self.authed:
+            log.warning("dropped a %s from a frontend that has not proved it knows the secret",
+                        type(msg).__name__)  # fmt: skip
         elif isinstance(msg, AddRequest):
             req = msg.request
+            if self.owner.get(req.request_id, ident) != ident:  # another frontend's request id
+                self.send(ident, Rejected(req.request_id, "request id already in use"))
+                return True
             try:
                 self.engine.add_request(req)
                 self.owner[req.request_id] = ident
             except ValueError as e:
                 self.send(ident, Rejected(req.request_id, str(e)))
-        elif isinstance(msg, AbortRequests):
-            outputs.extend(self.engine.abort(msg.request_ids))
+            except Exception as e:  # a request the checks let through costs that request, not the engine
+                log.exception("could not add request %s", req.request_id)
+                why = f"the engine could not add it ({type(e).__name__})"
+                self.send(ident, Rejected(req.request_id, why))
+        elif isinstance(msg, AbortRequests):  # a frontend ends only requests it added
+            outputs.extend(self.engine.abort([r for r in msg.request_ids if self.owner.get(r) == ident]))
         elif isinstance(msg, FinishRequests):
-            self.engine.finish(msg.request_ids, FinishReason.STOP)
-            for rid in msg.request_ids:
+            mine = [r for r in msg.request_ids if self.owner.get(r) == ident]
+            self.engine.finish(mine, FinishReason.STOP)
+            for rid in mine:
                 self.owner.pop(rid, None)
         elif isinstance(msg, Shutdown):
+            if self.allow_shutdown:
+                return False
+            log.warning("ignored a Shutdown from a frontend: this engine stops only by a signal")
+        return True
+
+    def authenticate(self, ident: bytes, msg: Hello) -> bool:
+        """A Hello without proof gets a Challenge; one with proof is checked against it (Dead if wrong)."""
+        if not msg.auth:
+            if len(self.nonces) >= 4096:  # frontends that never answer: forget the oldest
+                del self.nonces[next(iter(self.nonces))]
+            nonce = self.nonces[ident] = secrets.token_bytes(32)
+            self.send(ident, Challenge(nonce))
             return False
+        nonce = self.nonces.pop(ident, None)
+        if nonce is None or not hmac.compare_digest(msg.auth, hello_mac(self.secret or b"", nonce)):
+            log.warning("refused a frontend that does not know the shared secret")
+            self.send(ident, Dead("not authorized: the engine's shared secret is wrong or missing"))
+            return False
+        self.authed.add(ident)
         return True
 
     def deliver(self, outputs: list[EngineCoreOutput], now: float) -> None:
@@ -217,7 +322,7 @@ class _Server:
         due = [c for c, t in self.clients.items() if c not in by_client and now - t >= HEARTBEAT_S]
         if not by_client and not due:
             return
-        stats = self.engine.stats()
+        stats = self.last_stats = self.engine.stats()
         for ident, outs in by_client.items():
             self.send(ident, StepOutputs(outs, stats))
             self.clients[ident] = now

@@ -13,13 +13,62 @@ blocks when the reader says it is done, or after `hold_timeout_s` if nobody come
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
+
+import msgspec
 
 from tokenmill.engine.block_pool import KVBlock
 from tokenmill.engine.kv_connector import KVConnectorScheduler
 from tokenmill.engine.request import Request
-from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps
+from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps, make_grant
+
+# -- what a request's kv_transfer may say (checked when the request arrives, never in schedule()) ----------
+_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
+_MAX_ID = 1 << 31
+
+
+class RemoteBlocks(msgspec.Struct, forbid_unknown_fields=True):
+    """A prefill worker's answer (`request_finished`), passed on to a decode worker as `remote`."""
+
+    endpoint: str
+    request_id: str
+    block_ids: list[int]
+    block_size: int
+    grant: str = ""  # the prefill worker's token for reading these blocks (its transfer port checks it)
+
+
+class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
+    do_remote_decode: bool = False
+    remote: RemoteBlocks | None = None
+
+
+def validate_kv_transfer(kt: Any, block_size: int, max_model_len: int) -> dict[str, Any] | None:
+    """A request's kv_transfer as plain data of the allowed shape, or ValueError (that request fails,
+    the engine goes on): known keys of the right types, a tcp:// endpoint, block ids in range and no
+    more than a prompt can have, the block size this engine uses."""
+    if kt is None:
+        return None
+    try:
+        p = msgspec.convert(kt, KVTransferParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"kv_transfer: {e}") from None
+    r = p.remote
+    if r is not None:
+        port = r.endpoint.rsplit(":", 1)[-1]
+        if not _ENDPOINT.fullmatch(r.endpoint) or not 0 < int(port) < 65536:
+            raise ValueError(f"kv_transfer.remote.endpoint must be tcp://HOST:PORT, got {r.endpoint[:80]!r}")
+        if not 0 < len(r.request_id) <= 1024:
+            raise ValueError("kv_transfer.remote.request_id must be 1 to 1024 characters")
+        if r.block_size != block_size:
+            raise ValueError(f"kv_transfer.remote.block_size is {r.block_size}, this engine's {block_size}")
+        too_many = len(r.block_ids) > max_model_len // block_size + 1
+        if too_many or any(not 0 <= i < _MAX_ID for i in r.block_ids):
+            raise ValueError("kv_transfer.remote.block_ids: too many, or out of range")
+        if len(r.grant) > 256:
+            raise ValueError("kv_transfer.remote.grant is too long")
+    return msgspec.to_builtins(p)
 
 
 class PDConnector(KVConnectorScheduler):
@@ -38,6 +87,10 @@ class PDConnector(KVConnectorScheduler):
         kt = req.kv_transfer
         return kt.get("remote") if kt else None
 
+    @staticmethod
+    def _grant(remote: dict[str, Any]) -> tuple[str, list[int], str]:
+        return remote["request_id"], list(remote["block_ids"]), remote.get("grant", "")
+
     def num_external_blocks(self, req: Request, num_local_blocks: int) -> tuple[int, bool]:
         remote = self._remote(req)
         if remote is None:
@@ -45,7 +98,7 @@ class PDConnector(KVConnectorScheduler):
         limit = min(len(remote.get("block_ids", ())), (req.num_tokens - 1) // self.block_size)
         n = max(limit - num_local_blocks, 0)
         if n == 0:  # everything it needs is here already: the prefill worker may let go at once
-            self.ops.releases.append((remote["endpoint"], remote["request_id"]))
+            self.ops.releases.append((remote["endpoint"], remote["request_id"], self._grant(remote)))
         return n, n > 0
 
     def after_alloc(self, req: Request, blocks: list[KVBlock], first: int, background: bool) -> None:
@@ -53,7 +106,7 @@ class PDConnector(KVConnectorScheduler):
         assert remote is not None and background
         ids = list(remote["block_ids"][first : first + len(blocks)])
         self.ops.loads[req.request_id] = RemoteLoad(
-            remote["endpoint"], remote["request_id"], ids, [b.block_id for b in blocks]
+            remote["endpoint"], remote["request_id"], ids, [b.block_id for b in blocks], self._grant(remote)
         )
         self._loading[req.request_id] = first
         self.c["remote_load_blocks"] += len(blocks)
@@ -71,11 +124,16 @@ class PDConnector(KVConnectorScheduler):
         full = min(len(block_ids), req.num_prompt_tokens // self.block_size)
         self.held[req.request_id] = time.monotonic() + self.hold_timeout_s
         self.c["requests_held"] += 1
+        now = time.time()
+        key = bytes.fromhex(self.transfer_info.get("grant_key", ""))
         return True, {
             "endpoint": self.transfer_info["endpoint"],
             "request_id": req.request_id,
             "block_ids": block_ids[:full],
             "block_size": self.block_size,
+            # Reading these blocks takes this token; it lapses when they are freed (the hold timeout, or
+            # the reader's `done`), so nobody reads them once they hold another request's KV.
+            "grant": make_grant(key, req.request_id, block_ids[:full], now, now + self.hold_timeout_s),
         }
 
     def expired(self, now: float) -> list[str]:

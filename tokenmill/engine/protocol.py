@@ -9,6 +9,9 @@ mapping code.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +94,13 @@ class EngineStats:
 
 # -- frontend -> engine ---------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag="hello", array_like=True):
-    """A frontend introduces itself; the engine answers Ready (or Dead) and heartbeats it from then on."""
+    """A frontend introduces itself; the engine answers Ready (or Dead) and heartbeats it from then on.
+
+    An engine with a shared secret (`worker_secret()`) answers a Hello without `auth` with a Challenge;
+    the frontend says Hello again with auth = hello_mac(secret, the challenge's nonce). Until then the
+    engine ignores everything that frontend sends."""
+
+    auth: bytes = b""
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -118,7 +127,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
-    """A step's outputs with the engine's stats; sent empty every second while idle (a heartbeat)."""
+    """A step's outputs with the engine's stats; sent empty every second while idle or in a long
+    step (a heartbeat)."""
 
     outputs: list[EngineCoreOutput]
     stats: EngineStats
@@ -133,8 +143,62 @@ class Dead(msgspec.Struct, tag="dead", array_like=True):
     message: str
 
 
+class Challenge(msgspec.Struct, tag="challenge", array_like=True):
+    """The engine wants proof that the frontend knows the shared secret (see Hello)."""
+
+    nonce: bytes
+
+
 ToEngine = Hello | AddRequest | AbortRequests | FinishRequests | Shutdown
-FromEngine = Ready | StepOutputs | Rejected | Dead
+FromEngine = Ready | StepOutputs | Rejected | Dead | Challenge
+
+SECRET_ENV = "TOKENMILL_WORKER_SECRET"
+SECRET_FILE_ENV = "TOKENMILL_WORKER_SECRET_FILE"
+
+
+def worker_secret(secret_file: str | None = None) -> bytes | None:
+    """The workers' shared secret: the file given, else $TOKENMILL_WORKER_SECRET_FILE's contents, else
+    $TOKENMILL_WORKER_SECRET (surrounding whitespace dropped); None if none is set."""
+    path = secret_file or os.environ.get(SECRET_FILE_ENV)
+    if path:
+        with open(path, "rb") as f:
+            value = f.read().strip()
+        if not value:
+            raise ValueError(f"the secret file {path} is empty")
+        return value
+    value = os.environ.get(SECRET_ENV, "").strip()
+    return value.encode() if value else None
+
+
+def hello_mac(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, b"tokenmill-engine-hello-v1|" + nonce, hashlib.sha256).digest()
+
+
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The engine's CURVE key pair (Z85: public, secret) derived from the shared secret: over tcp:// the
+    engine protocol is encrypted, and a peer that does not know the secret cannot even finish the
+    ZeroMQ handshake (it would need the engine's public key)."""
+    import zmq
+    from zmq.utils import z85
+
+    sk = z85.encode(hmac.new(secret, b"tokenmill-engine-curve-v1", hashlib.sha256).digest())
+    return zmq.curve_public(sk), sk
+
+
+def secure_socket(sock: Any, secret: bytes | None, address: str, server: bool) -> None:
+    """CURVE on a tcp:// engine-protocol socket when there is a shared secret (both ends or neither)."""
+    if secret is None or not address.startswith("tcp://"):
+        return
+    import zmq
+
+    public, private = curve_keys(secret)
+    if server:
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = public, private
+    else:
+        sock.curve_serverkey = public
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()  # this client's, for this session
+
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

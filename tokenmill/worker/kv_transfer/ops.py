@@ -3,6 +3,8 @@ data in SchedulerOutput.kv_connector_metadata)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 
 
@@ -12,6 +14,8 @@ class RemoteLoad:
     remote_request_id: str  # its request, whose blocks it keeps until told we are done
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    # The prefill worker's grant: (its request id, all the block ids it granted, the token).
+    grant: tuple[str, list[int], str] = ("", [], "")
 
 
 @dataclass
@@ -19,8 +23,29 @@ class TransferOps:
     # request id -> blocks to read in the background; the worker reports each request once, with how
     # many leading blocks arrived.
     loads: dict[str, RemoteLoad] = field(default_factory=dict)
-    # (endpoint, remote request id): prefill workers whose blocks we did not need.
-    releases: list[tuple[str, str]] = field(default_factory=list)
+    # (endpoint, remote request id, grant): prefill workers whose blocks we did not need.
+    releases: list[tuple[str, str, tuple[str, list[int], str]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.releases)
+
+
+def make_grant(key: bytes, request_id: str, block_ids: list[int], issued: float, expires: float) -> str:
+    """A token for reading `block_ids` (those of `request_id`) until `expires` (time.time())."""
+    times = f"{issued:.3f}.{expires:.3f}"
+    body = f"{request_id}|{times}|{','.join(map(str, block_ids))}".encode()
+    return f"{times}.{hmac.new(key, body, hashlib.sha256).hexdigest()}"
+
+
+def check_grant(
+    key: bytes, request_id: str, block_ids: list[int], grant: str, now: float, revoked_at: float = -1.0
+) -> bool:
+    """`grant` is make_grant's for these blocks, not expired, and issued after the request's `done`."""
+    try:
+        a, b, c, d, _ = grant.split(".")
+        issued, expires = float(f"{a}.{b}"), float(f"{c}.{d}")
+    except ValueError:
+        return False
+    if expires < now or issued <= revoked_at:
+        return False
+    return hmac.compare_digest(grant, make_grant(key, request_id, block_ids, issued, expires))

@@ -32,7 +32,7 @@ class PDWorker:
         self.server = TransferServer(kv, shm_path, host, port, layout) if serve else None
         self.client = TransferClient(kv, timeout_s, use_shm, layout)
         self.stats = {"remote_read_failures": 0}
-        self._jobs: queue.Queue[tuple[str, RemoteLoad | None, tuple[str, str] | None] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, RemoteLoad | None, tuple | None] | None] = queue.Queue()
         self._cv = threading.Condition()
         self._loaded: dict[str, int] = {}
         self._pending = 0
@@ -77,21 +77,21 @@ class PDWorker:
             assert load is not None
             ok = 0
             try:
-                self.client.read(load.endpoint, load.remote_block_ids, load.local_block_ids)
+                self.client.read(load.endpoint, load.remote_block_ids, load.local_block_ids, load.grant)
                 ok = len(load.local_block_ids)
             except Exception as e:  # the decode worker recomputes what did not arrive
                 self.stats["remote_read_failures"] += 1
                 log.warning("KV transfer: reading %d blocks of %s from %s failed (%s): recomputing",
                             len(load.remote_block_ids), rid, load.endpoint, e)  # fmt: skip
-            self._tell_done(load.endpoint, load.remote_request_id)
+            self._tell_done(load.endpoint, load.remote_request_id, load.grant)
             with self._cv:
                 self._loaded[rid] = ok
                 self._pending -= 1
                 self._cv.notify_all()
 
-    def _tell_done(self, endpoint: str, remote_request_id: str) -> None:
+    def _tell_done(self, endpoint: str, remote_request_id: str, grant: tuple[str, list[int], str]) -> None:
         try:
-            self.client.done(endpoint, remote_request_id)
+            self.client.done(endpoint, remote_request_id, grant)
         except Exception as e:  # noqa: BLE001 - the prefill worker frees them after its hold timeout
             log.warning(
                 "KV transfer: could not tell %s we are done with %s: %s", endpoint, remote_request_id, e

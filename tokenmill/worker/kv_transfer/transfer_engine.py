@@ -8,23 +8,38 @@ the socket, so a reader on another host needs nothing but the address.
 
 Messages (multipart, plain bytes and msgpack):
   [b"meta"]                      -> [b"ok", msgpack {shm, shape, dtype, host, layout}]
-  [b"read", msgpack [block ids]] -> [b"ok", the blocks' bytes, in order] | [b"err", message]
-  [b"done", request id]          -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
+  [b"read", msgpack [block ids], msgpack [request id, granted block ids, grant]]
+                                 -> [b"ok", the blocks' bytes, in order] | [b"err", message]
+  [b"done", request id, msgpack [request id, granted block ids, grant]]
+                                 -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
+
+A read over the socket needs a grant: the token the prefill worker handed out with a finished request's
+blocks (make_grant, keyed by a secret of this server that only its own scheduler knows), valid for those
+blocks until the hold timeout or the reader's `done`. Other blocks (other requests' live KV) are refused.
+Readers by shared memory are processes of the same user on the same host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
+import re
+import secrets
 import socket
+import stat
 import threading
+import time
 import uuid
+import warnings
 from pathlib import Path
 
 import msgspec
 import torch
 import zmq
+
+from tokenmill.worker.kv_transfer.ops import check_grant
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +70,62 @@ def shared_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
     return t, proc_fd / str(fd)
 
 
+_PEER_FD = re.compile(r"/proc/([0-9]{1,10})/fd/([0-9]{1,10})")
+
+
+def is_region(target: str) -> bool:
+    """`target` (a /proc/PID/fd link's) is an unlinked region of shared_kv_tensor's."""
+    name = Path(target.removesuffix(" (deleted)"))
+    return target.endswith(" (deleted)") and name.parent == SHM_DIR and name.name.startswith("tokenmill-kv-")
+
+
+def map_peer_region(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A peer's shared KV region, mapped read-only; None (read over the socket instead) unless `path`
+    is what `shared_kv_tensor` hands out: /proc/PID/fd/N of a process of this user, open on an unlinked
+    `tokenmill-kv-*` file of /dev/shm that is a regular file of exactly the region's size.
+
+    The path comes from a peer, so it is never opened for writing nor created nor grown: a path naming
+    any other file (one of ours, or a link to it) is refused and left as it was."""
+    if not _PEER_FD.fullmatch(path):
+        log.warning("KV transfer: a peer named %r as its shared-memory region: ignored", path[:200])
+        return None
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    try:  # no open at all (a FIFO, a device) unless it names a region; checked again on what was opened
+        if not is_region(os.readlink(path)):
+            log.warning("KV transfer: a peer named %r as its shared-memory region: ignored", path)
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")  # what was opened, whatever the peer does since
+        st, shm = os.fstat(fd), os.stat(SHM_DIR)
+        if not (
+            is_region(target)
+            and stat.S_ISREG(st.st_mode)
+            and st.st_nlink == 0
+            and st.st_uid == os.getuid()
+            and st.st_dev == shm.st_dev
+            and st.st_size == nbytes
+            and nbytes > 0
+        ):
+            log.warning("KV transfer: a peer named a shared-memory region %r (%s) that is not one: ignored",
+                        path, target[:200])  # fmt: skip
+            return None
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only memory: this side only ever reads it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
 def _blocks(kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """[n, layers, k/v, tokens, heads, dim]: the blocks of a [layers, k/v, blocks, ...] cache."""
     return kv.index_select(2, torch.tensor(ids, dtype=torch.long, device=kv.device)).movedim(2, 0)
@@ -82,6 +153,8 @@ class TransferServer:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
+        self.grant_key = secrets.token_bytes(32)  # for the scheduler of this worker only (describe())
+        self._revoked: dict[str, float] = {}  # request id -> its `done`: grants issued before are void
         self._done: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -90,11 +163,13 @@ class TransferServer:
         self._thread.start()
 
     def describe(self) -> dict:
-        """What a peer needs to read from here (plain data)."""
+        """What a peer needs to read from here (plain data), and the key of the grants the scheduler
+        hands out (`grant_key`: the engine keeps it out of what it tells anyone else)."""
         return {
             "endpoint": self.endpoint,
             "shm": str(self.shm_path) if self.shm_path else None,
             "host": socket.gethostname(),
+            "grant_key": self.grant_key.hex(),
         }
 
     def take_done(self) -> list[str]:
@@ -133,16 +208,31 @@ class TransferServer:
         kind = frames[0] if frames else b""
         if kind == b"meta":
             return [b"ok", meta]
-        if kind == b"read" and len(frames) == 2:
+        if kind == b"read" and len(frames) == 3:
             ids = msgspec.msgpack.decode(frames[1], type=list[int])
+            rid, granted, grant = msgspec.msgpack.decode(frames[2], type=tuple[str, list[int], str])
+            now = time.time()
+            revoked_at = self._revoked.get(rid, -1.0)
+            if not set(ids) <= set(granted) or not check_grant(
+                self.grant_key, rid, granted, grant, now, revoked_at
+            ):
+                return [b"err", b"no grant for these blocks"]
             if any(not 0 <= i < self.kv.shape[2] for i in ids):
                 return [b"err", b"block id out of range"]
             data = _blocks(self.kv, ids).contiguous().cpu()
             self.blocks_served += len(ids)
             return [b"ok", data.view(torch.uint8).numpy()]
-        if kind == b"done" and len(frames) == 2:
+        if kind == b"done" and len(frames) == 3:
+            rid = frames[1].decode()
+            grid, granted, grant = msgspec.msgpack.decode(frames[2], type=tuple[str, list[int], str])
+            now = time.time()
+            if grid != rid or not check_grant(self.grant_key, rid, granted, grant, now):
+                return [b"err", b"no grant for this request"]
+            if len(self._revoked) > 10_000:  # grants live for a hold timeout; an hour is far longer
+                self._revoked = {r: t for r, t in self._revoked.items() if t > now - 3600}
+            self._revoked[rid] = now
             with self._lock:
-                self._done.append(frames[1].decode())
+                self._done.append(rid)
             return [b"ok"]
         return [b"err", b"unknown request"]
 
@@ -210,22 +300,20 @@ class TransferClient:
             )
         if self.use_shm:
             path, dtype = meta.get("shm"), _DTYPES.get(meta["dtype"])
-            if (
-                path
-                and dtype == self.kv.dtype
-                and meta.get("host") == socket.gethostname()
-                and os.path.exists(path)
-            ):
-                numel = 1
-                for n in shape:
-                    numel *= n
-                with contextlib.suppress(RuntimeError, OSError):
-                    region = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+            if isinstance(path, str) and dtype == self.kv.dtype and meta.get("host") == socket.gethostname():
+                region = map_peer_region(path, shape, dtype)
         self._regions[endpoint] = region
         return region
 
-    def read(self, endpoint: str, remote_ids: list[int], local_ids: list[int]) -> None:
-        """Copy the peer's blocks `remote_ids` into this cache's blocks `local_ids`."""
+    def read(
+        self,
+        endpoint: str,
+        remote_ids: list[int],
+        local_ids: list[int],
+        grant: tuple[str, list[int], str] = ("", [], ""),
+    ) -> None:
+        """Copy the peer's blocks `remote_ids` into this cache's blocks `local_ids`; `grant`: (request
+        id, its block ids, the token) as the prefill worker handed them out."""
         if not remote_ids:
             return
         kv = self.kv
@@ -235,14 +323,16 @@ class TransferClient:
             kv.index_copy_(2, dst, _blocks(region, remote_ids).movedim(0, 2).to(kv.device))
             self.blocks_by_shm += len(remote_ids)
             return
-        (data,) = self._call(endpoint, b"read", msgspec.msgpack.encode(remote_ids))
+        (data,) = self._call(
+            endpoint, b"read", msgspec.msgpack.encode(remote_ids), msgspec.msgpack.encode(list(grant))
+        )
         shape = (len(remote_ids), *kv.shape[:2], *kv.shape[3:])
         blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kv.dtype).reshape(shape)
         kv.index_copy_(2, dst, blocks.movedim(0, 2).to(kv.device))
         self.blocks_by_tcp += len(remote_ids)
 
-    def done(self, endpoint: str, request_id: str) -> None:
-        self._call(endpoint, b"done", request_id.encode())
+    def done(self, endpoint: str, request_id: str, grant: tuple[str, list[int], str] = ("", [], "")) -> None:
+        self._call(endpoint, b"done", request_id.encode(), msgspec.msgpack.encode(list(grant)))
 
     def close(self) -> None:
         for s in self._socks.values():
