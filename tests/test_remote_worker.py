@@ -4,15 +4,14 @@ frontend, two frontends at once, the OpenAI server with --worker-url, and a work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
+from procs import worker_process
 from server_fixture import free_port, running_server
 
 from tokenmill import SamplingParams
@@ -26,36 +25,6 @@ pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
-
-
-@contextlib.contextmanager
-def worker_process(*args: str):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tokenmill.cli.main",
-        "worker",
-        "--listen",
-        url,
-        "--max-model-len",
-        "512",
-        *args,
-    ]
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            yield url, proc
-        except BaseException:
-            log.seek(0)  # a worker that failed to start (a port taken, a crash) says why in the test output
-            print(f"worker {url} (exit code {proc.poll()}) said:\n{log.read()[-4000:]}")
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 async def collect(llm: AsyncLLM, rid: str, ids: list[int]) -> list[int]:

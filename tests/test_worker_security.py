@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from procs import stop, worker_process
 from server_fixture import free_port
 
 from tokenmill import SamplingParams
@@ -163,29 +164,6 @@ def test_kv_block_reads_need_the_grant_of_a_request() -> None:
 
 
 # -- a worker process and clients of its engine protocol -----------------------------------------------
-@contextlib.contextmanager
-def worker_process(*args: str, env: dict[str, str] | None = None):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "worker", "--listen", url, "--max-model-len", "512",
-           "--dtype", "float32", *args]  # fmt: skip
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
-        )
-        try:
-            yield url, proc
-        except BaseException:
-            log.seek(0)
-            print(f"worker {url} (exit code {proc.poll()}) said:\n{log.read()[-6000:]}")
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 class RawClient:
     """A DEALER speaking the engine protocol by hand, with or without the secret (`secret` for the
     Hello's proof; `curve`: the secret its CURVE keys come from, by default the same)."""
@@ -247,7 +225,9 @@ class RawClient:
 
 @pytest.fixture(scope="module")
 def worker():
-    with worker_process("--kv-role", "both", env={"TOKENMILL_WORKER_SECRET": SECRET.decode()}) as (url, proc):
+    with worker_process(
+        "--dtype", "float32", "--kv-role", "both", env={"TOKENMILL_WORKER_SECRET": SECRET.decode()}
+    ) as (url, proc):
         front = RawClient(url, SECRET)
         try:
             ready = front.hello()
@@ -441,11 +421,7 @@ def test_a_worker_listening_beyond_loopback_without_a_secret_warns() -> None:
                 said = log.read()
             assert "without a shared secret" in said and "TOKENMILL_WORKER_SECRET" in said, said[-2000:]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
