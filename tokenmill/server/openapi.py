@@ -28,6 +28,18 @@ _BODY_ERRORS = {
     "429": "at capacity; retry after the Retry-After header's seconds",
     "500": "the engine failed on this request (the message names the request id)",
 }
+# KServe v2 (/v2, server/../triton/http.py): errors are {"error": message}; readiness is a status code.
+_V2_ERRORS = {
+    "400": "invalid request, or a model or version not ready (the message says which)",
+    "404": "no such model or version",
+    "503": "the model or its engine is not available",
+}
+_V2_ERROR = {
+    "type": "object",
+    "properties": {"error": {"type": "string"}},
+    "required": ["error"],
+}
+_V2_STATUS_ONLY = {"/v2/health/live", "/v2/health/ready"}  # no body: 200 or 400 says it
 _REF = "#/components/schemas/{model}"
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 
@@ -45,6 +57,9 @@ def install(app: FastAPI, bodies: dict[str, type[BaseModel]], streaming: set[str
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
+                if path.startswith("/v2"):
+                    _document_v2(path, responses)
+                    continue
                 for code, text in _COMMON_ERRORS.items():
                     responses.setdefault(code, {"description": text, "content": error})
                 if method != "post" or path not in bodies:
@@ -74,3 +89,19 @@ def _add_model(schemas: dict[str, Any], model: type[BaseModel]) -> None:
     for name, sub in js.pop("$defs", {}).items():
         schemas.setdefault(name, sub)
     schemas[model.__name__] = js
+
+
+def _document_v2(path: str, responses: dict[str, Any]) -> None:
+    """A /v2 operation's answers in KServe v2's shape: readiness by status code alone, errors as
+    {"error": message}."""
+    v2_error = {"application/json": {"schema": _V2_ERROR}}
+    if path in _V2_STATUS_ONLY or path.endswith("/ready"):
+        responses["200"] = {"description": "ready (or live); no body"}
+        responses["400"] = {"description": "not ready; no body"}
+        if path not in _V2_STATUS_ONLY:
+            responses["404"] = {"description": "no such model or version", "content": v2_error}
+        return
+    if "/load" in path or "/unload" in path:
+        responses["200"] = {"description": "done; no body"}
+    for code, text in {**_V2_ERRORS, "401": _COMMON_ERRORS["401"], "413": _COMMON_ERRORS["413"]}.items():
+        responses.setdefault(code, {"description": text, "content": v2_error})
