@@ -252,29 +252,31 @@ def test_warm_restart_and_a_damaged_block_is_recomputed(reference: list[list[int
             assert (store.get(bytes.fromhex(f.stem)) is None) == (f not in rewritten)
 
 
+def _round_stats(reference: list[list[int]], offload: str) -> dict:
+    """One round on a fresh engine with `offload`: its tokens must equal the reference; its KV
+    connector's stats."""
+    llm = LLM(**SMALL_POOL, kv_offload=offload)
+    try:
+        assert _rounds(llm, 1)[0] == reference
+        return llm.engine.stats().kv_connector
+    finally:
+        llm.close()
+
+
 def test_a_forged_block_file_is_refused_and_the_answer_unchanged(
     reference: list[list[int]], tmp_path: Path
 ) -> None:
     """Whoever can write the directory but holds no key relabels every block file with another block's
     contents and recomputes the checksum: each is refused (recomputed), never served."""
     disk = tmp_path / "disk"
-    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
-    try:
-        assert _rounds(llm, 1)[0] == reference
-    finally:
-        llm.close()
+    _round_stats(reference, f"disk={disk}:100MB")
     files = sorted(disk.rglob("*.kvb"))
     assert len(files) >= 6 * 14
     contents = [f.read_bytes() for f in files]
     for i, f in enumerate(files):
         other = block_payload(contents[(i + 1) % len(files)])
         f.write_bytes(forge_block_file(contents[i], bytes.fromhex(f.stem), other))
-    llm = LLM(**SMALL_POOL, kv_offload=f"disk={disk}:100MB")
-    try:
-        assert _rounds(llm, 1)[0] == reference
-        kv = llm.engine.stats().kv_connector
-    finally:
-        llm.close()
+    kv = _round_stats(reference, f"disk={disk}:100MB")
     assert kv["disk_hits"] == 0 and kv["corrupt_blocks"] >= 6, kv
 
 
@@ -316,19 +318,10 @@ def test_shared_tier_workers_with_different_keys_refuse_each_others_blocks(
 ) -> None:
     shared = tmp_path / "shared"
     monkeypatch.setenv(SHARED_KEY, "deployment-one-secret-key")
-    llm = LLM(**SMALL_POOL, kv_offload=f"shared={shared}")
-    try:
-        assert _rounds(llm, 1)[0] == reference
-    finally:
-        llm.close()
+    _round_stats(reference, f"shared={shared}")
     assert len(list(shared.rglob("*.kvb"))) >= 6 * 14
     monkeypatch.setenv(SHARED_KEY, "deployment-two-secret-key")
-    llm = LLM(**SMALL_POOL, kv_offload=f"shared={shared}")
-    try:
-        assert _rounds(llm, 1)[0] == reference
-        kv = llm.engine.stats().kv_connector
-    finally:
-        llm.close()
+    kv = _round_stats(reference, f"shared={shared}")
     assert kv["shared_hits"] == 0 and kv["corrupt_blocks"] >= 6, kv
     # No key, no shared tier: a key file inside the directory would be open to the writers it is
     # meant to keep out.
