@@ -83,6 +83,25 @@ def test_same_prefix_lands_where_it_is_cached_and_salts_stay_apart() -> None:
     asyncio.run(main())
 
 
+def test_idle_workers_stay_in_rotation() -> None:
+    """An idle worker's heartbeats come often enough that it never looks silent (issue 51: beats every
+    1.0-1.25 s against a 1.0 s threshold took idle workers out of rotation each cycle)."""
+
+    async def main() -> None:
+        llm, router = await start_fleet()
+        try:
+            await until(lambda: router.num_answering == 2)
+            seen = []
+            for _ in range(100):  # 5 s: several heartbeat periods
+                seen.append(router.num_answering)
+                await asyncio.sleep(0.05)
+            assert min(seen) == 2, f"a worker out of rotation in {sum(n < 2 for n in seen)} of 100 looks"
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
     async def main() -> None:
         llm, router = await start_fleet()

@@ -51,7 +51,9 @@ from tokenmill.engine.client import (
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats, FinishReason
 
 log = logging.getLogger(__name__)
-SUSPECT_AFTER_S = 1.0  # a worker silent this long gets no new requests (a long step may explain it)
+# A worker silent this long gets no new requests: four missed heartbeats (engines beat every 0.5 s,
+# during steps too), so a loaded machine's scheduling jitter does not take idle workers out of rotation.
+SUSPECT_AFTER_S = 2.0
 REJOIN_EVERY_S = 1.0
 MAX_RETRIES = 2
 RETRY_POLL_S = 0.1  # how often a retry waiting for a worker that answers looks again
@@ -68,7 +70,7 @@ class RouterSettings:
     # A retry goes only to a worker answering now (heard from within SUSPECT_AFTER_S); with none, it
     # waits this long for one, then the request ends with EngineDeadError (the server's 503).
     retry_wait_s: float = 10.0
-    # A request whose worker has sent nothing (no output, no heartbeat: engines beat each second, during
+    # A request whose worker has sent nothing (no output, no heartbeat: engines beat every half second, during
     # steps too) for this long since the request was sent is lost: retried if it has no token yet, else
     # ended with EngineDeadError, rather than waiting for the client's heartbeat timeout (40 s).
     lost_after_s: float = 10.0
@@ -620,7 +622,7 @@ class RouterEngineClient(EngineClient):
         assert d is not None
         now = time.monotonic()
         prefill = [w for w in self.workers if w.up and _fits(w, "prefill")]
-        # An idle worker is heard from once a second: silence alone does not rule it out (as in _pick).
+        # An idle worker is heard from every half second: silence alone does not rule it out (as in _pick).
         prefill = [w for w in prefill if w.answering(now)] or prefill
         if not any(len(w.active) < d.max_prefill_inflight for w in prefill):
             return False

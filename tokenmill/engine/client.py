@@ -71,7 +71,7 @@ HEARTBEAT_TIMEOUT_ENV = "TOKENMILL_ENGINE_HEARTBEAT_TIMEOUT_S"
 
 def default_heartbeat_timeout() -> float:
     """How long an engine may stay silent before its requests fail: $TOKENMILL_ENGINE_HEARTBEAT_TIMEOUT_S
-    seconds, else 40. Engines heartbeat each second, during steps too (engine_server.py)."""
+    seconds, else 40. Engines heartbeat every half second, during steps too (engine_server.py)."""
     return float(os.environ.get(HEARTBEAT_TIMEOUT_ENV) or 40.0)
 
 

@@ -4,7 +4,7 @@
 The engine binds a ROUTER socket; each frontend connects a DEALER and says Hello, and is answered
 Ready (or Dead, if the engine could not load). Outputs go to the frontend that added the request;
 while idle, and while a step runs (from a thread of its own: a long prefill takes seconds), every
-frontend gets an empty StepOutputs heartbeat each second, so it can tell a live engine from a hung or
+frontend gets an empty StepOutputs heartbeat every HEARTBEAT_S, so it can tell a live engine from a hung or
 vanished one. Messages are engine/protocol.py's.
 """
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # idle beats: a router takes a worker silent for SUSPECT_AFTER_S (2 s) out of rotation
 # A step running longer than this is taken as hung: its heartbeats stop, and the frontends fail its
 # requests after their heartbeat timeout (a step's token budget takes seconds, a minute on a slow CPU).
 HUNG_STEP_S = 600.0
@@ -203,7 +203,7 @@ class _Server:
             beat.join()
 
     def _beat_during_steps(self) -> None:
-        """While a step runs, each frontend still gets the idle heartbeat each second (with the stats of
+        """While a step runs, each frontend still gets the idle heartbeat every HEARTBEAT_S (with the stats of
         the last step): a long step is not a silent engine."""
         while not self._stopping.wait(HEARTBEAT_S / 4):
             with self.io:
@@ -311,7 +311,7 @@ class _Server:
 
     def deliver(self, outputs: list[EngineCoreOutput], now: float) -> None:
         """Each frontend gets its requests' outputs with the stats; one with nothing new gets the stats
-        alone once a second (the heartbeat)."""
+        alone every HEARTBEAT_S (the heartbeat)."""
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
         for out in outputs:
             ident = self.owner.get(out.request_id)

@@ -127,7 +127,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):
-    """A step's outputs with the engine's stats; sent empty every second while idle or in a long
+    """A step's outputs with the engine's stats; sent empty every half second while idle or in a long
     step (a heartbeat)."""
 
     outputs: list[EngineCoreOutput]
