@@ -608,6 +608,34 @@ def test_a_recursive_schema_with_a_way_out_is_followed(client: openai.OpenAI) ->
         assert finish == "length", (finish, text)
 
 
+# Accepted at the door (its first tokens are the literal's), yet `a` has no finite text: once the literal
+# is written the grammar allows nothing. Issue 51 item 6: this ended with a 500.
+DEAD_LATER = 'start: "one two three four five six seven" a\na: a "y"\n'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_gives_out_while_running_is_the_clients_400(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 30, "extra_body": {"guided_grammar": DEAD_LATER}}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kwargs)
+        message = e.value.body["message"]
+    else:
+        with pytest.raises(openai.APIError) as e:  # the stream's error event, raised by the client
+            for _ in client.chat.completions.create(stream=True, **kwargs):
+                pass
+        assert e.value.body["code"] == 400, e.value.body
+        message = e.value.body["message"]
+    assert "grammar allows no continuation" in message, message
+    # The server goes on: a constrained request after it is answered.
+    text, finish = _chat(
+        client, False, messages=ASK, max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert text in ("yes", "no") and finish == "stop", (text, finish)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

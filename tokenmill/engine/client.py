@@ -87,6 +87,11 @@ class RequestFailedError(RuntimeError):
     """The engine failed on this request (details in its log, under the request id); others go on."""
 
 
+class RequestInvalidError(RequestFailedError):
+    """The request failed by its own doing, found only while it ran (its grammar allows no continuation):
+    a client error, the message for the client."""
+
+
 class EngineClient(ABC):
     """Requests in, per-request streams of EngineCoreOutput back."""
 

@@ -247,7 +247,9 @@ class EngineCore:
             outputs.append(self._output(req, new, None if lp is None else lp[:k], req.token_times[-k:]))
         if errors:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
-            outputs.extend(self._output(r, [], None, []) for r in failed)
+            for r in failed:
+                outputs.append(self._output(r, [], None, []))
+                outputs[-1].error = result.client_errors.get(r.request_id)
         return outputs
 
     def _count_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:

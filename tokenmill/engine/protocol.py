@@ -64,6 +64,9 @@ class EngineCoreOutput:
     new_token_times: list[float] = field(default_factory=list)
     # A prefill worker's finished request: where its blocks can be read (see EngineRequest.kv_transfer).
     kv_transfer: dict[str, Any] | None = None
+    # A request that ended with ERROR by its own doing (its grammar allows no continuation): why, in
+    # words for its client. None for the engine's own faults (its log has those).
+    error: str | None = None
 
 
 @dataclass

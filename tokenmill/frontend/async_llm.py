@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.client import EngineClient, MPEngineClient, RequestFailedError, ZmqEngineClient
+from tokenmill.engine.client import (
+    EngineClient,
+    MPEngineClient,
+    RequestFailedError,
+    RequestInvalidError,
+    ZmqEngineClient,
+)
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
@@ -131,6 +137,8 @@ class AsyncLLM:
                     if out.finish_reason is not None:
                         live.discard(out.request_id)
                     if out.finish_reason == FinishReason.ERROR and not errors_as_outputs:
+                        if out.error is not None:
+                            raise RequestInvalidError(out.error)
                         raise RequestFailedError(
                             f"the engine failed on request {sub.request_id}; the server log has the details"
                         )

@@ -12,7 +12,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.client import EngineDeadError, RequestFailedError, RequestRejectedError
+from tokenmill.engine.client import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestInvalidError,
+    RequestRejectedError,
+)
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
@@ -334,6 +339,8 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, engine_unavailable(e)) from e
+        except RequestInvalidError as e:  # its grammar gave out while it ran
+            raise APIError(400, str(e)) from e
         except RequestFailedError as e:
             raise APIError(500, str(e)) from e
         assert last is not None
@@ -526,6 +533,8 @@ def stream_error(e: Exception) -> dict:
         return error_body(400, str(e))
     if isinstance(e, EngineDeadError):  # its reason may name the engine's ipc:// socket: not for clients
         return error_body(503, engine_unavailable(e))
+    if isinstance(e, RequestInvalidError):
+        return error_body(400, str(e))
     if isinstance(e, RequestFailedError):
         return error_body(500, str(e))
     return error_body(500, f"internal error: {type(e).__name__}")

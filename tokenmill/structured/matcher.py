@@ -108,6 +108,15 @@ class GrammarMatcher:
             raise RuntimeError(f"grammar rollback failed: {self._inner.get_error()}")
         self._accepted -= n
 
+    @property
+    def num_accepted(self) -> int:
+        """Tokens of output the grammar has accepted (EOS included)."""
+        return self._accepted
+
+    def dead_end(self) -> bool:
+        """The grammar allows nothing next although it is not complete (llguidance has given up)."""
+        return self._inner.is_error()
+
     def is_terminated(self) -> bool:
         """True once an EOS (or stop) token was accepted (the grammar was complete)."""
         return self._eos_at is not None

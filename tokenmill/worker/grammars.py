@@ -82,9 +82,11 @@ class RequestGrammars:
 
     def advance(
         self, reqs: list[CachedRequestState], tokens: list[list[int]], errors: dict[str, str]
-    ) -> dict[str, str]:
-        """Move each matcher over the tokens its request kept; returns requests that must fail."""
-        failed = {}
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """Move each matcher over the tokens its request kept. Returns the requests that must fail (id
+        -> why), and of those the ones whose grammar is at fault (id -> why, in words for the client)."""
+        failed: dict[str, str] = {}
+        theirs: dict[str, str] = {}
         for r, new in zip(reqs, tokens, strict=True):
             rid = r.request_id
             if rid in self.failed:
@@ -96,8 +98,17 @@ class RequestGrammars:
             for t in new:
                 if m.is_terminated():
                     break  # the stop token ended the grammar; the scheduler ends the request
-                if not m.accept(t):
+                if m.accept(t):
+                    continue
+                if m.dead_end():
+                    # Nothing may follow, yet the output is incomplete (a rule with no finite text,
+                    # past what the compile-time probe walks): only EOS was left to sample.
+                    theirs[rid] = failed[rid] = (
+                        f"structured output: after {m.num_accepted} tokens the "
+                        "grammar allows no continuation (no finite text completes it from there)"
+                    )
+                else:
                     log.error("request %s sampled token %d that its grammar forbids", rid, t)
                     failed[rid] = "sampled a token its grammar forbids"
-                    break
-        return failed
+                break
+        return failed, theirs

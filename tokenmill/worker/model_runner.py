@@ -162,13 +162,16 @@ class ModelRunner:
         res = self.sampler(result.cpu(), sampled, drafts, bitmask)
         errors = {sampled[i].request_id: msg for i, msg in res.errors.items()}
         ids = [st.request_id for st in sampled]
+        client_errors: dict[str, str] = {}
         if self.grammars:
-            errors.update(self.grammars.advance(sampled, res.token_ids, errors))
+            failed, client_errors = self.grammars.advance(sampled, res.token_ids, errors)
+            errors.update(failed)
         output = ModelRunnerOutput(
             req_ids=ids,
             sampled_token_ids=[[] if ids[i] in errors else t for i, t in enumerate(res.token_ids)],
             logprobs=res.logprobs,
             errors=errors,
+            client_errors=client_errors,
         )
         if self.speculator is not None:
             # A step that also read prompts says nothing about what decoding with or without drafts

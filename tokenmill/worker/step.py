@@ -86,6 +86,9 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     # Request id -> what went wrong, for requests that could not be sampled (they fail alone).
     errors: dict[str, str] = field(default_factory=dict)
+    # Of those, the requests that failed by their own doing (a grammar with no continuation): why, for
+    # their clients.
+    client_errors: dict[str, str] = field(default_factory=dict)
     execute_seconds: float = 0.0  # the forward pass and sampling, as the worker timed them
     # Speculative decoding: the proposer's guesses of each request's next tokens, for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
