@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -110,6 +111,35 @@ def test_overload_gets_429_with_retry_after(server) -> None:
     assert codes.count(200) >= 8 and 429 in codes
     rejected = next(r for r in res if r.status_code == 429)
     assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == 429
+
+
+def test_tokenize_is_under_admission(server) -> None:
+    """/tokenize does work and holds a place like a generation (issue 51 item 5): at capacity it gets a
+    429 with Retry-After, and a 200 again once there is room."""
+    base = server.base_url
+    tokenize = {"model": "smollm2-135m", "prompt": "How many tokens is this?"}
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"prompt": "Count:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            async with contextlib.AsyncExitStack() as streams:
+                for _ in range(8):  # capacity: max_num_seqs 4 + max_queued 4
+                    r = await streams.enter_async_context(
+                        c.stream("POST", f"{base}/v1/completions", json=body)
+                    )
+                    assert r.status_code == 200
+                full = await c.post(f"{base}/tokenize", json=tokenize)
+            # The streams hung up: their places come back once the server sees it.
+            deadline = time.monotonic() + 30
+            while (after := await c.post(f"{base}/tokenize", json=tokenize)).status_code == 429:
+                assert time.monotonic() < deadline, "places never came back"
+                await asyncio.sleep(0.1)
+            return full, after
+
+    full, after = asyncio.run(main())
+    assert full.status_code == 429 and full.headers["retry-after"], full.text
+    assert full.json()["error"]["code"] == 429
+    assert after.status_code == 200 and after.json()["count"] > 0, after.text
 
 
 def test_api_key() -> None:
