@@ -101,6 +101,25 @@ def test_probes_and_scraping_use_what_the_containers_serve() -> None:
     assert "--listen=tcp://0.0.0.0:7100" in e["args"]
 
 
+@pytest.mark.parametrize(
+    ("kind", "name"), [("StatefulSet", "tokenmill-engine"), ("Deployment", "tokenmill-front")]
+)
+def test_workers_and_front_share_the_worker_secret(kind: str, name: str) -> None:
+    """Workers listen on 0.0.0.0: without the shared secret anyone reaching a pod could use its engine
+    (issue 51). Both sides read the same Secret from a mounted file (not an env value: no secret in the
+    pod spec or `kubectl describe`)."""
+    spec = one(kind, name)["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    path = env["TOKENMILL_WORKER_SECRET_FILE"]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "tokenmill-worker-secret"
+    assert path.rsplit("/", 1)[1] == "secret"  # the key the README's `kubectl create secret` makes
+    assert "TOKENMILL_WORKER_SECRET" not in env
+
+
 def test_front_may_read_endpointslices_and_hpa_scales_the_workers() -> None:
     role = one("Role", "tokenmill-endpointslice-reader")
     (rule,) = role["rules"]
