@@ -26,7 +26,8 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.kv_transfer.ops import make_grant
+from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps, make_grant
+from tokenmill.worker.kv_transfer.pd_worker import PDWorker
 from tokenmill.worker.kv_transfer.transfer_engine import (
     TransferClient,
     TransferError,
@@ -111,6 +112,44 @@ def test_a_peer_that_does_not_answer_is_an_error_not_a_hang() -> None:
     with pytest.raises(TransferError, match="did not answer"):
         TransferClient(kv, timeout_s=0.3).read(endpoint, [0], [1])
     assert time.monotonic() - t0 < 5
+
+
+def test_a_dead_peer_holds_up_neither_live_peers_nor_its_own_later_loads() -> None:
+    """A decode worker's loads from a killed prefill worker queued one after another on one thread, each
+    waiting out a read and a `done` timeout, and held every later load, from live peers too (issue 51's
+    reliability run: 8 of 139 1P1D requests hung, one answered after 104 s). Loads from a live peer now
+    finish while the dead one's first read still waits; after that read times out, the dead peer's
+    other loads fail at once (recomputed) and nobody waits to tell it it is done."""
+    shape = (2, 2, 16, 4, 1, 8)
+    src, path = shared_kv_tensor(shape, torch.bfloat16)
+    src.copy_(torch.randn(shape))
+    live = TransferServer(src, path)
+    gone = TransferServer(torch.zeros(shape, dtype=torch.bfloat16), None)
+    dead = gone.endpoint
+    gone.close()  # a killed prefill worker: its port is closed
+    dst = torch.zeros(shape, dtype=torch.bfloat16)
+    pd = PDWorker(dst, serve=False, shm_path=None, timeout_s=2.0)
+    try:
+        now = time.time()
+        key = bytes.fromhex(live.describe()["grant_key"])
+        ops = TransferOps()
+        for i in range(3):
+            ops.loads[f"dead-{i}"] = RemoteLoad(dead, f"p{i}", [1], [i], (f"p{i}", [1], "x"))
+        grant = make_grant(key, "q", [2], now, now + 600)
+        ops.loads["live"] = RemoteLoad(live.endpoint, "q", [2], [5], ("q", [2], grant))
+        pd.apply(ops)
+        order: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 60  # a guard against a hang, not a timing claim
+        while len(order) < 4 and time.monotonic() < deadline:
+            order += sorted(pd.take_finished_loads(wait_s=0.5).items())
+        assert order[0] == ("live", 1), order  # first: the dead peer's first read takes its full timeout
+        assert sorted(order[1:]) == [("dead-0", 0), ("dead-1", 0), ("dead-2", 0)], order
+        assert torch.equal(dst[:, :, 5], src[:, :, 2])
+        counters = pd.counters()
+        assert counters["remote_read_failures"] == 1 and counters["remote_reads_skipped"] == 2, counters
+    finally:
+        pd.close()
+        live.close()
 
 
 # -- two engines in this process ---------------------------------------------------------------------

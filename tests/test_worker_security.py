@@ -53,12 +53,13 @@ class FakePeer:
     """A transfer server that answers `meta` with what the test says (a path of its choosing as the
     shared-memory region) and refuses reads: an attacker a worker was told to read blocks from."""
 
-    def __init__(self, meta: dict) -> None:
+    def __init__(self, meta: dict, secret: bytes | None = None) -> None:
         self.meta = meta
         self.asked: list[bytes] = []
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_socket(self.sock, secret, "tcp://", server=True)  # an insider: it knows the secret
         self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -225,9 +226,12 @@ class RawClient:
 
 @pytest.fixture(scope="module")
 def worker():
+    events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     with worker_process(
-        "--dtype", "float32", "--kv-role", "both", env={"TOKENMILL_WORKER_SECRET": SECRET.decode()}
-    ) as (url, proc):
+        "--dtype", "float32", "--kv-role", "both",
+        "--kv-events", "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay,
+        env={"TOKENMILL_WORKER_SECRET": SECRET.decode()},
+    ) as (url, proc):  # fmt: skip
         front = RawClient(url, SECRET)
         try:
             ready = front.hello()
@@ -271,16 +275,18 @@ def test_malformed_kv_transfer_fails_its_request_not_the_engine(worker) -> None:
 
 
 @pytest.mark.slow  # a worker process with the embedded model
-def test_a_remote_that_names_a_file_of_the_workers_leaves_it_untouched(worker, tmp_path) -> None:
+def test_a_remote_that_names_a_file_of_the_workers_leaves_it_untouched(worker, tmp_path, monkeypatch) -> None:
     """The reported attack: an AddRequest whose remote endpoint is the attacker, who answers with a
     path of the worker's user as its shared memory. The worker must not map it (the file keeps its size
     and bytes): it recomputes the prompt and answers."""
     url, proc, front, info = worker
     victim, content = _victim(tmp_path)
-    # The worker's own transfer server says what shape its KV cache has; the attacker copies it.
+    # The worker's own transfer server says what shape its KV cache has; the attacker (who knows the
+    # secret: without it the worker would not even finish a handshake with it) copies it.
+    monkeypatch.setenv("TOKENMILL_WORKER_SECRET", SECRET.decode())
     real = TransferClient(torch.zeros(1), 3, use_shm=False)._call(info["kv_transfer"]["endpoint"], b"meta")[0]
     meta = msgspec.msgpack.decode(real)
-    peer = FakePeer({**meta, "shm": str(victim)})
+    peer = FakePeer({**meta, "shm": str(victim)}, SECRET)
     try:
         remote = {"endpoint": peer.endpoint, "request_id": "evil", "block_ids": [0, 1, 2, 3],
                   "block_size": info["block_size"]}  # fmt: skip
@@ -353,6 +359,67 @@ def test_an_authenticated_front_ends_only_its_own_requests_and_cannot_stop_the_w
     finally:
         other.close()
     time.sleep(0.5)
+    assert proc.poll() is None
+
+
+@pytest.mark.slow  # a worker process with the embedded model
+def test_a_hello_with_a_wrong_proof_takes_away_a_fronts_say(worker) -> None:
+    """Any Hello starts over: a frontend that proved the secret, then says Hello with a wrong proof (its
+    connection taken over, or confused), is refused and has no say until it proves the secret again."""
+    url, proc, front, _ = worker
+    other = RawClient(url, SECRET)
+    try:
+        assert isinstance(other.hello(), Ready)
+        other.send(Hello(b"\x01" * 32))
+        assert isinstance(other.recv(10), Dead)
+        other.send(AddRequest(EngineRequest("after-bad-hello", _prompt(seed=41), GREEDY)))
+        assert other.outcome("after-bad-hello", timeout=3) == "nothing"
+        assert isinstance(other.hello(), Ready)  # proved again: served again
+        other.send(AddRequest(EngineRequest("after-good-hello", _prompt(seed=41), GREEDY)))
+        assert isinstance(other.outcome("after-good-hello"), list)
+    finally:
+        other.close()
+    assert proc.poll() is None
+
+
+@pytest.mark.slow  # a worker process with the embedded model
+def test_the_transfer_port_and_kv_events_answer_only_who_knows_the_secret(worker) -> None:
+    """With a secret, the worker's other sockets use its CURVE too: a stranger gets no `meta` from the
+    transfer port (it said where the KV lives), no KV events (which prompts were seen), no replay."""
+    url, proc, front, info = worker
+    transfer, events = info["kv_transfer"]["endpoint"], info["kv_events"]
+    ctx = zmq.Context()
+    socks = {}
+    try:
+        for who, secret in (("stranger", None), ("peer", SECRET)):
+            req = ctx.socket(zmq.REQ)
+            sub = ctx.socket(zmq.SUB)
+            dealer = ctx.socket(zmq.DEALER)
+            for sock, endpoint in (
+                (req, transfer),
+                (sub, events["endpoint"]),
+                (dealer, events["replay_endpoint"]),
+            ):
+                sock.setsockopt(zmq.LINGER, 0)
+                secure_socket(sock, secret, endpoint, server=False)
+                sock.connect(endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            socks[who] = req, sub, dealer
+        time.sleep(0.5)  # subscriptions reach the publisher
+        front.send(AddRequest(EngineRequest("events", _prompt(seed=29), GREEDY)))
+        assert isinstance(front.outcome("events"), list)
+        for who, (req, sub, dealer) in socks.items():
+            with contextlib.suppress(zmq.Again):  # a stranger's frames may find no connection to go out on
+                req.send(b"meta", zmq.NOBLOCK)
+                dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
+            answered = [bool(s.poll(3000)) for s in (req, sub, dealer)]
+            assert answered == ([True] * 3 if who == "peer" else [False] * 3), (who, answered)
+        assert socks["peer"][0].recv_multipart()[0] == b"ok"
+    finally:
+        for group in socks.values():
+            for sock in group:
+                sock.close(0)
+        ctx.term()
     assert proc.poll() is None
 
 

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from tokenmill.cluster.kv_index import KVIndex
 from tokenmill.engine.kv_events import decode_batch
+from tokenmill.engine.protocol import secure_socket, worker_secret
 
 log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0
@@ -64,6 +65,7 @@ class KVEventSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
+        secure_socket(sub, worker_secret(), self.endpoint, server=False)  # the workers' CURVE, if any
         sub.connect(self.endpoint)
         try:
             await self._replay(0)
@@ -106,6 +108,7 @@ class KVEventSubscriber:
             return
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        secure_socket(dealer, worker_secret(), self.replay_endpoint, server=False)
         dealer.connect(self.replay_endpoint)
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])

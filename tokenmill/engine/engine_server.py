@@ -25,6 +25,8 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.protocol import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
     AbortRequests,
     AddRequest,
     Challenge,
@@ -42,6 +44,7 @@ from tokenmill.engine.protocol import (
     hello_mac,
     secure_socket,
 )
+from tokenmill.engine.throttled_log import ThrottledWarnings
 from tokenmill.worker.lifetime import die_with_parent, ignore_interrupts, interrupted
 
 if TYPE_CHECKING:
@@ -81,6 +84,11 @@ def serve_engine(
         # to stop (or dies, and die_with_parent ends this one): no KeyboardInterrupt here.
         ignore_interrupts()
     parent = os.getppid() if launched_by_parent else None
+    if secret is not None:
+        # What else this process opens to peers (KV events, the KV transfer port) reads the secret from
+        # the environment, as do the worker processes of a parallel engine (Ray passes it as an argument).
+        os.environ.pop(SECRET_FILE_ENV, None)
+        os.environb[SECRET_ENV.encode()] = secret
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     secure_socket(sock, secret, address, server=True)
@@ -146,7 +154,7 @@ def _refuse(sock: zmq.Socket, message: str) -> None:
     deadline = time.monotonic() + FAILED_START_GRACE_S
     while (left := deadline - time.monotonic()) > 0:
         if sock.poll(int(left * 1000)):
-            ident, _ = sock.recv_multipart()
+            ident, *_ = sock.recv_multipart()  # whatever it sent (a stranger's frames too)
             sock.send_multipart([ident, encode(Dead(message))])
 
 
@@ -166,6 +174,7 @@ class _Server:
         self.secret, self.allow_shutdown = secret, allow_shutdown
         self.nonces: dict[bytes, bytes] = {}  # frontend identity -> the challenge it has to answer
         self.authed: set[bytes] = set()  # frontends that proved they know the secret
+        self.warn = ThrottledWarnings(log)  # what anyone who connects can provoke
         self.clients: dict[bytes, float] = {}  # frontend identity -> when it was last sent anything
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that added it
         self.slow_step_s = float(os.environ.get(SLOW_STEP_ENV) or 0)
@@ -255,8 +264,11 @@ class _Server:
         """Act on one message; False when told to shut down."""
         try:
             msg = decode_to_engine(data)
-        except (msgspec.DecodeError, ValueError) as e:
-            log.warning("dropped a message the engine protocol does not allow: %s", e)
+        # RecursionError: msgspec's answer to nesting deeper than the interpreter's recursion limit (in
+        # free-form fields such as kv_transfer, or in unknown fields it skips); ~1 KB of brackets in
+        # any frame, even an unauthenticated one, must cost that frame, not the engine loop.
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:
+            self.warn.warning("dropped a message the engine protocol does not allow: %s", e)
             return True
         if isinstance(msg, Hello):
             if self.secret is not None and not self.authenticate(ident, msg):
@@ -264,8 +276,8 @@ class _Server:
             self.clients[ident] = time.monotonic()
             self.send(ident, Ready(self.info))
         elif self.secret is not None and ident not in self.authed:
-            log.warning("dropped a %s from a frontend that has not proved it knows the secret",
-                        type(msg).__name__)  # fmt: skip
+            self.warn.warning("dropped a %s from a frontend that has not proved it knows the secret",
+                              type(msg).__name__)  # fmt: skip
         elif isinstance(msg, AddRequest):
             req = msg.request
             if self.owner.get(req.request_id, ident) != ident:  # another frontend's request id
@@ -290,11 +302,12 @@ class _Server:
         elif isinstance(msg, Shutdown):
             if self.allow_shutdown:
                 return False
-            log.warning("ignored a Shutdown from a frontend: this engine stops only by a signal")
+            self.warn.warning("ignored a Shutdown from a frontend: this engine stops only by a signal")
         return True
 
     def authenticate(self, ident: bytes, msg: Hello) -> bool:
         """A Hello without proof gets a Challenge; one with proof is checked against it (Dead if wrong)."""
+        self.authed.discard(ident)  # a Hello starts over: it proves the secret again or has no say
         if not msg.auth:
             if len(self.nonces) >= 4096:  # frontends that never answer: forget the oldest
                 del self.nonces[next(iter(self.nonces))]
@@ -303,7 +316,7 @@ class _Server:
             return False
         nonce = self.nonces.pop(ident, None)
         if nonce is None or not hmac.compare_digest(msg.auth, hello_mac(self.secret or b"", nonce)):
-            log.warning("refused a frontend that does not know the shared secret")
+            self.warn.warning("refused a frontend that does not know the shared secret")
             self.send(ident, Dead("not authorized: the engine's shared secret is wrong or missing"))
             return False
         self.authed.add(ident)

@@ -20,6 +20,7 @@ import zmq
 
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.kv_events import KVEvent, encode_batch
+from tokenmill.engine.protocol import secure_socket, worker_secret
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -37,6 +38,10 @@ class KVEventPublisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # With the workers' shared secret, over tcp:// only those who know it can subscribe or replay
+        # (CURVE, as the engine protocol): the events say which prompts this worker has seen.
+        secret = worker_secret()
+        secure_socket(self.pub, secret, config.kv_events_endpoint, server=True)
         self.endpoint = _bind(self.pub, config.kv_events_endpoint)
         self.replay_endpoint: str | None = None
         self._stop = threading.Event()
@@ -44,6 +49,7 @@ class KVEventPublisher:
         if config.kv_events_replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            secure_socket(self.replay, secret, config.kv_events_replay_endpoint, server=True)
             self.replay_endpoint = _bind(self.replay, config.kv_events_replay_endpoint)
             self._thread = threading.Thread(target=self._serve_replay, name="kv-event-replay", daemon=True)
             self._thread.start()

@@ -46,6 +46,6 @@ def check_grant(
         issued, expires = float(f"{a}.{b}"), float(f"{c}.{d}")
     except ValueError:
         return False
-    if expires < now or issued <= revoked_at:
-        return False
+    if expires < now or issued <= revoked_at or not grant.isascii():
+        return False  # (hmac.compare_digest raises TypeError on a str that is not ASCII)
     return hmac.compare_digest(grant, make_grant(key, request_id, block_ids, issued, expires))

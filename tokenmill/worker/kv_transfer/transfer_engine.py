@@ -39,9 +39,12 @@ import msgspec
 import torch
 import zmq
 
+from tokenmill.engine.protocol import secure_socket, worker_secret
+from tokenmill.engine.throttled_log import ThrottledWarnings
 from tokenmill.worker.kv_transfer.ops import check_grant
 
 log = logging.getLogger(__name__)
+_warn = ThrottledWarnings(log)  # for what anyone who reaches the port can provoke
 
 SHM_DIR = Path("/dev/shm")
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8)}
@@ -148,6 +151,9 @@ class TransferServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # With the workers' shared secret only peers that know it get through the handshake (CURVE, as
+        # the engine protocol), and blocks cross the wire encrypted; grants still decide which blocks.
+        secure_socket(self._sock, worker_secret(), "tcp://", server=True)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
@@ -195,7 +201,14 @@ class TransferServer:
                 ident, *frames = sock.recv_multipart()
                 # A REQ peer puts an empty frame before its message and wants one before the answer.
                 envelope = [ident, b""] if frames and frames[0] == b"" else [ident]
-                reply = self._answer(frames[len(envelope) - 1 :], meta)
+                try:
+                    reply = self._answer(frames[len(envelope) - 1 :], meta)
+                except (msgspec.DecodeError, ValueError) as e:
+                    # Frames that are not MessagePack of the right types, a request id that is not UTF-8:
+                    # the sender is told (a REQ peer is not left waiting for its timeout), and the log
+                    # gets a line rather than a traceback for each such frame anyone can send.
+                    _warn.warning("KV transfer server: refused a malformed request: %s", e)
+                    reply = [b"err", b"malformed request"]
                 sock.send_multipart([*envelope, *reply], copy=False)
             except zmq.ZMQError:
                 if self._stop.is_set():
@@ -251,6 +264,10 @@ class TransferError(RuntimeError):
     pass
 
 
+class TransferTimeout(TransferError):
+    """The peer did not answer in time: gone, or wedged (not a refusal)."""
+
+
 class TransferClient:
     """Reads blocks from peers' TransferServers into a local KV cache. One thread uses it (sockets are
     not thread-safe); a peer's shared-memory region is mapped once and kept."""
@@ -271,13 +288,14 @@ class TransferClient:
         if sock is None:
             sock = self._socks[endpoint] = self._ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_socket(sock, worker_secret(), endpoint, server=False)
             sock.connect(endpoint)
         sock.send_multipart(list(frames))
         if not sock.poll(int(self.timeout_s * 1000)):
             # A REQ socket that missed its answer cannot ask again: drop it (a late answer is lost).
             sock.close(0)
             del self._socks[endpoint]
-            raise TransferError(f"{endpoint} did not answer within {self.timeout_s:.0f}s")
+            raise TransferTimeout(f"{endpoint} did not answer within {self.timeout_s:.0f}s")
         reply = sock.recv_multipart()
         if reply[0] != b"ok":
             raise TransferError(f"{endpoint}: {reply[1].decode(errors='replace') if len(reply) > 1 else '?'}")
