@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from tokenmill.server.openai_protocol import ErrorResponse
+from tokenmill.triton.dtypes import NUMPY
 
 # Errors any route may answer (auth, body limits, capacity, engine failure, unavailability).
 _COMMON_ERRORS = {
@@ -40,6 +41,50 @@ _V2_ERROR = {
     "required": ["error"],
 }
 _V2_STATUS_ONLY = {"/v2/health/live", "/v2/health/ready"}  # no body: 200 or 400 says it
+# KServe v2's request bodies (the inference request, the repository extension's), as the protocol
+# defines them; triton/http.py refuses with a 400 whatever these call invalid.
+_V2_PARAMETERS = {
+    "type": "object",
+    "additionalProperties": {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]},
+}
+_V2_INFER_REQUEST = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": _V2_PARAMETERS,
+        "inputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "datatype"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "datatype": {"type": "string", "enum": list(NUMPY)},
+                    "parameters": _V2_PARAMETERS,
+                    # Row-major tensor elements, flat or nested; absent when the binary_data_size
+                    # parameter says the tensor follows the JSON header in binary.
+                    "data": {"type": "array"},
+                },
+            },
+        },
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}, "parameters": _V2_PARAMETERS},
+            },
+        },
+    },
+}
+_V2_BODIES: dict[str, tuple[bool, dict[str, Any]]] = {  # path suffix -> (required, schema)
+    "/infer": (True, _V2_INFER_REQUEST),
+    "/repository/index": (False, {"type": "object", "properties": {"ready": {"type": "boolean"}}}),
+    "/load": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
+    "/unload": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
+}
 _REF = "#/components/schemas/{model}"
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 
@@ -58,7 +103,7 @@ def install(app: FastAPI, bodies: dict[str, type[BaseModel]], streaming: set[str
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 if path.startswith("/v2"):
-                    _document_v2(path, responses)
+                    _document_v2(path, op, responses)
                     continue
                 for code, text in _COMMON_ERRORS.items():
                     responses.setdefault(code, {"description": text, "content": error})
@@ -91,9 +136,12 @@ def _add_model(schemas: dict[str, Any], model: type[BaseModel]) -> None:
     schemas[model.__name__] = js
 
 
-def _document_v2(path: str, responses: dict[str, Any]) -> None:
-    """A /v2 operation's answers in KServe v2's shape: readiness by status code alone, errors as
-    {"error": message}."""
+def _document_v2(path: str, op: dict[str, Any], responses: dict[str, Any]) -> None:
+    """A /v2 operation's body and answers in KServe v2's shape: readiness by status code alone, errors
+    as {"error": message}."""
+    for suffix, (required, schema) in _V2_BODIES.items():
+        if path.endswith(suffix):
+            op["requestBody"] = {"required": required, "content": {"application/json": {"schema": schema}}}
     v2_error = {"application/json": {"schema": _V2_ERROR}}
     if path in _V2_STATUS_ONLY or path.endswith("/ready"):
         responses["200"] = {"description": "ready (or live); no body"}

@@ -60,9 +60,14 @@ def build_router(repo: ModelRepository, max_body_bytes: int = 64 * 2**20) -> API
         ready_only = False
         if body.strip():
             try:
-                ready_only = bool(parse_json(body).get("ready", False))
-            except (BodyError, AttributeError):
+                d = parse_json(body)
+            except BodyError:
+                d = None
+            if not isinstance(d, dict):
                 return _error(400, "repository index body must be a JSON object")
+            ready_only = d.get("ready", False)
+            if not isinstance(ready_only, bool):
+                return _error(400, "'ready' must be a boolean")
         return JSONResponse(repo.index(ready_only))
 
     @r.post("/v2/repository/models/{name}/load")
@@ -295,29 +300,26 @@ def _parse_infer(
         raise InferError(400, str(e)) from None
     if not isinstance(d, dict) or not isinstance(d.get("inputs"), list):
         raise InferError(400, "an infer request needs an 'inputs' list")
-    params = d.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InferError(400, "'parameters' must be an object")
+    if not isinstance(d.get("id", ""), str):
+        raise InferError(400, "'id' must be a string")
+    params = _parameters(d.get("parameters", {}), "'parameters'")
     inputs: dict[str, np.ndarray] = {}
     pos = 0
     for t in d["inputs"]:
-        try:
-            tname, shape, dt = t["name"], [int(x) for x in t["shape"]], t["datatype"]
-        except (KeyError, TypeError, ValueError):
-            raise InferError(
-                400, "every input needs a name, a shape (list of integers) and a datatype"
-            ) from None
-        if dt not in dtypes.NUMPY:
-            raise InferError(400, f"input {tname!r}: unknown datatype {dt!r}")
-        tparams = t.get("parameters") or {}
+        tname, shape, dt = _input_head(t)
+        tparams = _parameters(t.get("parameters", {}), f"input {tname!r}: 'parameters'")
         try:
             if "binary_data_size" in tparams:
-                size = int(tparams["binary_data_size"])
+                size = tparams["binary_data_size"]
+                if not _is_int(size) or size < 0:
+                    raise InferError(400, f"input {tname!r}: binary_data_size must be a non-negative integer")
                 if pos + size > len(blob):
                     raise InferError(400, f"input {tname!r}: binary data ends before {size} bytes")
                 inputs[tname] = dtypes.from_binary(blob[pos : pos + size], dt, shape)
                 pos += size
             elif "data" in t:
+                if not isinstance(t["data"], list):
+                    raise InferError(400, f"input {tname!r}: 'data' must be an array")
                 inputs[tname] = dtypes.from_json(t["data"], dt, shape)
             else:
                 raise InferError(400, f"input {tname!r} has neither data nor binary_data_size")
@@ -326,13 +328,16 @@ def _parse_infer(
     default_binary = bool(params.get("binary_data_output", False))
     binary_out: dict[str, bool] = {}
     requested = None
-    if isinstance(d.get("outputs"), list):
+    if "outputs" in d:
+        if not isinstance(d["outputs"], list):
+            raise InferError(400, "'outputs' must be a list")
         requested = []
         for o in d["outputs"]:
-            if not isinstance(o, dict) or "name" not in o:
-                raise InferError(400, "every requested output needs a name")
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InferError(400, "every requested output needs a name (a string)")
+            oparams = _parameters(o.get("parameters", {}), f"output {o['name']!r}: 'parameters'")
             requested.append(o["name"])
-            binary_out[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", default_binary))
+            binary_out[o["name"]] = bool(oparams.get("binary_data", default_binary))
     try:
         req = InferRequest.from_protocol(inputs, requested, params, str(d.get("id", "")))
     except (TypeError, ValueError):
@@ -340,6 +345,34 @@ def _parse_infer(
     if default_binary and requested is None:
         binary_out = {"*": True}
     return req, binary_out, str(d.get("id", ""))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parameters(p: Any, where: str) -> dict[str, Any]:
+    """KServe v2 parameters: an object whose values are strings, numbers or booleans."""
+    if not isinstance(p, dict):
+        raise InferError(400, f"{where} must be an object")
+    for k, v in p.items():
+        if not isinstance(v, str | int | float):  # bool is an int
+            raise InferError(400, f"{where}: {k!r} must be a string, a number or a boolean")
+    return p
+
+
+def _input_head(t: Any) -> tuple[str, list[int], str]:
+    """An input's name, shape and datatype, each of the type KServe v2 says."""
+    if not isinstance(t, dict):
+        raise InferError(400, "every input must be an object with a name, a shape and a datatype")
+    tname, shape, dt = t.get("name"), t.get("shape"), t.get("datatype")
+    if not isinstance(tname, str):
+        raise InferError(400, "every input needs a name (a string)")
+    if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+        raise InferError(400, f"input {tname!r}: 'shape' must be a list of non-negative integers")
+    if not isinstance(dt, str) or dt not in dtypes.NUMPY:
+        raise InferError(400, f"input {tname!r}: unknown datatype {dt!r}")
+    return tname, shape, dt
 
 
 def _raw_binary(repo: ModelRepository, name: str, version: str | None, body: bytes):
