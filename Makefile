@@ -56,7 +56,7 @@ AVX2_TESTS := tests/test_decode_step.py tests/test_linear.py tests/test_int8_lin
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks examples
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 	@echo "==> the CPU-dependent tests as an AVX2-only CPU runs them"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 TOKENMILL_MAX_ISA=avx2 $(BIN)/pytest -q $(AVX2_TESTS)
 
