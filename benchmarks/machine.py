@@ -1,4 +1,5 @@
-"""What machine a benchmark ran on, printed at its top so every figure can be attributed."""
+"""What machine a benchmark ran on, printed at its top so every figure can be attributed, and how busy
+other processes kept it meanwhile."""
 
 from __future__ import annotations
 
@@ -26,3 +27,33 @@ def cpu_description() -> str:
         f"{first('model name')} (family {first('cpu family')} model {first('model')}),"
         f" {os.cpu_count()} cores, {bf16}, AMX: {' '.join(amx) if amx else 'no'}"
     )
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds this machine has spent busy since boot (all cores)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLK_TCK
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of process `root` and everything under it (children reaped included)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15)
+        stats[int(d.name)] = (int(rest[1]), sum(int(x) for x in rest[11:15]) / CLK_TCK)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
+    return total

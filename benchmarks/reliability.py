@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from machine import cpu_description
+from machine import busy_cpu_s, cpu_description, tree_cpu_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_fixture import free_port  # noqa: E402
@@ -64,36 +64,6 @@ WORDS = [w for line in _WORD_LINES for w in line.split()]
 def stated_bound_s() -> float:
     s = RouterSettings()
     return (1 + MAX_RETRIES) * s.lost_after_s + MAX_RETRIES * s.retry_wait_s
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds this machine has spent busy since boot (all cores)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / CLK_TCK
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds of process `root` and everything under it (children reaped included)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            rest = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15)
-        stats[int(d.name)] = (int(rest[1]), sum(int(x) for x in rest[11:15]) / CLK_TCK)
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += stats.get(pid, (0, 0.0))[1]
-        todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
-    return total
 
 
 # -- the server and its workers ------------------------------------------------------------------------
