@@ -47,21 +47,16 @@ import multiprocessing as mp
 import os
 import random
 import shlex
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import httpx
 import torch
 from machine import busy_cpu_s, cpu_description, tree_cpu_s
+from served import scrape, serving, workers_up
 
 from tokenmill.bench.client import ClientConfig, OpenAIClient, discover_model
 from tokenmill.bench.records import RequestRecord
@@ -206,69 +201,6 @@ def bandwidth(args: argparse.Namespace) -> None:
 # Part 2: mixed workload
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(base: str) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Each metric summed over its series (and by `path` as NAME:PATH), and per worker (the `worker`
-    label) where it has one."""
-    total: dict[str, float] = {}
-    per_worker: dict[str, dict[str, float]] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, value = line.rsplit(" ", 1)
-        key = name.split("{", 1)[0]
-        total[key] = total.get(key, 0.0) + float(value)
-        if 'path="' in name:  # the KV transfer's read blocks, by shm or tcp
-            path = name.split('path="', 1)[1].split('"', 1)[0]
-            total[f"{key}:{path}"] = total.get(f"{key}:{path}", 0.0) + float(value)
-        if 'worker="' in name:
-            worker = name.split('worker="', 1)[1].split('"', 1)[0]
-            per_worker.setdefault(key, {})
-            per_worker[key][worker] = per_worker[key].get(worker, 0.0) + float(value)
-    return total, per_worker
-
-
-@contextmanager
-def serving(serve_args: list[str], log_path: Path, workers: int, timeout: float = 300.0) -> Iterator[str]:
-    """A `tokenmill serve` subprocess (its output in log_path), once ready with all its workers up."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", "--port", str(port), *serve_args]
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.pop("TOKENMILL_API_KEY", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited early:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if httpx.get(f"{base}/v1/health/ready", timeout=2).status_code == 200:
-                        up = scrape(base)[0].get("tokenmill:router_workers_up", workers)
-                        if up >= workers:
-                            break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not ready in {timeout:.0f}s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(0.5)
-            yield base
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
 def prompt(rng: random.Random, tok: Tokenizer, n: int) -> list[int]:
     """Exactly n tokens of seeded word salad: unique, so no prefix of one is cached for another."""
     ids: list[int] = []
@@ -407,7 +339,11 @@ def run_config(name: str, serve_args: list[str], args: argparse.Namespace, tok: 
     res = Result(name)
     log = folder / f"{name}.log"
     t = time.perf_counter()
-    with serving(serve_args, log, workers=2) as base:
+
+    def whole(base: str, _: object) -> bool:
+        return workers_up(base, default=2) >= 2  # a lone engine has no router, and no such metric
+
+    with serving(serve_args, log, whole) as (base, _):
         started = time.perf_counter() - t
         asyncio.run(load(base, args, tok, res))
     m = res.metrics

@@ -39,16 +39,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from machine import busy_cpu_s, cpu_description, tree_cpu_s
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_fixture import free_port  # noqa: E402
+from served import scrape, serving, workers_up
 
 from tokenmill.cluster.router import MAX_RETRIES, RouterSettings  # noqa: E402
 
@@ -67,19 +63,6 @@ def stated_bound_s() -> float:
 
 
 # -- the server and its workers ------------------------------------------------------------------------
-def scrape(base: str) -> dict[str, float]:
-    """/metrics as {name: value}, labels dropped (one model: one series per name that matters here)."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        name = name.split("{", 1)[0]
-        with suppress(ValueError):
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
 def worker_pids(server_pid: int) -> list[int]:
     """The server's worker processes: its children started by multiprocessing's spawn (not its
     resource tracker)."""
@@ -95,45 +78,6 @@ def worker_pids(server_pid: int) -> list[int]:
         if int(rest[1]) == server_pid and rest[0] != "Z" and "spawn_main" in cmd:
             pids.append(int(d.name))
     return sorted(pids)
-
-
-@contextmanager
-def serving(serve_args: list[str], log_path: Path, workers: int, timeout: float = 300.0) -> Iterator:
-    """A `tokenmill serve` subprocess (its output in log_path), once ready with all its workers up."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", "--port", str(port), *serve_args]
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.pop("TOKENMILL_API_KEY", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited early:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if (
-                        httpx.get(f"{base}/v1/health/ready", timeout=2).status_code == 200
-                        and scrape(base).get("tokenmill:router_workers_up", 0) >= workers
-                        and len(worker_pids(proc.pid)) == workers
-                    ):
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not ready in {timeout:.0f}s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(0.5)
-            proc.base_url = base  # type: ignore[attr-defined]
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
 
 
 # -- the killer ----------------------------------------------------------------------------------------
@@ -162,7 +106,7 @@ class Killer(threading.Thread):
 
     def whole(self) -> bool:
         try:
-            up = scrape(self.base).get("tokenmill:router_workers_up", 0)
+            up = workers_up(self.base)
         except httpx.HTTPError:
             return False
         pids = worker_pids(self.server_pid)
@@ -314,12 +258,16 @@ def run_setup(
     log = folder / f"{name.replace(' ', '_')}.log"
     print(f"\n== {name}: tokenmill serve {' '.join(serve_args)} (log {log})", flush=True)
     t0 = time.monotonic()
-    with serving(serve_args, log, workers=len(roles)) as srv:
+
+    def whole(base: str, proc: subprocess.Popen) -> bool:
+        return workers_up(base) >= len(roles) and len(worker_pids(proc.pid)) == len(roles)
+
+    with serving(serve_args, log, whole) as (base, srv):
         print(f"  ready in {time.monotonic() - t0:.0f}s, worker pids {worker_pids(srv.pid)}", flush=True)
         start = time.monotonic()
         until = start + args.duration
         killer = Killer(
-            srv.base_url,
+            base,
             srv.pid,
             roles,
             random.Random(f"{args.seed}-{name}"),
@@ -328,7 +276,7 @@ def run_setup(
         )
         cpu0, ours0 = busy_cpu_s(), tree_cpu_s(os.getpid())
         killer.start()
-        records = asyncio.run(load(srv.base_url, args, args.seed, until))
+        records = asyncio.run(load(base, args, args.seed, until))
         foreign_s = (busy_cpu_s() - cpu0) - (tree_cpu_s(os.getpid()) - ours0)
         foreign = max(foreign_s, 0.0) / ((time.monotonic() - start) * (os.cpu_count() or 1))
         killer.stop.set()
@@ -339,7 +287,7 @@ def run_setup(
             time.sleep(0.5)
         if killer.kills and killer.kills[-1].rejoined_after_s is None and killer.whole():
             killer.kills[-1].rejoined_after_s = time.monotonic() - killer.kills[-1].at
-        metrics = scrape(srv.base_url)
+        metrics = scrape(base)[0]
         server_alive = srv.poll() is None
     bound = stated_bound_s()
     limit = bound + args.margin
