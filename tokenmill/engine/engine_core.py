@@ -247,9 +247,9 @@ class EngineCore:
             outputs.append(self._output(req, new, None if lp is None else lp[:k], req.token_times[-k:]))
         if errors:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
-            for r in failed:
-                outputs.append(self._output(r, [], None, []))
-                outputs[-1].error = result.client_errors.get(r.request_id)
+            outputs.extend(
+                self._output(r, [], None, [], result.client_errors.get(r.request_id)) for r in failed
+            )
         return outputs
 
     def _count_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
@@ -268,7 +268,12 @@ class EngineCore:
                 per_pos[i] += 1
 
     def _output(
-        self, req: Request, new: list[int], lps: list[TokenLogprobs] | None, times: list[float]
+        self,
+        req: Request,
+        new: list[int],
+        lps: list[TokenLogprobs] | None,
+        times: list[float],
+        error: str | None = None,
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id,
@@ -285,6 +290,7 @@ class EngineCore:
             finished_time=req.finished_time,
             new_token_times=times,
             kv_transfer=req.kv_transfer_out if req.finish_reason is not None else None,
+            error=error,
         )
 
     def stats(self) -> EngineStats:
