@@ -49,7 +49,7 @@ generate: $(STAMP)
 	$(BIN)/tokenmill generate "$(PROMPT)" --model $(MODEL) --max-tokens 96
 
 # The tests whose expectations depend on the CPU run a second time as an AVX2-only CPU (AMD Zen 3, most
-# laptops) takes them: oneDNN, ATen and tokenmill's kernels held to AVX2 (kernels/isa.py), so that an
+# laptops) takes them: oneDNN, ATen, MKL and tokenmill's kernels held to AVX2 (kernels/isa.py), so that an
 # expectation true only on AVX-512 fails on every machine, not only on a laptop.
 AVX2_TESTS := tests/test_decode_step.py tests/test_linear.py tests/test_int8_linear.py tests/test_ops.py \
 	tests/test_smoothing.py tests/test_own_weights.py
@@ -58,7 +58,8 @@ test: $(DEV_STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks examples
 	$(BIN)/pytest -q --durations=25
 	@echo "==> the CPU-dependent tests as an AVX2-only CPU runs them"
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 TOKENMILL_MAX_ISA=avx2 $(BIN)/pytest -q $(AVX2_TESTS)
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 TOKENMILL_MAX_ISA=avx2 \
+	  $(BIN)/pytest -q $(AVX2_TESTS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks examples

@@ -3,7 +3,7 @@
 Everything is measured in one run on one machine, and the report gives ratios: absolute numbers on a
 shared 2-core machine drift from run to run, ratios much less.
 
-    python benchmarks/offline_throughput.py [--num-requests 256] [--dtype bfloat16] [--skip-hf]
+    python benchmarks/offline_throughput.py [--num-requests 256] [--dtype auto] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def hf_single_stream(model, n_tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -118,9 +118,13 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(dtype=args.dtype)
+    # The arithmetic tokenmill computes in ("auto": float32 on CPUs without BF16 instructions), which
+    # transformers runs in too, so that both sides compute alike.
+    arithmetic = llm.engine.executor.worker.dtype  # type: ignore[attr-defined]
+    res_dtype = str(arithmetic).removeprefix("torch.")
     vocab = llm.engine.model_config.vocab_size
     reqs = workload(args.num_requests, vocab, args.seed)
-    res: dict[str, float] = {"threads": torch.get_num_threads()}
+    res: dict[str, float | str] = {"threads": torch.get_num_threads(), "arithmetic": res_dtype}
 
     res["tokenmill_single_stream_tok_s"] = single_stream(llm, 128)
     res["tokenmill_int4_single_stream_tok_s"] = single_stream(LLM(dtype=args.dtype, quantization="int4"), 128)
@@ -134,8 +138,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         path = catalog.resolve(catalog.DEFAULT_MODEL)
-        dtype = getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=arithmetic)
         model.eval()
         res["hf_single_stream_tok_s"] = hf_single_stream(model, 128)
         dt, toks = run_hf(model, reqs, args.hf_batch_size, pad_id=2)
@@ -144,7 +147,7 @@ def main() -> None:
         res["single_stream_ratio"] = res["tokenmill_single_stream_tok_s"] / res["hf_single_stream_tok_s"]
 
     for k, v in res.items():
-        print(f"{k:32s} {v:10.2f}")
+        print(f"{k:32s} {v:>10}" if isinstance(v, str) else f"{k:32s} {v:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": res}, f, indent=1)

@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per step")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--workloads", default="grounded,chat")
     args = ap.parse_args()
     methods = args.methods.split(",")

@@ -15,10 +15,11 @@ from tokenmill.kernels.isa import all_levels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, VECTOR, DecodeStep
+from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, VECTOR, WIDE, DecodeStep
 from tokenmill.models.linear import onednn_packing_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.ops import CpuFusedOps
+from tokenmill.models.wide_linear import WIDENING_LEVELS
 
 LEVELS = [lv.name for lv in all_levels() if lv.supported()]
 needs_kernels = pytest.mark.skipif(not LEVELS, reason="no kernel build runs on this CPU (it has no AVX2)")
@@ -78,7 +79,7 @@ def _run(model: torch.nn.Module, level: str, kv_format: str | None, rows: int) -
         block,
         cfg.num_kv_heads,
         width,
-        dtype=torch.uint8 if kv_format else torch.bfloat16,
+        dtype=torch.uint8 if kv_format else model.layers[0].input_layernorm.weight.dtype,
     )
     g = torch.Generator().manual_seed(rows)
     out = []
@@ -125,6 +126,31 @@ def test_step_gives_the_python_loops_bits(level: str, kv_format: str | None) -> 
     # The dot loops where they take every row count (AVX512-BF16 without AMX), else the vector loops.
     assert step.kinds == ({DOT} if model.ops.panels_take_every_row() else {VECTOR})
     for rows in (1, 3):
+        calls = _counted(step)
+        fast = _run(model, level, kv_format, rows)
+        assert calls[0] == 5, "every decode step ran in C++, no prompt did"
+        model._step = None
+        slow = _run(model, level, kv_format, rows)
+        model._step = step
+        for a, b in zip(fast, slow, strict=True):
+            assert torch.equal(a, b)
+
+
+WIDENING = [lv for lv in LEVELS if lv in WIDENING_LEVELS]
+
+
+@pytest.mark.skipif(not WIDENING, reason="no kernel build without the BF16 loops runs on this CPU")
+@pytest.mark.parametrize("level", WIDENING)
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+def test_step_on_widened_bf16_panels_gives_the_python_loops_bits(level: str, kv_format: str | None) -> None:
+    """A float32 model whose linears keep bf16 panels (models/wide_linear.py: CPUs without BF16
+    instructions): every linear on the widening kernel, every row count, the Python loop's bits."""
+    model = build_model(
+        QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, bf16_weights=True
+    )
+    step = model.decode_step()
+    assert step is not None and step.kinds == {WIDE} and step.max_rows is None
+    for rows in (1, 3, 6):
         calls = _counted(step)
         fast = _run(model, level, kv_format, rows)
         assert calls[0] == 5, "every decode step ran in C++, no prompt did"

@@ -454,6 +454,26 @@ def test_panel_matmul_dot_loops(kernels, rows: int) -> None:
         assert torch.equal(kernels.panel_matmul_dot(x[r : r + 1], panels, n)[0], out[r])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64, 65, 200])
+@pytest.mark.parametrize(("n", "k"), [(70, 578), (16, 2), (40, 1538)])
+def test_panel_matmul_wide(kernels, rows: int, n: int, k: int) -> None:
+    """bf16 panels widened to float32 in the kernel, float32 rows and output (the path of CPUs without BF16
+    instructions), at every level: against float64, and each row's result the same bits whatever rows
+    share its step (1-4 rows widen in registers, more widen each panel once a sweep of 64 rows)."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k + 6, generator=g)[:, 3 : 3 + k]
+    panels = kernels.panel_pack(w)
+    out = kernels.panel_matmul_wide(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    atol = k * 2**-23 * float((x.double().abs() @ w.double().abs().T).max())
+    check(out, x.double() @ w.double().T, atol=atol)
+    for r in sorted({0, rows // 2, rows - 1}):
+        assert torch.equal(kernels.panel_matmul_wide(x[r : r + 1], panels, n)[0], out[r])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.panel_matmul_wide(x.to(torch.bfloat16), panels, n)
+
+
 def q4_case(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
     """Random 4-bit codes, scales and minima as a Q4_1 block holds them, and bf16 rows strided as a fused
     slice."""

@@ -185,7 +185,14 @@ class ParallelConfig:
 @dataclass
 class EngineConfig:
     model: str = setting(DEFAULT_MODEL, help="catalog name, .gguf path or Hugging Face directory")
-    dtype: str = setting("bfloat16", help='"bfloat16" or "float32" ("float16" where the device does it well)')
+    # "auto": bf16 weights; their arithmetic in bf16 where the CPU has BF16 instructions (and on other
+    # devices), in float32 where it has none (AVX2, AVX-512 without BF16), whose bf16 matmuls are emulated
+    # (models/wide_linear.py). The start's log says which in one line.
+    dtype: str = setting(
+        "auto",
+        help='"auto" (bfloat16 weights, computed in float32 on CPUs without BF16 instructions), "bfloat16" '
+        '(bf16 arithmetic everywhere) or "float32" ("float16" where the device does it well)',
+    )
     device: str = setting("cpu", help="torch device of the workers")
     max_model_len: int | None = setting(
         None, help="context length (default: the model's, capped at 8192 and at what the KV pool holds)"

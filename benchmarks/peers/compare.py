@@ -121,9 +121,7 @@ def tokenmill_server(args: argparse.Namespace, log: Path) -> Server:
     exe = tokenmill_bin()
     extra = shlex.split(args.tokenmill_args)
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", PORT, "--served-model-name", SERVED_NAME]
-    if "--dtype" not in extra:
-        cmd += ["--dtype", "bfloat16"]
-    cmd += extra
+    cmd += extra  # tokenmill's default dtype ("auto": bf16 weights, the CPU's fastest arithmetic for them)
     import importlib.metadata as md
 
     try:

@@ -138,7 +138,7 @@ def generate(
     top_k: int = typer.Option(0),
     seed: int | None = typer.Option(None),
     chat: bool = typer.Option(True, help="wrap the prompt in the model's chat template"),
-    dtype: str = typer.Option("bfloat16"),
+    dtype: str = typer.Option("auto", help="auto, bfloat16 or float32 (see `serve --help`)"),
     max_model_len: int | None = typer.Option(None),
     threads: int | None = typer.Option(None, help="torch threads (default: all cores)"),
     quantization: str | None = typer.Option(None, help=QUANT_HELP),
@@ -174,7 +174,7 @@ def chat_cmd(
     system: str | None = typer.Option(None, help="system prompt"),
     max_tokens: int = typer.Option(512),
     temperature: float = typer.Option(0.7),
-    dtype: str = typer.Option("bfloat16"),
+    dtype: str = typer.Option("auto", help="auto, bfloat16 or float32 (see `serve --help`)"),
     threads: int | None = typer.Option(None),
     quantization: str | None = typer.Option(None, help=QUANT_HELP),
 ) -> None:

@@ -123,7 +123,7 @@ class EngineCore:
                 spec.block_bytes,
                 layout_namespace(
                     Path(self.info["source"]).name,
-                    config.dtype,
+                    self.info.get("dtype", config.dtype),
                     self.info.get("weights_label", config.quantization),
                     spec,
                     0,

@@ -9,8 +9,9 @@ tensors, so a step gives the Python loop's bits exactly (tests/test_decode_step.
 It takes the steps it can: decode rows only (prompts and chunks keep the Python loop), the CPU paged
 attention backend of the model's own kernel build, no tensor parallelism (its all-reduces are Python
 collectives), and every layer's linears on a kernel the C++ step calls (the panel kernels of bf16,
-int4, int8 in both forms and fp8); a model with any other linear (oneDNN's or PyTorch's matmuls, as
-on CPUs without AVX512-BF16 for the quantized forms) keeps the Python loop for every step.
+int4, int8 in both forms and fp8, and the widened bf16 panels of a float32 model); a model with any
+other linear (oneDNN's or PyTorch's matmuls, as on CPUs without AVX512-BF16 for the quantized forms)
+keeps the Python loop for every step.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
 from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
 from tokenmill.models.ops import CpuFusedOps, F8Panels, G8Panels, I8Panels, PanelMatmul, Q4Panels
+from tokenmill.models.wide_linear import WideLinear
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import LlamaForCausalLM
 
 # The kernels the C++ step calls for a linear (decode_step.cpp's Kind): the bf16 dot loops, the bf16
 # vector loops (or brgemm), 4-bit panels, int8 group panels, int8 per-channel panels (W8A8, the rows
-# quantized by ops.quantize_rows_u8), fp8 panels (the rows as e4m3 codes by ops.e4m3_rows).
-DOT, VECTOR, Q4, G8, I8, F8 = 0, 1, 2, 3, 4, 5
+# quantized by ops.quantize_rows_u8), fp8 panels (the rows as e4m3 codes by ops.e4m3_rows), bf16 panels
+# widened for float32 rows (models/wide_linear.py).
+DOT, VECTOR, Q4, G8, I8, F8, WIDE = 0, 1, 2, 3, 4, 5, 6
 
 
 class StepLinear(NamedTuple):
@@ -52,6 +55,8 @@ def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
     """The kernel `linear` runs a decode step's rows on, as the C++ step would call it, or None where that
     is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step; the rows'
     quantizers of the W8A8 and fp8 forms must be `ops`' own (the C++ step calls that build's)."""
+    if isinstance(linear, WideLinear):  # float32 rows, any count
+        return StepLinear(WIDE, linear.panels, linear.out_features, 0, linear.bias, None)
     if isinstance(linear, PackedLinear) and isinstance(linear.small, PanelMatmul):
         k = linear.small
         if k.dot:  # panel_matmul_dot for bf16 rows, every row count
@@ -150,8 +155,8 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     ops = model.ops
     if not isinstance(ops, CpuFusedOps) or model.comm.tp_size > 1 or not len(model.layers):
         return None
-    if model.layers[0].input_layernorm.weight.dtype != torch.bfloat16:
-        return None  # the panel kernels' rows are bf16
+    if model.layers[0].input_layernorm.weight.dtype not in (torch.bfloat16, torch.float32):
+        return None  # the panel kernels' rows are bf16, or float32 for the widened bf16 panels
     linears = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -138,6 +138,8 @@ class SmallMatmul(Protocol):
 # a small model's speed is worth).
 SMALL_COPY_LIMIT_BYTES = 1 << 30
 SmallFor = Callable[[torch.Tensor], SmallMatmul | None]
+# A quantized linear's copy for big steps in another form than a linear of the model's dtype.
+WideFor = Callable[[nn.Linear], nn.Module]
 
 
 class QuantMatmul(Protocol):
@@ -230,15 +232,22 @@ class QuantizedLinear(LinearBase):
         quant_for: QuantFor | None = None,
         small_for: SmallFor | None = None,
         codes: GroupCodes | None = None,
+        wide_for: WideFor | None = None,
     ) -> None:
         """`quant_for(bits, q, scale, lo)`: a faster kernel for the codes (ops.quantized_matmul_for);
         `small_for(weight)`: the bf16 copy's few-row kernel (ops.small_matmul_for), as a packed bf16
         linear has, for the steps above max_rows. `codes`: 4-bit codes to take as they are (a GGUF
-        file's own, weights/group_codes.py) instead of quantizing the weight."""
+        file's own, weights/group_codes.py) instead of quantizing the weight. `wide_for(linear)`: the
+        copy for those steps in another form (a float32 model's: bf16 panels computed in float32,
+        models/wide_linear.py) instead of a linear of the model's dtype."""
         super().__init__()
         w = linear.weight.detach()
         n, k = w.shape
         dtype = linear.weight.dtype
+        # A float32 model whose big steps take another form (wide_for: CPUs without BF16 instructions)
+        # gives PyTorch's int4 and int8 kernels bf16 rows: with float32 ones they ran SmolLM2-135M's
+        # decode at 3.8 tok/s against 35 (Intel Sapphire Rapids held to AVX2, benchmarks/wide_bf16.py).
+        self.kernel_dtype = torch.bfloat16 if wide_for is not None and dtype == torch.float32 else dtype
         self.bits = bits
         self.max_rows: int | None = max_rows
         self.in_features, self.out_features = k, n
@@ -253,7 +262,7 @@ class QuantizedLinear(LinearBase):
             if self.small is None:
                 self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
                 zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-                self.scales = torch.stack([scale.t(), zero.t()], -1).contiguous().to(dtype)
+                self.scales = torch.stack([scale.t(), zero.t()], -1).contiguous().to(self.kernel_dtype)
         elif bits == 8:
             w = w.float()
             scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
@@ -262,7 +271,7 @@ class QuantizedLinear(LinearBase):
             self.small = quant_for(8, q.to(torch.int8), scale.to(dtype).float(), None) if quant_for else None
             if self.small is None:
                 self.qweight = q.to(torch.int8).contiguous()
-                self.scales = scale.to(dtype)
+                self.scales = scale.to(self.kernel_dtype)
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -273,9 +282,11 @@ class QuantizedLinear(LinearBase):
         wide.weight = nn.Parameter(dequant().to(dtype), requires_grad=False)
         if linear.bias is not None:
             wide.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-        if onednn_packing_available(wide.weight):
+        if wide_for is not None:
+            self.wide: nn.Module | None = wide_for(wide)
+        elif onednn_packing_available(wide.weight):
             wide_small = small_for(wide.weight.detach()) if small_for is not None else None
-            self.wide: nn.Module | None = PackedLinear(wide, wide_small)
+            self.wide = PackedLinear(wide, wide_small)
         else:
             self.wide = wide
         self._wide = self.wide.forward  # type: ignore[union-attr]
@@ -287,10 +298,13 @@ class QuantizedLinear(LinearBase):
             # The kernels take bf16. The two no-op casts of a bf16 step were 1.5% of a 1.7B int4 model's
             # step at one stream (their argument parsing, in py-spy's profile), so they are skipped.
             y = self.small(x) if x.dtype == torch.bfloat16 else self.small(x.to(torch.bfloat16)).to(x.dtype)
-        elif self.bits == 4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.GROUP, self.scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
+            if self.bits == 4:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.qweight, self.GROUP, self.scales)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -560,6 +574,7 @@ def quantize_linears(
     quant_for: QuantFor | None = None,
     small_for: SmallFor | None = None,
     codes: dict[str, GroupCodes] | None = None,
+    wide_for: WideFor | None = None,
 ) -> int:
     """Replace nn.Linear layers by QuantizedLinear (bits by module name, else default); return the count.
     `quant_for`: faster kernels for the quantized codes (ops.quantized_matmul_for); `small_for`: the few-row
@@ -571,7 +586,7 @@ def quantize_linears(
     for parent, name, full, child in sites:
         bits = bits_for.get(full, default_bits)
         given = (codes or {}).get(full)
-        setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for, given))
+        setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for, given, wide_for))
     return len(sites)
 
 

@@ -28,11 +28,12 @@ from tokenmill.models.linear import (
     quantize_linears_int8,
     quantize_linears_int8_groups,
 )
-from tokenmill.models.ops import TorchOps, get_ops
+from tokenmill.models.ops import CpuFusedOps, TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
+from tokenmill.models.wide_linear import WideLinear, widen_linears
 from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups
 
 log = logging.getLogger(__name__)
@@ -398,6 +399,7 @@ def build_model(
     int4_codes: dict[str, GroupCodes] | None = None,
     int8_scales: str = "auto",
     int8_codes: Callable[[], dict[str, Int8Groups] | None] | None = None,
+    bf16_weights: bool = False,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, then assign
     the given ones, cut to the shard. `calibration`: what to smooth the activations on before
@@ -409,7 +411,9 @@ def build_model(
     int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
     (config.py); `int8_codes`: reads a Q8_0 file's own codes (registry.load_int8_codes; called only
     where the group form can run), which the group form takes as they are and "auto" chooses it for; for
-    int4, its output head's (registry.load_int8_head_codes)."""
+    int4, its output head's (registry.load_int8_head_codes). `bf16_weights`: a float32 model (`dtype`)
+    whose linears keep bf16 weights, widened to float32 by the kernels (models/wide_linear.py; where the
+    C++ kernels did not build, they stay float32)."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -438,6 +442,11 @@ def build_model(
             log.warning("weights not smoothed: %s", reason)
         else:
             smooth_model(model, calibration, smoothing_alpha)
+    # A float32 model of bf16 weights (models/wide_linear.py): its linears, and int4's copies for big
+    # steps, as bf16 panels computed in float32.
+    widen = bf16_weights and isinstance(model.ops, CpuFusedOps)
+    kernels = model.ops.k if isinstance(model.ops, CpuFusedOps) else None
+    wide_for = functools.partial(WideLinear, kernels=kernels) if widen else None
     if quantization == "int4":
         # The output head stays at 8 bits: it is the embedding (Q8_0 or Q6_K in llama.cpp's Q4 files),
         # and every logit depends on it; but a file that keeps it in 4 bits too gives its own codes
@@ -455,6 +464,7 @@ def build_model(
             ),
             small_for=model.ops.small_matmul_for,
             codes=shard_codes(model, int4_codes) if int4_codes else None,
+            wide_for=wide_for,
         )
         # Only bf16 layers send steps above 4 rows to the panels (others keep their copy for those).
         panels = [m.small for m in model.modules() if isinstance(m, QuantizedLinear) and m.max_rows is None]
@@ -482,6 +492,8 @@ def build_model(
         )
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
+    if widen:
+        widen_linears(model, kernels)
     pack_linears(model, model.ops.small_matmul_for, model.ops.panels_take_every_row())
     model.finalize()
     return model.eval()

@@ -19,6 +19,7 @@ from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
 from tokenmill.models.smoothing import Calibration, calibration_chunks
+from tokenmill.models.wide_linear import announce, float32_arithmetic
 from tokenmill.weights import catalog
 from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
@@ -45,7 +46,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -60,14 +61,24 @@ class Worker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.governor = make_governor(config.adaptive_threads)
-        self.dtype = resolve_dtype(config.dtype)
         self.device = torch.device(config.device)
+        # dtype "auto": bf16 weights, computed in float32 on a CPU without BF16 instructions, the linears'
+        # weights kept in bf16 (models/wide_linear.py); self.dtype is the arithmetic's (activations, KV
+        # cache), weights_dtype the checkpoint's as loaded.
+        auto = config.dtype == "auto"
+        self.weights_dtype = weights_dtype = resolve_dtype("bfloat16" if auto else config.dtype)
+        self.bf16_weights = auto and float32_arithmetic(
+            weights_dtype, self.device, config.kernels, config.quantization
+        )
+        self.dtype = torch.float32 if self.bf16_weights else weights_dtype
+        if self.bf16_weights:
+            announce(config.kernels)
         if self.device.type == "cpu":
             keep_freed_memory()  # activations re-used, not re-faulted each step (worker/allocator.py)
         t0 = time.perf_counter()
         path = catalog.resolve(config.model)
         cache_dir = Path(config.cache_dir) if config.cache_dir else None
-        loaded = registry.load_checkpoint(path, self.dtype, cache_dir)
+        loaded = registry.load_checkpoint(path, weights_dtype, cache_dir)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.source = path
@@ -89,6 +100,7 @@ class Worker:
             int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
             int8_scales=config.int8_scales,
             int8_codes=self._int8_codes(config.quantization, path, cache_dir),
+            bf16_weights=self.bf16_weights,
         )
         del loaded
         # int8's calibration may have made the folder of a Hugging Face directory just now.
@@ -126,6 +138,8 @@ class Worker:
         int8 its group form or the smoothing strength it was smoothed with."""
         alpha = getattr(self.model, "smoothed_alpha", None)
         q = self.config.quantization
+        if self.bf16_weights:
+            return "bf16-weights-f32"  # float32 activations: other keys and values than bf16's
         if q == "int4" and getattr(self.model, "int4_a8", False):
             return "int4-a8"  # int8 activations above 2 rows change the keys and values
         if q == "int8" and getattr(self.model, "int8_groups", False):
@@ -180,7 +194,7 @@ class Worker:
                 tiers,
                 (tiers.host_bytes or 0) // spec.block_bytes,
                 layout_namespace(
-                    Path(self.source).name, self.config.dtype, self._weights_label(), spec,
+                    Path(self.source).name, self.dtype_name, self._weights_label(), spec,
                     self.parallel.rank,
                 ),
             )  # fmt: skip
@@ -196,8 +210,11 @@ class Worker:
         t0 = time.perf_counter()
         path = self.source if name == "self" else catalog.resolve(name)
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
-        loaded = registry.load_checkpoint(path, self.dtype, cache_dir)
+        loaded = registry.load_checkpoint(path, self.weights_dtype, cache_dir)
         four_bit = spec.draft_quantization == "int4"
+        bf16_weights = self.config.dtype == "auto" and float32_arithmetic(
+            self.weights_dtype, self.device, self.config.kernels, spec.draft_quantization
+        )
         check_draft_vocabulary(self.tokenizer, loaded.tokenizer, name)
         model = registry.build(
             loaded.config,
@@ -209,11 +226,12 @@ class Worker:
             spec.draft_quantization,
             int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
             int8_codes=self._int8_codes(spec.draft_quantization, path, cache_dir),
+            bf16_weights=bf16_weights,
         )
         del loaded
         if self.device.type == "cpu":
             release_freed_memory()
-        log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.config.dtype,
+        log.info("draft model %s (%s) loaded in %.1fs", name, spec.draft_quantization or self.dtype_name,
                  time.perf_counter() - t0)  # fmt: skip
         return DraftModelProposer(
             model, num_blocks, block_size, self.dtype, self.device, self.config.kernels, self.max_model_len,
@@ -259,4 +277,10 @@ class Worker:
             # The offload namespace's weights part, which the scheduler's connector must name as the
             # workers do (smoothing and int8 activations are decided at load, not by the config alone).
             "weights_label": self._weights_label(),
+            "dtype": self.dtype_name,
         }
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as the config names it ("auto" resolved), for the offload namespace."""
+        return str(self.weights_dtype).removeprefix("torch.")

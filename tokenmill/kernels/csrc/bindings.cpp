@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_matmul", &panel_matmul, "x @ W^T for a few rows (vector loops) or a few dozen (brgemm)");
   m.def("panel_dot_available", &panel_dot_available, "whether this build has the AVX512-BF16 loops (bf16 dot loops; 4-bit, 8-bit, W8A8 and fp8 panels)");
   m.def("panel_matmul_dot", &panel_matmul_dot, "x @ W^T for bfloat16 rows by vdpbf16ps (AVX512-BF16), 256 a sweep");
+  m.def("panel_matmul_wide", &panel_matmul_wide,
+        "x @ W^T for float32 rows and bfloat16 panels, widened to float32 in the kernel (any number of rows)");
+  m.def("panel_wide_fast", &panel_wide_fast, "whether panel_matmul_wide has this build's vector loops (AVX2 + FMA)");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for bfloat16 rows, W in 4-bit panels (Q4Panels): bf16 activations up to exact_rows rows, int8 above");
   m.def("g8_matmul", &g8_matmul,
         "W8A8 in groups of 32: bfloat16 rows quantized per group of 32 x int8 panels with a scale per group "

@@ -34,6 +34,8 @@ at::Tensor q4_matmul(at::Tensor x, at::Tensor panels, int64_t n, int64_t exact_r
 at::Tensor g8_matmul(at::Tensor x, at::Tensor panels, int64_t n, int64_t wide_rows);
 at::Tensor q8_matmul(at::Tensor x, at::Tensor panels, at::Tensor scales, int64_t n);
 at::Tensor panel_matmul_dot(at::Tensor x, at::Tensor panels, int64_t n);
+at::Tensor panel_matmul_wide(at::Tensor x, at::Tensor panels, int64_t n);
+bool panel_wide_fast();
 at::Tensor f8_matmul(at::Tensor x, at::Tensor x_scales, at::Tensor panels, at::Tensor w_scales,
                         int64_t n);
 at::Tensor i8_matmul(at::Tensor xq, at::Tensor x_scales, at::Tensor panels, at::Tensor offsets,

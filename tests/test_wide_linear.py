@@ -1,0 +1,73 @@
+"""bfloat16 weights with float32 arithmetic (models/wide_linear.py), the path of CPUs without BF16
+instructions: which builds take it, and the embedded model on it against Hugging Face transformers in
+float32 on the same bf16-rounded weights (greedy tokens equal, logprobs within float32's reordering).
+The kernel itself is checked against float64 at every level in test_kernels_isa.py, and the C++ decode
+step's bits on it in test_decode_step.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.isa import get_level
+from tokenmill.models.wide_linear import WideLinear, float32_arithmetic
+
+CPU = torch.device("cpu")
+NEW_TOKENS = 24
+LOGPROB_TOL = 2e-3  # as test_correctness_hf.py: float32 in another order is ~1e-5 off
+
+
+def test_which_builds_compute_bf16_models_in_float32() -> None:
+    bf16 = torch.bfloat16
+    assert float32_arithmetic(bf16, CPU, "avx2", None)
+    assert float32_arithmetic(bf16, CPU, "avx512", None)  # AVX-512 without BF16 (Skylake-SP, Ice Lake)
+    assert not float32_arithmetic(bf16, CPU, "avx512_bf16", None)
+    assert not float32_arithmetic(bf16, CPU, "torch", None), "the reference stays bf16"
+    assert not float32_arithmetic(torch.float32, CPU, "avx2", None)
+    assert float32_arithmetic(bf16, CPU, "avx2", "int4"), "int4's copy for big steps: widened bf16 panels"
+    for q in ("int8", "fp8"):
+        assert not float32_arithmetic(bf16, CPU, "avx2", q), "int8 and fp8 keep their own arithmetic"
+    assert not float32_arithmetic(bf16, torch.device("cuda"), "avx2", None)
+
+
+@pytest.fixture(scope="module")
+def llm_wide() -> LLM:
+    if not get_level("avx2").supported():
+        pytest.skip("this CPU has no AVX2: the kernels' avx2 build cannot run")
+    return LLM(kernels="avx2", max_model_len=512)  # dtype "auto": the avx2 build has no BF16 loops
+
+
+def test_the_engine_holds_bf16_panels_and_computes_in_float32(llm_wide: LLM) -> None:
+    worker = llm_wide.engine.executor.worker  # type: ignore[attr-defined]
+    model = worker.model
+    assert worker.dtype == torch.float32 and worker.bf16_weights
+    wide = [m for m in model.modules() if isinstance(m, WideLinear)]
+    assert len(wide) == 4 * model.config.num_layers + 1, "every linear, the output head included"
+    assert all(m.panels.dtype == torch.bfloat16 for m in wide)
+    assert model.decode_step() is not None, "decode steps run the C++ layer loop"
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_transformers_float32_on_the_bf16_weights(llm_wide: LLM, hf_model) -> None:
+    ref_model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in ref_model.parameters():  # the weights bf16 holds (not the buffers: rotary's inv_freq)
+            p.copy_(p.bfloat16().float())
+    tok = llm_wide.tokenizer
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode("def fibonacci(n):\n    "),
+        tok.encode("In 1969, the first humans landed on the Moon. The mission was called"),
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm_wide.generate(prompts, [params] * len(prompts), use_tqdm=False)  # batched: steps of 3 rows
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        ref_tokens, ref_lps = hf_greedy(ref_model, p, NEW_TOKENS)
+        assert out.outputs[0].token_ids == ref_tokens, f"prompt {i} diverges from transformers"
+        for ours, theirs in zip(out.outputs[0].logprobs, ref_lps, strict=True):
+            for tid, lp in ours.top:
+                assert abs(lp - float(theirs[tid])) < LOGPROB_TOL
