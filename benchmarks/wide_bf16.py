@@ -2,7 +2,7 @@
 arithmetic (dtype "bfloat16"), same run, same machine: offline tokens/s at one stream and at 32, and a
 512-token prompt's prefill.
 
-    python benchmarks/wide_bf16.py [--emulate-avx2] [--rounds 2] [--json out.json]
+    python benchmarks/wide_bf16.py [--emulate-avx2] [--rounds 2] [--quantization int4] [--json out.json]
     python benchmarks/wide_bf16.py --emulate-avx2 --kernel   # the matmul alone, against PyTorch's
 
 `--emulate-avx2` holds oneDNN, ATen, MKL and tokenmill's kernels to AVX2 (as `make test`'s AVX2 pass
@@ -35,7 +35,8 @@ SETTINGS = {"bf16 arithmetic (dtype bfloat16)": "bfloat16", "float32 arithmetic 
 CHILD = r"""
 import json, random, sys, time
 from tokenmill import LLM, SamplingParams
-llm = LLM(dtype=sys.argv[1], max_model_len=1024, enable_prefix_caching=False)
+quantization = sys.argv[2] or None
+llm = LLM(dtype=sys.argv[1], quantization=quantization, max_model_len=1024, enable_prefix_caching=False)
 worker = llm.engine.executor.worker
 rng = random.Random(0)
 vocab = llm.engine.model_config.vocab_size
@@ -91,9 +92,9 @@ for m in (1, 4, 32, 256):
 """
 
 
-def run(dtype: str, env: dict[str, str]) -> dict:
+def run(dtype: str, quantization: str, env: dict[str, str]) -> dict:
     r = subprocess.run(
-        [sys.executable, "-c", CHILD, dtype],
+        [sys.executable, "-c", CHILD, dtype, quantization],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--kernel", action="store_true", help="time the matmul alone against PyTorch's")
+    ap.add_argument("--quantization", default="", help='e.g. "int4": both settings quantized so')
     args = ap.parse_args()
     env = AVX2_ENV if args.emulate_avx2 else {}
     print(f"CPU: {cpu_description()}" + (" (held to AVX2)" if args.emulate_avx2 else ""))
@@ -120,7 +122,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for i in range(args.rounds):
         for name, dtype in SETTINGS.items():
-            r = run(dtype, env)
+            r = run(dtype, args.quantization, env)
             runs[name].append(r)
             print(
                 f"round {i + 1} {name:34s} [{r['arithmetic']}]: 1 stream {r['one_stream_tok_s']:6.1f} tok/s, "

@@ -15,7 +15,7 @@ from tokenmill.kernels.isa import all_levels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, VECTOR, WIDE, DecodeStep
+from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, Q4WIDE, VECTOR, WIDE, DecodeStep
 from tokenmill.models.linear import onednn_packing_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.ops import CpuFusedOps
@@ -150,7 +150,29 @@ def test_step_on_widened_bf16_panels_gives_the_python_loops_bits(level: str, kv_
     )
     step = model.decode_step()
     assert step is not None and step.kinds == {WIDE} and step.max_rows is None
-    for rows in (1, 3, 6):
+    _same_bits_with_the_step(model, step, level, kv_format, (1, 3, 6))
+
+
+@pytest.mark.skipif(not WIDENING, reason="no kernel build without the BF16 loops runs on this CPU")
+@pytest.mark.parametrize("level", WIDENING)
+def test_step_on_the_avx2_4bit_loops_gives_the_python_loops_bits(level: str) -> None:
+    """int4 in a float32 model of bf16 weights: every layer's linears on the AVX2 4-bit loops (W4A8) up
+    to 4 rows, the Python loop's bits; 5 rows keep the Python loop (the widened copies)."""
+    model = build_model(
+        QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, "int4", bf16_weights=True
+    )
+    step = model.decode_step()
+    assert step is not None and step.kinds == {Q4WIDE} and step.max_rows == 4
+    _same_bits_with_the_step(model, step, level, None, (1, 3))
+    calls = _counted(step)
+    _run(model, level, None, 5)
+    assert calls[0] == 0
+
+
+def _same_bits_with_the_step(
+    model: torch.nn.Module, step: DecodeStep, level: str, kv_format: str | None, row_counts: tuple[int, ...]
+) -> None:
+    for rows in row_counts:
         calls = _counted(step)
         fast = _run(model, level, kv_format, rows)
         assert calls[0] == 5, "every decode step ran in C++, no prompt did"

@@ -514,6 +514,40 @@ def test_q4_panels(kernels, rows: int, n: int, k: int) -> None:
         assert torch.equal(kernels.q4_matmul(x[r : r + 1], q4_pack(q, scale, lo), n, EXACT)[0], out[r])
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_q4_wide_loops(kernels, x_dtype: torch.dtype, symmetric: bool, rows: int, n: int, k: int) -> None:
+    """The AVX2 4-bit loops (W4A8 by vpmaddubsw; quantization="int4" on builds without the BF16 loops):
+    against float64 of the activations as their int8 group codes stand for them (round(x / a) a, a =
+    max|x| / 127 per row and group of 32) times the weights as the panels hold them, with and without
+    minima (a Q4_0 file's form); each row's result the same alone as beside the others."""
+    if not kernels.q4_wide_available():
+        pytest.skip(f"the {kernels.isa_level()} build has no AVX2 4-bit loops")
+    from tokenmill.models.ops import q4_pack
+
+    q, scale, lo, x = q4_case(rows, n, k)
+    x = x.to(x_dtype)
+    if symmetric:
+        lo = -8 * scale.to(torch.float16).float()
+    panels = q4_pack(q, scale, None if symmetric else lo)
+    out = kernels.q4_matmul_wide(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    # The codes as the kernel rounds them: x * (127 / max) in float32, to nearest even.
+    xg = x.float().view(rows, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    codes = torch.round(xg * torch.where(amax > 0, 127 / amax, 0))
+    x_hat = (codes.double() * (amax / 127).double()).view(rows, k)
+    s64, lo64 = (v.to(torch.float16).double().repeat_interleave(32, dim=1) for v in (scale, lo))
+    w = q.double() * s64 + lo64
+    # Exact integer sums per group; float32 scalings and sums of the groups' terms.
+    magnitude = x_hat.abs() @ (q.double() * s64 + lo64.abs()).T
+    check(out, x_hat @ w.T, atol=k * 2**-23 * float(magnitude.max()))
+    for r in {0, rows - 1}:
+        assert torch.equal(kernels.q4_matmul_wide(x[r : r + 1], panels, n)[0], out[r])
+
+
 @pytest.mark.parametrize("rows", [17, 33, 300])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
 def test_q4_panels_dequantized_above_16_rows(kernels, rows: int, n: int, k: int) -> None:

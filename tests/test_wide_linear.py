@@ -48,6 +48,7 @@ def test_the_engine_holds_bf16_panels_and_computes_in_float32(llm_wide: LLM) -> 
     wide = [m for m in model.modules() if isinstance(m, WideLinear)]
     assert len(wide) == 4 * model.config.num_layers + 1, "every linear, the output head included"
     assert all(m.panels.dtype == torch.bfloat16 for m in wide)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16, "the table stays bf16 too"
     assert model.decode_step() is not None, "decode steps run the C++ layer loop"
 
 
@@ -71,3 +72,27 @@ def test_greedy_tokens_equal_transformers_float32_on_the_bf16_weights(llm_wide: 
         for ours, theirs in zip(out.outputs[0].logprobs, ref_lps, strict=True):
             for tid, lp in ours.top:
                 assert abs(lp - float(theirs[tid])) < LOGPROB_TOL
+
+
+def test_int4_on_the_avx2_path_reads_4_bits_at_decode_and_widened_panels_above() -> None:
+    """`quantization="int4"` on the avx2 build: decode steps of up to 4 rows on the AVX2 4-bit loops
+    (W4A8, checked against float64 in test_kernels_isa.py, and in the C++ step in test_decode_step.py),
+    bigger steps on widened bf16 panels."""
+    if not get_level("avx2").supported():
+        pytest.skip("this CPU has no AVX2: the kernels' avx2 build cannot run")
+    from tokenmill.models.linear import QuantizedLinear
+    from tokenmill.models.ops import Q4WidePanels
+
+    llm = LLM(kernels="avx2", quantization="int4", max_model_len=256, enable_prefix_caching=False)
+    try:
+        worker = llm.engine.executor.worker  # type: ignore[attr-defined]
+        assert worker.dtype == torch.float32 and worker._weights_label() == "int4-a8-f32"
+        layers = [m for m in worker.model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4]
+        assert layers and all(isinstance(m.small, Q4WidePanels) for m in layers)
+        assert all(isinstance(m.wide, WideLinear) for m in layers)
+        step = worker.model.decode_step()
+        assert step is not None and step.max_rows == 4, "decode steps of up to 4 rows run the C++ loop"
+        out = llm.generate(["The capital of France is"], [SamplingParams(temperature=0.0, max_tokens=8)])
+        assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        llm.close()

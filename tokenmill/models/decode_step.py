@@ -25,7 +25,15 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
 from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
-from tokenmill.models.ops import CpuFusedOps, F8Panels, G8Panels, I8Panels, PanelMatmul, Q4Panels
+from tokenmill.models.ops import (
+    CpuFusedOps,
+    F8Panels,
+    G8Panels,
+    I8Panels,
+    PanelMatmul,
+    Q4Panels,
+    Q4WidePanels,
+)
 from tokenmill.models.wide_linear import WideLinear
 
 if TYPE_CHECKING:
@@ -34,8 +42,8 @@ if TYPE_CHECKING:
 # The kernels the C++ step calls for a linear (decode_step.cpp's Kind): the bf16 dot loops, the bf16
 # vector loops (or brgemm), 4-bit panels, int8 group panels, int8 per-channel panels (W8A8, the rows
 # quantized by ops.quantize_rows_u8), fp8 panels (the rows as e4m3 codes by ops.e4m3_rows), bf16 panels
-# widened for float32 rows (models/wide_linear.py).
-DOT, VECTOR, Q4, G8, I8, F8, WIDE = 0, 1, 2, 3, 4, 5, 6
+# widened for float32 rows (models/wide_linear.py), 4-bit panels for float32 rows by the AVX2 loops.
+DOT, VECTOR, Q4, G8, I8, F8, WIDE, Q4WIDE = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 class StepLinear(NamedTuple):
@@ -64,6 +72,10 @@ def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
         # The vector loops (or brgemm) up to the kernel's rows; above them oneDNN's copy runs.
         rows = k.max_rows if linear.packed is not None else None
         return StepLinear(VECTOR, k.panels, k.n, k.vector_rows, linear.bias, rows)
+    if isinstance(linear, QuantizedLinear) and isinstance(linear.small, Q4WidePanels):
+        # Float32 rows up to the layer's rows (4); above them its widened bf16 copy runs, in Python.
+        kw = linear.small
+        return StepLinear(Q4WIDE, kw.panels, kw.n, 0, linear.bias, linear.max_rows)
     if isinstance(linear, QuantizedLinear) and isinstance(linear.small, Q4Panels):
         k4 = linear.small
         return StepLinear(Q4, k4.panels, k4.n, k4.exact_rows, linear.bias, linear.max_rows)

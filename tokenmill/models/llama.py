@@ -33,7 +33,7 @@ from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_s
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
-from tokenmill.models.wide_linear import WideLinear, widen_linears
+from tokenmill.models.wide_linear import WideEmbedding, WideLinear, widen_linears
 from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups
 
 log = logging.getLogger(__name__)
@@ -460,15 +460,19 @@ def build_model(
             bits_for={"lm_head": 4 if head_codes else 8},
             default_bits=4,
             quant_for=functools.partial(
-                model.ops.quantized_matmul_for, int8_activations=int4_activations == "int8"
+                model.ops.quantized_matmul_for,
+                int8_activations=int4_activations == "int8",
+                float32_rows=widen,  # the AVX2 4-bit loops: for a float32 model's rows only
             ),
             small_for=model.ops.small_matmul_for,
             codes=shard_codes(model, int4_codes) if int4_codes else None,
             wide_for=wide_for,
         )
         # Only bf16 layers send steps above 4 rows to the panels (others keep their copy for those).
-        panels = [m.small for m in model.modules() if isinstance(m, QuantizedLinear) and m.max_rows is None]
-        model.int4_a8 = any(getattr(k, "int8_activations", False) for k in panels)
+        # Any kernel that quantizes a step's activations (the 4-bit panels above 2 rows, the AVX2 4-bit
+        # loops up to 4) changes the keys and values (the worker's weights label).
+        kernels4 = [m.small for m in model.modules() if isinstance(m, QuantizedLinear)]
+        model.int4_a8 = any(getattr(k, "int8_activations", False) for k in kernels4)
     elif quantization == "int8":
         # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
         # own scale (measured in benchmarks/perplexity.py).
@@ -493,7 +497,9 @@ def build_model(
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
     if widen:
-        widen_linears(model, kernels)
+        widen_linears(model, kernels)  # the output head too: tied, it gets panels of its own
+        if shard.first_stage:
+            model.embed_tokens = WideEmbedding(model.embed_tokens)  # type: ignore[assignment]
     pack_linears(model, model.ops.small_matmul_for, model.ops.panels_take_every_row())
     model.finalize()
     return model.eval()

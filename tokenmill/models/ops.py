@@ -110,7 +110,8 @@ class TorchOps:
         scale: torch.Tensor,
         lo: torch.Tensor | None,
         int8_activations: bool = False,
-    ) -> Q4Panels | Q8Panels | None:
+        float32_rows: bool = False,
+    ) -> Q4Panels | Q4WidePanels | Q8Panels | None:
         """A kernel for steps of up to its max_rows rows (None: any) with weight-only quantized weights,
         or None (PyTorch's int4/int8 matmuls are used): 4 bits, w = q * scale + lo (q [N, K] in 0..15,
         scale and lo [N, K/32]); 8 bits, w = q * scale (q [N, K] int8, scale [N]). `int8_activations`:
@@ -212,6 +213,25 @@ def column_scales(scale: torch.Tensor) -> torch.Tensor:
     """Per-column float32 scales [N] padded to whole 32-column panels (0 past N), as the kernels read them."""
     scale = scale.float().flatten()
     return torch.nn.functional.pad(scale, (0, -scale.numel() % 32)).contiguous()
+
+
+class Q4WidePanels:
+    """x @ W^T for up to 4 rows with W in 4 bits (q4_pack's panels, as Q4Panels holds them) on builds
+    without the BF16 loops (AVX2): the rows quantized to int8 per group of 32 and multiplied by
+    vpmaddubsw (W4A8, as llama.cpp multiplies Q4 by Q8_0 on AVX2), float32 or bf16 rows in, the rows'
+    dtype out (kernels/csrc/panel_q4_wide.cpp). Larger steps take the layer's copy."""
+
+    max_rows: int | None = 4
+    any_dtype = True  # QuantizedLinear hands it float32 rows as they are
+    int8_activations = True
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        self.panels = q4_pack(q, scale, None if q4_symmetric(scale, lo) else lo)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.k.q4_matmul_wide(x, self.panels, self.n)  # type: ignore[attr-defined]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class Q4Panels:
@@ -417,14 +437,27 @@ class CpuFusedOps(TorchOps):
         scale: torch.Tensor,
         lo: torch.Tensor | None,
         int8_activations: bool = False,
-    ) -> Q4Panels | Q8Panels | None:
+        float32_rows: bool = False,
+    ) -> Q4Panels | Q4WidePanels | Q8Panels | None:
         if not self._dot_loops_for(q, 32):  # 4-bit groups of 32
+            wide = bits == 4 and lo is not None and int8_activations and float32_rows
+            if wide and self._q4_wide_for(q, scale, lo):
+                return Q4WidePanels(self.k, q, scale, lo)
             return None
         if bits == 4 and lo is not None:
             if not _fit_float16(scale, lo):
                 return None  # the panels hold float16 scales and minima
             return Q4Panels(self.k, q, scale, lo, int8_activations)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
+
+    def _q4_wide_for(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
+        """Whether the AVX2 4-bit loops (W4A8 by vpmaddubsw) take this weight: a build without the BF16
+        loops (those have their own 4-bit panels), a CPU tensor with K a multiple of 32, float16 scales."""
+        if q.device.type != "cpu" or q.dim() != 2 or q.shape[1] % 32:
+            return False
+        if self.k.panel_dot_available() or not self.k.q4_wide_available():  # type: ignore[attr-defined]
+            return False
+        return _fit_float16(scale, lo)
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
         return F8Panels(self.k, codes, scale) if self._dot_loops_for(codes, 2) else None

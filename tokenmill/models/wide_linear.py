@@ -77,6 +77,18 @@ class WideLinear(LinearBase):
         return y if self.bias is None else y.add_(self.bias)
 
 
+class WideEmbedding(nn.Module):
+    """An embedding table kept in bf16 (half float32's bytes: a vocabulary's table is a large share of a
+    small model), its rows looked up as float32, exactly (a bf16 number is a float32 one)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(embedding.weight.detach().to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight).float()
+
+
 def widen_linears(model: nn.Module, kernels: object) -> int:
     """Replace every linear still computed by a plain matmul (and whose K the panels pair) by a WideLinear
     of the kernels `kernels`; return how many were."""

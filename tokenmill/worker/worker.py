@@ -138,13 +138,14 @@ class Worker:
         int8 its group form or the smoothing strength it was smoothed with."""
         alpha = getattr(self.model, "smoothed_alpha", None)
         q = self.config.quantization
-        if self.bf16_weights:
-            return "bf16-weights-f32"  # float32 activations: other keys and values than bf16's
         if q == "int4" and getattr(self.model, "int4_a8", False):
-            return "int4-a8"  # int8 activations above 2 rows change the keys and values
+            q = "int4-a8"  # int8 activations (of some steps) change the keys and values
         if q == "int8" and getattr(self.model, "int8_groups", False):
-            return "int8-groups"  # a scale per group of 32 (int8_scales), not smoothed
-        return f"{q}-smoothed-{alpha}" if q and alpha else q
+            q, alpha = "int8-groups", None  # a scale per group of 32 (int8_scales), not smoothed
+        label = f"{q}-smoothed-{alpha}" if q and alpha else q
+        if self.bf16_weights:  # float32 activations: other keys and values than bf16 arithmetic's
+            return f"{label or 'bf16-weights'}-f32"
+        return label
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         """What one KV block of `block_size` tokens is for this worker (its layers, its kv heads)."""

@@ -51,6 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_matmul_wide", &panel_matmul_wide,
         "x @ W^T for float32 rows and bfloat16 panels, widened to float32 in the kernel (any number of rows)");
   m.def("panel_wide_fast", &panel_wide_fast, "whether panel_matmul_wide has this build's vector loops (AVX2 + FMA)");
+  m.def("q4_matmul_wide", &q4_matmul_wide,
+        "W4A8 by vpmaddubsw (AVX2): float32 or bfloat16 rows, quantized per group of 32, x 4-bit panels, as float32");
+  m.def("q4_wide_available", &q4_wide_available, "whether this build has the AVX2 4-bit loops");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for bfloat16 rows, W in 4-bit panels (Q4Panels): bf16 activations up to exact_rows rows, int8 above");
   m.def("g8_matmul", &g8_matmul,
         "W8A8 in groups of 32: bfloat16 rows quantized per group of 32 x int8 panels with a scale per group "
