@@ -117,18 +117,6 @@ __attribute__((always_inline)) inline void buf_pass(const float* x, int64_t xs, 
   }
 }
 
-template <typename F>
-inline void with_rows6(int64_t rows, const F& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 // One panel for a sweep's `rows` rows at x (xs apart) into c (rows x 32, kCols apart); buf: K x 32 floats.
 void wide_panel(const float* x, int64_t xs, const bf16* wp, int64_t pairs, int64_t rows, float* c, float* buf) {
   const int64_t bytes = pairs * kPairRow * 2;
@@ -149,7 +137,7 @@ void wide_panel(const float* x, int64_t xs, const bf16* wp, int64_t pairs, int64
   for (int64_t k0 = 0; k0 < 2 * pairs; k0 += kBlockK)
     for (int64_t m0 = 0; m0 < rows; m0 += kBufPass)
       for (int64_t half = 0; half < 2; ++half)
-        with_rows6(rows - m0, [&](auto r) {
+        panels::with_rows(std::min(rows - m0, kBufPass), [&](auto r) {
           buf_pass<decltype(r)::value>(x + m0 * xs, xs, buf, k0, std::min(k0 + kBlockK, 2 * pairs), half,
                                        c + m0 * kCols);
         });
