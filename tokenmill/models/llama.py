@@ -468,7 +468,6 @@ def build_model(
             codes=shard_codes(model, int4_codes) if int4_codes else None,
             wide_for=wide_for,
         )
-        # Only bf16 layers send steps above 4 rows to the panels (others keep their copy for those).
         # Any kernel that quantizes a step's activations (the 4-bit panels above 2 rows, the AVX2 4-bit
         # loops up to 4) changes the keys and values (the worker's weights label).
         kernels4 = [m.small for m in model.modules() if isinstance(m, QuantizedLinear)]
