@@ -43,7 +43,7 @@ def main() -> None:
         kw["int8_scales"] = "group"
     llm = LLM(kv_cache_memory_gb=1.0, **kw)
     model = llm.engine.executor.worker.model  # type: ignore[attr-defined]
-    step = model.decode_step()
+    step = model.layer_loop  # the runner's choice (worker/model_runner.py)
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
     print(f"model: {args.model or 'the embedded one'}, quantization {args.quantization or 'none (bf16)'}")
     if step is None:
@@ -57,7 +57,7 @@ def main() -> None:
         llm.generate(prompts, params)  # warm-up: shapes, caches
 
         def timed(with_step: bool, prompts: list[str] = prompts) -> float:
-            model._step = step if with_step else None
+            model.layer_loop = step if with_step else None
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t
@@ -73,7 +73,7 @@ def main() -> None:
             fast.append(a)
             slow.append(b)
             ratios.append(a / b)
-        model._step = step
+        model.layer_loop = step
         spread = ", ".join(f"{x:.2f}" for x in sorted(ratios))
         print(
             f"| {n} | {statistics.median(slow):.1f} | {statistics.median(fast):.1f} | "

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 from tokenmill import LLM
-from tokenmill.models import llama, registry
+from tokenmill.models.quant.int4 import Int4
 from tokenmill.quality.perplexity import perplexity, text_version
+from tokenmill.weights.loader import CheckpointCodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
@@ -82,15 +83,14 @@ def main() -> None:
         # The int4 head as it was before it took int8's group form (the per-channel 8-bit panels, exact
         # products): patched the same way.
         head_per_channel = kw.pop("head_per_channel", False)
-        saved, saved_head = registry.load_int4_codes, llama._int4_head_in_groups
+        saved = CheckpointCodes.int4
         if requantize:
-            registry.load_int4_codes = lambda *_: None
-        if head_per_channel:
-            llama._int4_head_in_groups = lambda *_: False
+            CheckpointCodes.int4 = lambda self: None  # type: ignore[method-assign]
+        Int4.head_in_groups = not head_per_channel
         try:
             llm = LLM(**{"dtype": "bfloat16", **kw, **COMMON, **model})
         finally:
-            registry.load_int4_codes, llama._int4_head_in_groups = saved, saved_head
+            CheckpointCodes.int4, Int4.head_in_groups = saved, True  # type: ignore[method-assign]
         p = perplexity(llm, args.chunks, steps=args.steps)
         del llm
         base.setdefault("f32", p.value)

@@ -103,7 +103,7 @@ def main() -> None:
         else:
             llm = LLM(**COMMON, **kw)
             auto = kw.get("quantization") == "int8" and "int8_scales" not in kw
-            if auto and not llm.engine.executor.worker.model.int8_groups:
+            if auto and not llm.engine.executor.worker.model.quant.groups:
                 label += " [per channel here: no group panels on this CPU]"
             value = perplexity(llm).value
             del llm

@@ -79,16 +79,23 @@ def best(f, n=5):
     return min(times) * 1e3
 g = torch.Generator().manual_seed(0)
 print(f"kernels {k.isa_level()}; ms for the five shapes, best of 5")
+from tokenmill.models.ops import g8_pack
+from tokenmill.weights.group_codes import quantize_int8_groups
 for m in (1, 4, 32, 256):
-    wide = bf16 = f32 = 0.0
+    wide = bf16 = f32 = g8 = 0.0
     for n, kk in shapes:
         w = torch.randn(n, kk, generator=g).bfloat16()
         p, wf, x = k.panel_pack(w), w.float(), torch.randn(m, kk, generator=g)
+        codes = quantize_int8_groups(w)
+        p8 = g8_pack(codes.q, codes.scale)
         wide += best(lambda: k.panel_matmul_wide(x, p, n))
         bf16 += best(lambda: torch.nn.functional.linear(x.bfloat16(), w))
         f32 += best(lambda: torch.nn.functional.linear(x, wf))
+        if k.g8_wide_available():
+            g8 += best(lambda: k.g8_matmul_wide(x, p8, n))
     print(f"{m:4d} rows: widened bf16 panels {wide:7.2f}  PyTorch bf16 {bf16:7.2f} ({bf16 / wide:.1f}x)  "
-          f"PyTorch float32 {f32:7.2f} ({f32 / wide:.2f}x)", flush=True)
+          f"PyTorch float32 {f32:7.2f} ({f32 / wide:.2f}x)  int8 groups by the AVX2 loops {g8:7.2f} "
+          f"({wide / g8 if g8 else float('nan'):.2f}x of widened)", flush=True)
 """
 
 

@@ -15,10 +15,23 @@ from tokenmill.kernels.isa import all_levels
 from tokenmill.models.attention.backend import AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decode_step import DOT, F8, G8, I8, Q4, Q4WIDE, VECTOR, WIDE, DecodeStep
+from tokenmill.models.decode_step import (
+    DOT,
+    F8,
+    G8,
+    G8WIDE,
+    I8,
+    Q4,
+    Q4WIDE,
+    VECTOR,
+    WIDE,
+    DecodeStep,
+    decode_step_for,
+)
 from tokenmill.models.linear import onednn_packing_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.ops import CpuFusedOps
+from tokenmill.models.quant import QuantConfig
 from tokenmill.models.wide_linear import WIDENING_LEVELS
 
 LEVELS = [lv.name for lv in all_levels() if lv.supported()]
@@ -33,8 +46,14 @@ NO_BF16_PANELS = "oneDNN packs no bf16 weights on this CPU (it needs AVX-512): t
 def _no_panels_keeps_the_python_loop(model: torch.nn.Module) -> None:
     """Where the bf16 linears stay plain, the step must keep the Python loop; the rest of a test that
     compares the C++ step with it has nothing to run."""
-    assert model.decode_step() is None, "plain bf16 linears have no kernel the C++ step calls"
+    assert _loop(model) is None, "plain bf16 linears have no kernel the C++ step calls"
     pytest.skip(NO_BF16_PANELS)
+
+
+def _loop(model: torch.nn.Module) -> DecodeStep | None:
+    """The C++ step a runner gives the model (worker/model_runner.py), set as its layer loop."""
+    model.layer_loop = decode_step_for(model)  # type: ignore[assignment]
+    return model.layer_loop  # type: ignore[return-value]
 
 
 # Qwen2-like: biases on q/k/v, 4 query heads on 2 kv heads.
@@ -121,7 +140,7 @@ def test_step_gives_the_python_loops_bits(level: str, kv_format: str | None) -> 
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
     if not BF16_PANELS:
         _no_panels_keeps_the_python_loop(model)
-    step = model.decode_step()
+    step = _loop(model)
     assert step is not None, "every linear is on the bf16 panels"
     # The dot loops where they take every row count (AVX512-BF16 without AMX), else the vector loops.
     assert step.kinds == ({DOT} if model.ops.panels_take_every_row() else {VECTOR})
@@ -129,9 +148,9 @@ def test_step_gives_the_python_loops_bits(level: str, kv_format: str | None) -> 
         calls = _counted(step)
         fast = _run(model, level, kv_format, rows)
         assert calls[0] == 5, "every decode step ran in C++, no prompt did"
-        model._step = None
+        model.layer_loop = None
         slow = _run(model, level, kv_format, rows)
-        model._step = step
+        model.layer_loop = step
         for a, b in zip(fast, slow, strict=True):
             assert torch.equal(a, b)
 
@@ -146,9 +165,9 @@ def test_step_on_widened_bf16_panels_gives_the_python_loops_bits(level: str, kv_
     """A float32 model whose linears keep bf16 panels (models/wide_linear.py: CPUs without BF16
     instructions): every linear on the widening kernel, every row count, the Python loop's bits."""
     model = build_model(
-        QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, bf16_weights=True
+        QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, QuantConfig(bf16_weights=True)
     )
-    step = model.decode_step()
+    step = _loop(model)
     assert step is not None and step.kinds == {WIDE} and step.max_rows is None
     _same_bits_with_the_step(model, step, level, kv_format, (1, 3, 6))
 
@@ -159,14 +178,33 @@ def test_step_on_the_avx2_4bit_loops_gives_the_python_loops_bits(level: str) -> 
     """int4 in a float32 model of bf16 weights: every layer's linears on the AVX2 4-bit loops (W4A8) up
     to 4 rows, the Python loop's bits; 5 rows keep the Python loop (the widened copies)."""
     model = build_model(
-        QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, "int4", bf16_weights=True
+        QWEN,
+        _weights(QWEN),
+        torch.float32,
+        torch.device("cpu"),
+        64,
+        level,
+        QuantConfig("int4", bf16_weights=True),
     )
-    step = model.decode_step()
+    step = _loop(model)
     assert step is not None and step.kinds == {Q4WIDE} and step.max_rows == 4
     _same_bits_with_the_step(model, step, level, None, (1, 3))
     calls = _counted(step)
     _run(model, level, None, 5)
     assert calls[0] == 0
+
+
+@pytest.mark.skipif(not WIDENING, reason="no kernel build without the BF16 loops runs on this CPU")
+@pytest.mark.parametrize("level", WIDENING)
+@pytest.mark.parametrize("kv_format", [None, "int8"])
+def test_step_on_the_avx2_8bit_loops_gives_the_python_loops_bits(level: str, kv_format: str | None) -> None:
+    """int8 in a float32 model of bf16 weights: every layer's linears in groups of 32 on the AVX2 8-bit
+    loops (W8A8) at every row count, the Python loop's bits."""
+    quant = QuantConfig("int8", bf16_weights=True)
+    model = build_model(QWEN, _weights(QWEN), torch.float32, torch.device("cpu"), 64, level, quant)
+    step = _loop(model)
+    assert step is not None and step.kinds == {G8WIDE} and step.max_rows is None
+    _same_bits_with_the_step(model, step, level, kv_format, (1, 3, 6))
 
 
 def _same_bits_with_the_step(
@@ -176,9 +214,9 @@ def _same_bits_with_the_step(
         calls = _counted(step)
         fast = _run(model, level, kv_format, rows)
         assert calls[0] == 5, "every decode step ran in C++, no prompt did"
-        model._step = None
+        model.layer_loop = None
         slow = _run(model, level, kv_format, rows)
-        model._step = step
+        model.layer_loop = step
         for a, b in zip(fast, slow, strict=True):
             assert torch.equal(a, b)
 
@@ -193,7 +231,7 @@ def test_vector_loops_take_only_their_rows() -> None:
     model = build_model(QWEN, _weights(QWEN), torch.bfloat16, torch.device("cpu"), 64, level)
     if not BF16_PANELS:
         _no_panels_keeps_the_python_loop(model)
-    step = model.decode_step()
+    step = _loop(model)
     assert step is not None and step.kinds == {VECTOR} and step.max_rows in (4, 96)
     meta = AttentionMetadata.of([0], [[0]], [1], [], 16, torch.device("cpu"))
     backend, kv = get_backend(level), torch.zeros(2, 2, 1, 16, 2, 16, dtype=torch.bfloat16)
@@ -208,9 +246,10 @@ def test_vector_loops_take_only_their_rows() -> None:
 
 def test_plain_ops_and_float32_keep_the_python_loop() -> None:
     sd = _weights(QWEN)
-    assert build_model(QWEN, sd, torch.bfloat16, torch.device("cpu"), 64, "torch").decode_step() is None
+    assert decode_step_for(build_model(QWEN, sd, torch.bfloat16, torch.device("cpu"), 64, "torch")) is None
     if LEVELS:
-        assert build_model(QWEN, sd, torch.float32, torch.device("cpu"), 64, LEVELS[-1]).decode_step() is None
+        f32 = build_model(QWEN, sd, torch.float32, torch.device("cpu"), 64, LEVELS[-1])
+        assert decode_step_for(f32) is None
 
 
 def _record_logits(llm: LLM) -> list[torch.Tensor]:
@@ -246,7 +285,7 @@ def test_engine_steps_match_the_python_loop(kw: dict[str, str], kind: int) -> No
     (both sides of int4's W8A8 threshold), each logit equal with the C++ step and without."""
     llm = LLM(max_model_len=256, enable_prefix_caching=False, **kw)
     model = llm.engine.executor.worker.model  # type: ignore[attr-defined]
-    ops, step = model.ops, model.decode_step()
+    ops, step = model.ops, model.layer_loop  # the runner's choice
     if isinstance(ops, CpuFusedOps) and ops.panels_take_every_row():  # AVX512-BF16 without AMX
         assert step is not None and kind in step.kinds
     if step is None:
@@ -259,7 +298,7 @@ def test_engine_steps_match_the_python_loop(kw: dict[str, str], kind: int) -> No
     fast_logits = list(seen)
     assert calls[0] >= 5, "the decode steps ran in C++"
     seen.clear()
-    model._step = None
+    model.layer_loop = None
     slow = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert fast == slow
     assert len(fast_logits) == len(seen)

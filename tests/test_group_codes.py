@@ -18,9 +18,11 @@ from torch import nn
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import GroupInt8Linear, QuantizedLinear
-from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_codes, shard_weights
+from tokenmill.models.llama import LlamaForCausalLM, _skip_init, shard_weights
 from tokenmill.models.parallel import Shard
 from tokenmill.models.parallel_linear import RowParallelLinear
+from tokenmill.models.quant import QuantConfig
+from tokenmill.models.quant.codes import shard_codes
 from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
@@ -91,7 +93,7 @@ def test_only_4bit_tensors_have_codes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_embedded_files_codes_are_its_weights_fused_and_cached(model_path: Path, tmp_path: Path) -> None:
-    codes = registry.load_int4_codes(model_path, tmp_path)
+    codes = registry.checkpoint_codes(model_path, tmp_path).int4()
     assert codes is not None
     loaded = registry.load_checkpoint(model_path, torch.float32, tmp_path)
     linears = {k.removesuffix(".weight") for k in loaded.state_dict if k.endswith("_proj.weight")}
@@ -100,7 +102,7 @@ def test_embedded_files_codes_are_its_weights_fused_and_cached(model_path: Path,
         # Unpermuted (q, k), fused and decoded, the codes are the dequantized file, bit for bit.
         assert torch.equal(g.dequantize(), loaded.state_dict[f"{name}.weight"]), name
     assert len(list(tmp_path.glob("*/int4-codes-*/*/codes-done"))) == 1
-    again = registry.load_int4_codes(model_path, tmp_path)  # from the cache
+    again = registry.checkpoint_codes(model_path, tmp_path).int4()  # from the cache
     assert again is not None and again.keys() == codes.keys()
     for name, g in codes.items():
         h = again[name]
@@ -116,7 +118,7 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     as the weights are, decode to the weights the file loads as, bit for bit, and come back the same
     from the cache; its metadata and tokenizer are the embedded file's."""
     assert GGUFFile(q8_0_model_path).int8_groups("blk.0.attn_q.weight") is not None
-    codes = registry.load_int8_codes(q8_0_model_path, tmp_path)
+    codes = registry.checkpoint_codes(q8_0_model_path, tmp_path).int8()
     assert codes is not None
     loaded = registry.load_checkpoint(q8_0_model_path, torch.float32, tmp_path)
     linears = {k.removesuffix(".weight") for k in loaded.state_dict if k.endswith("_proj.weight")}
@@ -133,12 +135,12 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     original = Tokenizer.from_gguf_metadata(GGUFFile(model_path).metadata)
     text = "The capital of France"
     assert loaded.tokenizer.encode_text(text) == original.encode_text(text)
-    again = registry.load_int8_codes(q8_0_model_path, tmp_path)  # from the cache
+    again = registry.checkpoint_codes(q8_0_model_path, tmp_path).int8()  # from the cache
     assert again is not None and again.keys() == codes.keys()
     assert all(
         torch.equal(again[n].q, g.q) and torch.equal(again[n].scale, g.scale) for n, g in codes.items()
     )
-    assert registry.load_int8_codes(model_path, tmp_path) is None  # a Q4_1 file has no Q8_0 linears
+    assert registry.checkpoint_codes(model_path, tmp_path).int8() is None  # a Q4_1 file has no Q8_0 linears
     done = sorted(p.read_text() for p in tmp_path.glob("*/int8-codes-*/*/codes-done"))
     assert done == ["codes\n", "none\n"]  # both remembered: a later start parses neither file
     assert loader.load_int8_groups(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
@@ -178,12 +180,12 @@ def test_a_4bit_files_head_computes_with_its_own_codes(
     writes it: the 4-bit codes hold the embedding's own blocks as "lm_head", and an int4 model's head
     takes them (4 bits, the file's weights exactly) rather than an 8-bit copy of their values; a head of
     another type gives no 4-bit codes and stays at 8 bits: a Q8_0 head's own blocks in the group panels
-    where they run (registry.load_int8_head_codes, as the worker passes them), else per channel."""
+    where they run (the checkpoint's codes, as the worker passes them), else per channel."""
     from tokenmill.weights import synthetic
 
     shape = synthetic.Shape("pure", hidden=64, layers=1, ffn=128, heads=2, kv_heads=1)
     path = synthetic.synthesize(model_path, tmp_path / "q4.gguf", shape, "q4_0", seed=4, head_type=head_type)
-    codes = registry.load_int4_codes(path, tmp_path)
+    codes = registry.checkpoint_codes(path, tmp_path).int4()
     assert codes is not None and any(n.endswith("qkv_proj") for n in codes)
     f = GGUFFile(path)
     if head_type is None:
@@ -197,8 +199,7 @@ def test_a_4bit_files_head_computes_with_its_own_codes(
     loaded = registry.load_checkpoint(path, torch.bfloat16, tmp_path)
     model = registry.build(
         loaded.config, loaded.state_dict, torch.bfloat16, torch.device("cpu"), 64,
-        quantization="int4", int4_codes=codes,
-        int8_codes=lambda: registry.load_int8_head_codes(path, tmp_path),
+        quant=QuantConfig("int4", codes=registry.checkpoint_codes(path, tmp_path)),
     )  # fmt: skip
     lm_head = model.lm_head
     if head_type is not None and model.ops.group_panels_available():

@@ -708,6 +708,39 @@ def test_g8_panels(kernels, rows: int, n: int, k: int) -> None:
         assert torch.equal(kernels.g8_matmul(torch.cat([x[r : r + 1], x[:4]]), panels, n, 0)[0], out[r])
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 33])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (70, 1536)])
+def test_g8_wide_loops(kernels, x_dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """The AVX2 8-bit loops (W8A8 by vpmaddubsw with the sign trick; quantization="int8" on builds without
+    the BF16 loops) over the group panels: against float64 of y = sum over groups of scale * x_scale *
+    sum(codes x codes), the integer sums exact, from the codes computed here. The weight codes span
+    -128..127 (a Q8_0 file may hold -128: |q| x 127 x 2 still fits vpmaddubsw's 16 bits); a row's
+    result the same alone as beside the others."""
+    if not kernels.g8_wide_available():
+        pytest.skip(f"the {kernels.isa_level()} build has no AVX2 8-bit loops")
+    from tokenmill.models.ops import g8_pack
+
+    g = torch.Generator().manual_seed(rows * n + k + 2)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0, :32] = -128  # the extreme pair sums: 2 x 128 x 127
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    x = torch.randn(rows, k + 6, generator=g).to(x_dtype)[:, 3 : 3 + k]
+    x[0, :32] = 0  # a group of zeros: codes 0, scale 0
+    x[-1, 32:64] = -x[-1, 32:64].abs()  # every code negative: -127 against q = -128 where they meet
+    panels = g8_pack(q, scale)
+    out = kernels.g8_matmul_wide(x, panels, n)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    codes, x_scale = group_codes_of(x)
+    ints = torch.einsum("mgi,ngi->mng", codes.double(), q.double().view(n, k // 32, 32))  # exact integers
+    terms = ints * (scale.double()[None] * x_scale[:, None, :])
+    # float32 products of the scales and sums over the groups: bounded by the magnitudes summed.
+    check(out, terms.sum(-1), atol=4 * (k // 32) * 2**-23 * float(terms.abs().sum(-1).max()))
+    for r in {0, rows // 2, rows - 1}:  # a row gives the same alone and in a step of five
+        assert torch.equal(kernels.g8_matmul_wide(x[r : r + 1], panels, n)[0], out[r])
+        assert torch.equal(kernels.g8_matmul_wide(torch.cat([x[r : r + 1], x[:4]]), panels, n)[0], out[r])
+
+
 def group_codes16_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 16-bit codes and scales the group panels' wide rows take, per row and group of 32: scale
     2^(e - 15) with max|x| = f 2^e (0.5 <= f < 1), codes x / scale rounded half to even. Returns (codes

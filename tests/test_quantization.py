@@ -150,10 +150,9 @@ def test_int4_engine_generates_like_bf16() -> None:
 @pytest.mark.slow
 def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
     """int8 activations change the keys and values, so offloaded KV is kept apart from plain int4's (the
-    offload namespace), where the 4-bit panels run; elsewhere the setting changes nothing. The scheduler's
-    connector looks blocks up under the namespace the worker writes them to."""
-    from tokenmill.models.ops import Q4Panels
-
+    offload namespace), where a 4-bit kernel quantizes them (the 4-bit panels on AVX512-BF16, the AVX2
+    4-bit loops of a float32 model); elsewhere the setting changes nothing. The scheduler's connector
+    looks blocks up under the namespace the worker writes them to."""
     common = {"max_model_len": 256, "kv_cache_memory_gb": 0.05, "quantization": "int4"}
     spaces = {}
     for acts in ("int8", "bf16"):
@@ -163,7 +162,8 @@ def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
             assert llm.engine.kv.connector.namespace == worker.offload.disk.namespace
             spaces[acts] = worker.offload.disk.namespace
             if acts == "int8":
-                panels = any(isinstance(getattr(m, "small", None), Q4Panels) for m in worker.model.modules())
+                smalls = [getattr(m, "small", None) for m in worker.model.modules()]
+                panels = any(getattr(k, "int8_activations", False) for k in smalls)
         finally:
             llm.close()
     assert (spaces["int8"] != spaces["bf16"]) == panels, spaces
@@ -212,7 +212,7 @@ def test_int4_head_codes_come_from_the_file(model_path: Path, tmp_path: Path, mo
 
     file = GGUFFile(model_path).int8_groups("token_embd.weight")
     for attempt in range(2):
-        codes = registry.load_int8_head_codes(model_path, tmp_path)
+        codes = registry.checkpoint_codes(model_path, tmp_path).int8_head()
         assert codes is not None and set(codes) == {"lm_head"}
         assert torch.equal(codes["lm_head"].q, file.q) and torch.equal(codes["lm_head"].scale, file.scale)
         if attempt == 0:
@@ -221,7 +221,7 @@ def test_int4_head_codes_come_from_the_file(model_path: Path, tmp_path: Path, mo
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
-    assert registry.load_int8_head_codes(hf, tmp_path) is None
+    assert registry.checkpoint_codes(hf, tmp_path).int8_head() is None
 
 
 def test_int8_scales_setting_is_checked() -> None:
@@ -237,11 +237,12 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
     """int8_scales "auto" on a Q8_0 file: every linear computes in the group panels with the file's own
     codes and scales, bit for bit as packed from the file (the tied output head with the embedding's
     Q8_0 blocks); "channel" keeps the per-channel form; their KV is named apart.
-    Where the group panels do not run (AMX, no AVX512-BF16), both are the per-channel form (bf16
-    weights where int8 matmuls lack VNNI), and "group" says why."""
+    Without the BF16 instructions (AVX2), "auto" takes the group form on the AVX2 8-bit loops of a
+    float32 model. Where no group kernels run (AMX), both are the per-channel form, and "group" says
+    why."""
     from tokenmill.models.linear import GroupInt8Linear, Int8Linear, int8_matmuls_available
     from tokenmill.models.ops import g8_pack
-    from tokenmill.models.registry import load_int8_codes
+    from tokenmill.models.registry import checkpoint_codes
 
     common = {"max_model_len": 256, "kv_cache_memory_gb": 0.05, "quantization": "int8"}
     labels = {}
@@ -251,9 +252,9 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
             worker = llm.engine.executor.worker
             kinds = {type(m) for m in worker.model.modules() if isinstance(m, (GroupInt8Linear, Int8Linear))}
             labels[scales] = llm.engine.info["weights_label"]
-            if scales == "auto" and worker.model.int8_groups:
+            if scales == "auto" and worker.model.quant.groups:
                 assert kinds == {GroupInt8Linear}
-                codes = load_int8_codes(q8_0_model_path, None)
+                codes = checkpoint_codes(q8_0_model_path, None).int8()
                 assert codes is not None
                 qkv = worker.model.layers[0].self_attn.qkv_proj
                 expected = codes["layers.0.self_attn.qkv_proj"]
@@ -266,7 +267,7 @@ def test_int8_takes_a_q8_0_files_codes_where_the_group_panels_run(q8_0_model_pat
                 assert kinds == {Int8Linear}
         finally:
             llm.close()
-    groups = labels["auto"] == "int8-groups"
+    groups = labels["auto"].startswith("int8-groups")  # "-f32" on the AVX2 loops of a float32 model
     assert labels["channel"] != labels["auto"] or not groups, labels
     if not groups:  # no group panels here: "group" falls back and says so
         with caplog.at_level("WARNING"):
@@ -288,7 +289,7 @@ def test_int8_group_form_falls_back_to_channels_without_its_panels(setting: dict
         )
     try:
         model = llm.engine.executor.worker.model
-        assert not model.int8_groups
+        assert not model.quant.groups
         if int8_matmuls_available(torch.device("cpu")):  # else int8 keeps bf16 weights (and says so)
             assert any(isinstance(m, Int8Linear) for m in model.modules())
     finally:

@@ -13,14 +13,19 @@ import pytest
 import torch
 
 from tokenmill import LLM
+from tokenmill.kernels.isa import get_level
 from tokenmill.models.linear import int8_matmuls_available
+from tokenmill.models.quant.arithmetic import float32_arithmetic
 from tokenmill.quality.perplexity import perplexity
 
 pytestmark = pytest.mark.slow
-# Without VNNI or AMX (an AVX2-only CPU) `quantization="int8"` keeps the bf16 weights and says so: its
-# perplexity is then bf16's, and a bound on int8's error has nothing to measure.
-INT8_RUNS = int8_matmuls_available(torch.device("cpu"))
-NO_INT8 = "int8 keeps the bf16 weights on this CPU (its int8 matmuls need VNNI or AMX)"
+# int8 runs where its int8 matmuls do (VNNI or AMX) and, without them, in groups on the AVX2 8-bit loops of
+# a float32 model (models/quant/int8.py); elsewhere it keeps the bf16 weights and says so, and a bound on
+# its error has nothing to measure.
+INT8_RUNS = int8_matmuls_available(torch.device("cpu")) or float32_arithmetic(
+    torch.bfloat16, torch.device("cpu"), "auto", "int8"
+)
+NO_INT8 = "int8 keeps the bf16 weights on this CPU (no VNNI or AMX, and no AVX2 kernels)"
 COMMON = {"max_model_len": 256, "kv_cache_memory_gb": 0.1, "enable_prefix_caching": False}
 
 
@@ -37,6 +42,26 @@ def test_quantized_perplexity_stays_near_bf16(bf16_ppl: float, quantization: str
     extra = {"int4_activations": "bf16"} if quantization == "int4" else {}
     p = perplexity(LLM(quantization=quantization, **extra, **COMMON), n=16, steps=64).value
     assert 1 - bound / 4 < p / bf16_ppl < 1 + bound, (quantization, p, bf16_ppl)
+
+
+@pytest.fixture(scope="module")
+def avx2_ppl() -> float:
+    if not get_level("avx2").supported():
+        pytest.skip("this CPU has no AVX2: the kernels' avx2 build cannot run")
+    return perplexity(LLM(kernels="avx2", **COMMON), n=16, steps=64).value
+
+
+@pytest.mark.parametrize(("quantization", "bound"), [("int8", 0.01), ("int4", 0.015)])
+def test_the_avx2_paths_stay_near_their_bf16_weights(
+    avx2_ppl: float, quantization: str, bound: float
+) -> None:
+    """The kernels of CPUs without BF16 instructions, on every CPU (kernels="avx2": a float32 model of
+    bf16 weights, the reference here): int8 in groups of 32 on the AVX2 8-bit loops (W8A8; -0.06% on
+    Intel Sapphire Rapids), int4 on the 4-bit loops and widened copies (W4A8; +0.13%)."""
+    llm = LLM(kernels="avx2", quantization=quantization, **COMMON)
+    assert llm.engine.info["weights_label"].endswith("-f32")  # the float32 model's own kernels
+    p = perplexity(llm, n=16, steps=64).value
+    assert 1 - bound / 4 < p / avx2_ppl < 1 + bound, (quantization, p, avx2_ppl)
 
 
 def test_int4_with_int8_activations_stays_near_bf16(bf16_ppl: float) -> None:
@@ -57,12 +82,12 @@ def test_int8_in_groups_of_32_stays_nearer_bf16(bf16_ppl: float, q8_0_model_path
     (AVX512-BF16 without AMX); elsewhere the setting falls back to the per-channel form, which the test
     above bounds."""
     probe = LLM(quantization="int8", int8_scales="group", **COMMON)
-    if not probe.engine.executor.worker.model.int8_groups:
+    if not probe.engine.executor.worker.model.quant.groups:
         pytest.skip("the group panels run only on AVX512-BF16 CPUs without AMX; int8 stays per channel here")
     grouped = perplexity(probe, n=16, steps=64).value
     del probe
     file_llm = LLM(model=str(q8_0_model_path), quantization="int8", **COMMON)
-    assert file_llm.engine.executor.worker.model.int8_groups  # "auto" takes the file's codes
+    assert file_llm.engine.executor.worker.model.quant.groups  # "auto" takes the file's codes
     from_file = perplexity(file_llm, n=16, steps=64).value
     for p in (grouped, from_file):
         assert 1 - 0.01 < p / bf16_ppl < 1 + 0.006, (grouped, from_file, bf16_ppl)
@@ -71,8 +96,8 @@ def test_int8_in_groups_of_32_stays_nearer_bf16(bf16_ppl: float, q8_0_model_path
 def test_int8_smoothing_is_what_brings_int8_near_bf16(bf16_ppl: float) -> None:
     """Unsmoothed, the same int8 model is past the bound above (+5.3% measured): the smoothing, not a
     lucky text, makes the difference."""
-    if not INT8_RUNS:
-        pytest.skip(NO_INT8)
+    if not int8_matmuls_available(torch.device("cpu")):
+        pytest.skip("int8's per-channel form, the smoothed one, keeps bf16 weights without VNNI or AMX")
     p = perplexity(LLM(quantization="int8", int8_smoothing=0, **COMMON), n=16, steps=64).value
     assert p / bf16_ppl > 1.03, (p, bf16_ppl)
 

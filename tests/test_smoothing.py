@@ -27,6 +27,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.models.linear import int8_matmuls_available
 from tokenmill.models.llama import build_model
 from tokenmill.models.parallel import NoCollectives, Shard
+from tokenmill.models.quant import QuantConfig
 from tokenmill.models.smoothing import (
     CALIBRATION_TOKENS,
     Calibration,
@@ -116,8 +117,15 @@ def logits(model: torch.nn.Module, ids: list[int], backend: AttentionBackend | N
 
 
 def build(sd: dict[str, torch.Tensor], cfg: ModelConfig = CFG, **kw: object) -> torch.nn.Module:
+    """build_model with the quantization's arguments (`quantization`, `calibration`, `smoothing_alpha`)
+    given as keywords."""
     dtype = kw.pop("dtype", torch.bfloat16)
-    return build_model(cfg, sd, dtype, torch.device("cpu"), 64, **kw)  # type: ignore[arg-type]
+    quant = QuantConfig(
+        kw.pop("quantization", None),  # type: ignore[arg-type]
+        calibration=kw.pop("calibration", None),  # type: ignore[arg-type]
+        smoothing_alpha=kw.pop("smoothing_alpha", 0.7),  # type: ignore[arg-type]
+    )
+    return build_model(cfg, sd, dtype, torch.device("cpu"), 64, quant=quant, **kw)  # type: ignore[arg-type]
 
 
 def test_factors_are_powers_of_two_within_range() -> None:
@@ -152,7 +160,7 @@ def test_smoothing_leaves_the_bf16_model_bit_for_bit(kernels: str, cfg: ModelCon
     loaded = {k: v.clone() for k, v in sd.items()}
     plain = build(sd, cfg, ops=kernels)
     smoothed = build(sd, cfg, ops=kernels, calibration=CALIBRATION, smoothing_alpha=0.7)
-    assert smoothed.smoothed_alpha == 0.7 and plain.smoothed_alpha is None
+    assert smoothed.quant.smoothed_alpha == 0.7 and plain.quant.smoothed_alpha is None
     # The folds did move the norms (the linears' folds: test_every_fold_moves_its_weights).
     assert not torch.equal(smoothed.layers[0].input_layernorm.weight, sd["layers.0.input_layernorm.weight"])
     assert not torch.equal(smoothed.norm.weight, sd["norm.weight"])
@@ -248,12 +256,20 @@ def test_tensor_parallel_ranks_smooth_together_bit_for_bit() -> None:
     def build_rank(r: int, comm: object, **kw: object) -> torch.nn.Module:
         shard = Shard.of(TIED, 2, r, 1, 0)
         return build_model(
-            TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=shard, comm=comm, **kw
+            TIED,
+            sd,
+            torch.bfloat16,
+            torch.device("cpu"),
+            64,
+            "torch",
+            QuantConfig(**kw),
+            shard=shard,
+            comm=comm,
         )  # type: ignore[arg-type]
 
     smoothed = on_ranks(2, lambda r, c: build_rank(r, c, calibration=CALIBRATION, smoothing_alpha=0.7))
     plain = on_ranks(2, lambda r, c: build_rank(r, c))
-    assert all(m.smoothed_alpha == 0.7 for m in smoothed)
+    assert all(m.quant.smoothed_alpha == 0.7 for m in smoothed)
     a, b = smoothed
     for i in range(TIED.num_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -313,7 +329,7 @@ def test_smoothed_int8_is_nearer_the_float32_reference() -> None:
 def test_models_that_cannot_be_smoothed_are_quantized_unsmoothed(caplog: pytest.LogCaptureFixture) -> None:
     """float16 cannot hold factors up to 2^16: the load says so and goes on unsmoothed."""
     model = build(weights(), dtype=torch.float16, ops="torch", calibration=CALIBRATION, smoothing_alpha=0.7)
-    assert model.smoothed_alpha is None
+    assert model.quant.smoothed_alpha is None
     assert "not smoothed" in caplog.text and "float16" in caplog.text
 
 
@@ -344,7 +360,7 @@ def test_cached_maxima_smooth_as_measured_ones(tmp_path: Path, caplog: pytest.Lo
     (cached_file,) = tmp_path.glob("int8-maxima-*.safetensors")
     assert cached_file.name == f"int8-maxima-{maxima_key(measured)}.safetensors" and len(made) == 1
     cached = load()
-    assert len(made) == 1 and cached.smoothed_alpha == 0.7
+    assert len(made) == 1 and cached.quant.smoothed_alpha == 0.7
     assert same_weights(measured, cached)
     for damage in (b"not a safetensors file", None):
         if damage is None:  # a readable file with one linear short
@@ -391,14 +407,14 @@ def test_pipeline_stages_calibrate_together_as_the_whole_model() -> None:
     def stage(r: int, comm: object) -> torch.nn.Module:
         return build_model(
             TIED, sd, torch.float32, torch.device("cpu"), 64, "torch", shard=Shard.of(TIED, 1, 0, 2, r),
-            comm=comm, calibration=CALIBRATION, smoothing_alpha=0.7,
+            comm=comm, quant=QuantConfig(calibration=CALIBRATION, smoothing_alpha=0.7),
         )  # type: ignore[arg-type]  # fmt: skip
 
     stages = ThreadStages(2)
     with ThreadPoolExecutor(2) as pool:
         first, last = pool.map(lambda r: stage(r, stages.rank(r)), range(2))
     whole = build(sd, TIED, dtype=torch.float32, ops="torch", calibration=CALIBRATION, smoothing_alpha=0.7)
-    assert first.smoothed_alpha == last.smoothed_alpha == 0.7
+    assert first.quant.smoothed_alpha == last.quant.smoothed_alpha == 0.7
     want = whole.state_dict()
     for model, offset in ((first, 0), (last, 1)):
         for name, t in model.state_dict().items():
@@ -427,7 +443,7 @@ def test_ranks_measure_together_when_one_lacks_the_cached_maxima(tmp_path: Path)
             2,
             lambda r, c: build_model(
                 TIED, sd, torch.bfloat16, torch.device("cpu"), 64, "torch", shard=Shard.of(TIED, 2, r, 1, 0),
-                comm=c, calibration=cal, smoothing_alpha=0.7,
+                comm=c, quant=QuantConfig(calibration=cal, smoothing_alpha=0.7),
             ),  # type: ignore[arg-type]
         )  # fmt: skip
 

@@ -14,7 +14,8 @@ from reference import hf_greedy
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.isa import get_level
-from tokenmill.models.wide_linear import WideLinear, float32_arithmetic
+from tokenmill.models.quant.arithmetic import float32_arithmetic
+from tokenmill.models.wide_linear import WideLinear
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 24
@@ -29,8 +30,8 @@ def test_which_builds_compute_bf16_models_in_float32() -> None:
     assert not float32_arithmetic(bf16, CPU, "torch", None), "the reference stays bf16"
     assert not float32_arithmetic(torch.float32, CPU, "avx2", None)
     assert float32_arithmetic(bf16, CPU, "avx2", "int4"), "int4's copy for big steps: widened bf16 panels"
-    for q in ("int8", "fp8"):
-        assert not float32_arithmetic(bf16, CPU, "avx2", q), "int8 and fp8 keep their own arithmetic"
+    assert float32_arithmetic(bf16, CPU, "avx2", "int8"), "int8 in groups by the AVX2 8-bit loops"
+    assert not float32_arithmetic(bf16, CPU, "avx2", "fp8"), "fp8 keeps its own arithmetic"
     assert not float32_arithmetic(bf16, torch.device("cuda"), "avx2", None)
 
 
@@ -49,7 +50,7 @@ def test_the_engine_holds_bf16_panels_and_computes_in_float32(llm_wide: LLM) -> 
     assert len(wide) == 4 * model.config.num_layers + 1, "every linear, the output head included"
     assert all(m.panels.dtype == torch.bfloat16 for m in wide)
     assert model.embed_tokens.weight.dtype == torch.bfloat16, "the table stays bf16 too"
-    assert model.decode_step() is not None, "decode steps run the C++ layer loop"
+    assert model.layer_loop is not None, "the runner runs decode steps in the C++ layer loop"
 
 
 @pytest.mark.slow
@@ -90,8 +91,35 @@ def test_int4_on_the_avx2_path_reads_4_bits_at_decode_and_widened_panels_above()
         layers = [m for m in worker.model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4]
         assert layers and all(isinstance(m.small, Q4WidePanels) for m in layers)
         assert all(isinstance(m.wide, WideLinear) for m in layers)
-        step = worker.model.decode_step()
+        step = worker.model.layer_loop  # the runner's C++ step
         assert step is not None and step.max_rows == 4, "decode steps of up to 4 rows run the C++ loop"
+        out = llm.generate(["The capital of France is"], [SamplingParams(temperature=0.0, max_tokens=8)])
+        assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        llm.close()
+
+
+def test_int8_on_the_avx2_path_takes_the_8bit_loops_at_every_step() -> None:
+    """`quantization="int8"` on the avx2 build: a float32 model whose every linear, the output head
+    included, holds int8 codes in groups of 32 and runs the AVX2 8-bit loops (W8A8, checked against
+    float64 in test_kernels_isa.py) at every row count, decode steps in the C++ loop (its bits in
+    test_decode_step.py); the group form is never smoothed, and its keys and values are named apart."""
+    if not get_level("avx2").supported():
+        pytest.skip("this CPU has no AVX2: the kernels' avx2 build cannot run")
+    from tokenmill.models.decode_step import G8WIDE
+    from tokenmill.models.linear import GroupInt8Linear
+    from tokenmill.models.ops import G8WidePanels
+
+    llm = LLM(kernels="avx2", quantization="int8", max_model_len=256, enable_prefix_caching=False)
+    try:
+        worker = llm.engine.executor.worker  # type: ignore[attr-defined]
+        assert worker.dtype == torch.float32 and worker._weights_label() == "int8-groups-f32"
+        layers = [m for m in worker.model.modules() if isinstance(m, GroupInt8Linear)]
+        assert len(layers) == 4 * worker.model.config.num_layers + 1, "every linear, the output head included"
+        assert all(isinstance(m.kernel, G8WidePanels) for m in layers)
+        assert not any(isinstance(m, WideLinear) for m in worker.model.modules())
+        step = worker.model.layer_loop  # the runner's C++ step
+        assert step is not None and step.kinds == {G8WIDE} and step.max_rows is None
         out = llm.generate(["The capital of France is"], [SamplingParams(temperature=0.0, max_tokens=8)])
         assert len(out[0].outputs[0].token_ids) == 8
     finally:

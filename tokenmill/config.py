@@ -239,9 +239,10 @@ class EngineConfig:
         help='with quantization int8, what a scale covers: "channel" (a weight scale per output channel, '
         'smoothed, and an activation scale per row: fastest at batches), "group" (a scale per group of 32 '
         "on both sides, as llama.cpp multiplies a Q8_0 file: about a quarter of channel's accuracy cost; "
-        "only where the group panel kernels run, AVX512-BF16 without AMX, in a bf16 model) or "
-        '"auto" (group for a GGUF file whose layers hold Q8_0 linears, computing with the file\'s own '
-        "codes; channel otherwise)",
+        "where the group kernels run: AVX512-BF16 without AMX in a bf16 model, and CPUs without BF16 "
+        'instructions (AVX2) in dtype "auto"\'s float32 model) or "auto" (group for a GGUF file whose layers '
+        "hold Q8_0 linears, computing with the file's own codes, and on AVX2 CPUs, whose int8 kernels are "
+        "the group ones; channel otherwise)",
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")

@@ -341,7 +341,7 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings,
         )
     )  # fmt: skip
-    a8 = bool(getattr(worker.model, "int4_a8", False))
+    a8 = bool(getattr(worker.model.quant, "a8", False))  # models/quant/int4.py
     arithmetic = {c: tokenmill_arithmetic(known.quantization, a8, c) for c in args.concurrency}
     del llm, worker
     gc.collect()
@@ -351,8 +351,8 @@ def _tokenmill_bytes(args: argparse.Namespace) -> dict:
 
 def tokenmill_arithmetic(quantization: str | None, int4_a8: bool, streams: int) -> str:
     """What tokenmill's matmuls multiply in at a step of `streams` rows: int8 activations for int8 (W8A8)
-    and, where the built model took W4A8 (LlamaForCausalLM.int4_a8), for int4 from 3 rows; bf16 otherwise
-    (fp8 is emulated in bf16)."""
+    and, where the built model took W4A8 (models/quant/int4.py's Int4.a8), for int4 from 3 rows; bf16
+    otherwise (fp8 is emulated in bf16)."""
     if quantization == "int8" or (quantization == "int4" and int4_a8 and streams > 2):
         return "int8"
     return "bf16"

@@ -113,7 +113,7 @@ def _engine_kwargs(
 
 QUANT_HELP = (
     "int4: 4-bit weights (the precision of a Q4 GGUF), fastest single stream; "
-    "int8: int8 weights and activations at every batch size (needs VNNI or AMX); "
+    "int8: int8 weights and activations at every batch size (VNNI or AMX; on AVX2 CPUs in groups of 32); "
     "fp8: e4m3 weights and activations, emulated on CPU (fp8's accuracy; one byte a weight in decode "
     "steps on AVX512-BF16 CPUs without AMX, bf16's speed elsewhere)"
 )

@@ -40,7 +40,7 @@ UNITS: dict[str, list[str]] = {
         "prefill_attention.cpp",
     ],
     "panels_a": ["panel_matmul.cpp", "panel_q4.cpp", "panel_i8.cpp", "panel_f8.cpp"],
-    "panels_b": ["panel_g8.cpp", "panel_q8.cpp", "panel_wide.cpp", "panel_q4_wide.cpp"],
+    "panels_b": ["panel_g8.cpp", "panel_q8.cpp", "panel_wide.cpp", "panel_q4_wide.cpp", "panel_g8_wide.cpp"],
     "decode_step": ["decode_step.cpp"],
 }
 SOURCES = [s for files in UNITS.values() for s in files]

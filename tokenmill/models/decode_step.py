@@ -16,7 +16,7 @@ keeps the Python loop for every step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,10 +25,12 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
 from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import (
     CpuFusedOps,
     F8Panels,
     G8Panels,
+    G8WidePanels,
     I8Panels,
     PanelMatmul,
     Q4Panels,
@@ -36,14 +38,12 @@ from tokenmill.models.ops import (
 )
 from tokenmill.models.wide_linear import WideLinear
 
-if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaForCausalLM
-
 # The kernels the C++ step calls for a linear (decode_step.cpp's Kind): the bf16 dot loops, the bf16
 # vector loops (or brgemm), 4-bit panels, int8 group panels, int8 per-channel panels (W8A8, the rows
 # quantized by ops.quantize_rows_u8), fp8 panels (the rows as e4m3 codes by ops.e4m3_rows), bf16 panels
-# widened for float32 rows (models/wide_linear.py), 4-bit panels for float32 rows by the AVX2 loops.
-DOT, VECTOR, Q4, G8, I8, F8, WIDE, Q4WIDE = 0, 1, 2, 3, 4, 5, 6, 7
+# widened for float32 rows (models/wide_linear.py), 4-bit panels and int8 group panels for float32 rows by
+# the AVX2 loops.
+DOT, VECTOR, Q4, G8, I8, F8, WIDE, Q4WIDE, G8WIDE = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 class StepLinear(NamedTuple):
@@ -79,6 +79,8 @@ def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
     if isinstance(linear, QuantizedLinear) and isinstance(linear.small, Q4Panels):
         k4 = linear.small
         return StepLinear(Q4, k4.panels, k4.n, k4.exact_rows, linear.bias, linear.max_rows)
+    if isinstance(linear, GroupInt8Linear) and isinstance(linear.kernel, G8WidePanels):
+        return StepLinear(G8WIDE, linear.kernel.panels, linear.kernel.n, 0, linear.bias, None)
     if isinstance(linear, GroupInt8Linear) and isinstance(linear.kernel, G8Panels):
         k8 = linear.kernel
         return StepLinear(G8, k8.panels, k8.n, k8.wide_rows, linear.bias, None)

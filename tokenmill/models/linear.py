@@ -417,7 +417,8 @@ class GroupInt8Linear(LinearBase):
         """The layer from `codes` (a Q8_0 file's own) or from its weight quantized into groups; None where
         the group panels do not take it (the caller quantizes it otherwise)."""
         n, k = linear.weight.shape
-        if k % GROUP or linear.weight.dtype != torch.bfloat16:
+        # bf16 weights, or a float32 model's (of bf16 values: models/wide_linear.py) for the AVX2 loops.
+        if k % GROUP or linear.weight.dtype not in (torch.bfloat16, torch.float32):
             return None
         if codes is not None and codes.shape != (n, k):
             raise ValueError(f"int8 codes {codes.shape} do not fit a weight {(n, k)}")
@@ -542,22 +543,27 @@ def quantize_linears_int8_groups(
     scale_rows: ScaleRows,
     small_for: CodesFor | None = None,
     codes: dict[str, Int8Groups] | None = None,
+    per_channel: bool = True,
 ) -> int:
     """Replace every plain linear by a GroupInt8Linear (int8_scales="group"): from `codes` where given
     (by module name: a Q8_0 file's own), else from its weight quantized into groups; a layer the group
     panels do not take (K not a multiple of 32, a scale past float16) becomes a per-channel Int8Linear
-    (unsmoothed: the group form's model is not), with a warning. Returns the count. The caller checks
-    that the group panels run here for this dtype (ops.group_panels_available, bfloat16)."""
+    (unsmoothed: the group form's model is not), or with `per_channel` False stays as it is, with a
+    warning. Returns the count of group layers. The caller checks that the group panels run here for
+    this dtype (ops.group_panels_available, bfloat16; ops.group_wide_available, float32)."""
     sites = plain_linears(model)
+    done = 0
     for parent, name, full, child in sites:
         layer = GroupInt8Linear.of(child, group_for, (codes or {}).get(full))
         if layer is None:
-            log.warning(
-                "%s: no group panels for its shape %s; int8 per channel", full, tuple(child.weight.shape)
-            )
-            layer = Int8Linear(child, quantize, scale_rows, small_for)
+            how = "int8 per channel" if per_channel else "its weights kept"
+            log.warning("%s: no group panels for its shape %s; %s", full, tuple(child.weight.shape), how)
+            if per_channel:
+                setattr(parent, name, Int8Linear(child, quantize, scale_rows, small_for))
+            continue
         setattr(parent, name, layer)
-    return len(sites)
+        done += 1
+    return done
 
 
 def quantized_kernels_available(weight: torch.Tensor) -> bool:

@@ -7,34 +7,21 @@ kernel launches, not FLOPs, dominates the step time.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.decode_step import DecodeStep, decode_step_for
-from tokenmill.models.fp8_linear import quantize_linears_fp8
-from tokenmill.models.linear import (
-    GroupInt8Linear,
-    QuantizedLinear,
-    int8_matmuls_available,
-    pack_linears,
-    quantize_linears,
-    quantize_linears_int8,
-    quantize_linears_int8_groups,
-)
-from tokenmill.models.ops import CpuFusedOps, TorchOps, get_ops
+from tokenmill.models.ops import TorchOps, get_ops
 from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_state_dict
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
+from tokenmill.models.quant import QuantConfig, QuantMethod, quantize_model
 from tokenmill.models.rope import RotaryEmbedding
-from tokenmill.models.smoothing import Calibration, smooth_model, why_not_smoothable
-from tokenmill.models.wide_linear import WideEmbedding, WideLinear, widen_linears
-from tokenmill.weights.group_codes import C, GroupCodes, Int8Groups
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +109,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard, comm)
 
 
+class LayerLoop(Protocol):
+    """Something that runs every decoder layer of the steps it takes, in place of the Python loop, with
+    the same bits: the runner's choice (models/decode_step.py's C++ step, set by worker/model_runner.py)."""
+
+    def takes(
+        self, rows: int, meta: AttentionMetadata, backend: AttentionBackend, kv: torch.Tensor
+    ) -> bool: ...
+
+    def run(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor: ...
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face's, except the fused `qkv_proj` and `gate_up_proj`.
 
@@ -149,14 +154,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, len(shard.vocab), bias=False)
         self.rope = rope
         self.ops: TorchOps = TorchOps()
-        # The strength its weights were smoothed with for int8 (models/smoothing.py), or None.
-        self.smoothed_alpha: float | None = None
-        # Whether int4 steps above 2 rows quantize their activations to int8 (int4_activations="int8").
-        self.int4_a8 = False
-        # Whether int8 took its group form (int8_scales): a scale per group of 32 on both sides.
-        self.int8_groups = False
-        self._step: DecodeStep | None = None  # decode_step()'s, once _step_built
-        self._step_built = False
+        # The quantization method its linears took (models/quant), once built.
+        self.quant: QuantMethod | None = None
+        # What runs the layers of the steps it takes instead of the Python loop, if the runner set one.
+        self.layer_loop: LayerLoop | None = None
 
     @property
     def num_local_layers(self) -> int:
@@ -179,9 +180,9 @@ class LlamaForCausalLM(nn.Module):
         ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
         plan = self._plan
         residual = self._embed(inputs) if self.shard.first_stage else inputs
-        step = self.decode_step()
-        if step is not None and step.takes(residual.shape[0], meta, backend, kv_caches):
-            m = step.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
+        loop = self.layer_loop
+        if loop is not None and loop.takes(residual.shape[0], meta, backend, kv_caches):
+            m = loop.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
         else:
             x = ops.rms_norm(residual, plan[0][2], eps)
             for i, (attn, mlp, _, post_norm_w, next_norm_w) in enumerate(plan):
@@ -234,17 +235,7 @@ class LlamaForCausalLM(nn.Module):
             )
         if self.shard.last_stage:
             self._lm_head = self.lm_head.forward
-        # Pure decode steps as one C++ call where every layer's kernels allow (models/decode_step.py), built
-        # on first use: by then the model holds its own copies of the checkpoint's norms and biases
-        # (own_weights.py, after the build), which the step must hold rather than the mapped file's views.
-        self._step, self._step_built = None, False
-
-    def decode_step(self) -> DecodeStep | None:
-        """The C++ decode step over the model's weights as they are now (built once, after finalize()), or
-        None where its kernels keep the Python loop (models/decode_step.py)."""
-        if not self._step_built:
-            self._step, self._step_built = decode_step_for(self), True
-        return self._step
+        self.layer_loop = None  # it held the weights as they were
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and self.shard.first_stage and self.shard.last_stage:
@@ -285,23 +276,34 @@ def to_fused_state_dict(
     return out
 
 
-# Up to this many rows per step the int4 kernel beats bf16 here (benchmarks/linear_kernels.py).
-QUANT_MAX_ROWS = 4
+# nn.init's functions while any build holds them replaced (_skip_init), and how many builds do.
+_INIT_NAMES = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+_init_saved: dict[str, Callable[..., torch.Tensor]] = {}
+_init_holders = 0
+_init_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _skip_init() -> Iterator[None]:
     # Random initialization is wasted work when real weights follow, and on the meta device it
-    # imports torch's reference-op machinery (about a second of start-up).
-    names = ["normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_"]
-    saved = {n: getattr(nn.init, n) for n in names}
+    # imports torch's reference-op machinery (about a second of start-up). Counted under a lock: ranks
+    # built in threads at once (tests' thread collectives) would otherwise save one another's no-ops as
+    # the originals, and leave nn.init without random initialization for the rest of the process.
+    global _init_holders
+    with _init_lock:
+        if _init_holders == 0:
+            _init_saved.update({n: getattr(nn.init, n) for n in _INIT_NAMES})
+            for n in _INIT_NAMES:
+                setattr(nn.init, n, lambda t, *a, **k: t)
+        _init_holders += 1
     try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
         yield
     finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+        with _init_lock:
+            _init_holders -= 1
+            if _init_holders == 0:
+                for n, f in _init_saved.items():
+                    setattr(nn.init, n, f)
 
 
 def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -318,71 +320,6 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
     return out
 
 
-def shard_codes(model: LlamaForCausalLM, codes: dict[str, C]) -> dict[str, C]:
-    """The codes (4-bit or 8-bit groups) of the model's (or its shard's) linears, under local names, each
-    parallel linear's part cut by the layer itself; a layer whose cut would split a group of 32 gets none
-    (its own weight is quantized instead). The output head's ("lm_head", where given) go to the last
-    stage, cut to the rank's vocabulary rows as its weight is."""
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, ParallelLinear)}
-    layers, vocab = model.shard.layers, model.shard.vocab
-    out = {}
-    for name, full in codes.items():
-        if name == "lm_head":
-            if model.shard.last_stage:
-                rows = (getattr(full, f.name)[vocab.start : vocab.stop] for f in dataclasses.fields(full))
-                out[name] = type(full)(*rows)
-            continue
-        _, idx, rest = name.split(".", 2)
-        if int(idx) not in layers:
-            continue
-        local = f"layers.{int(idx) - layers.start}.{rest}"
-        part = linears[local].load_codes(full) if local in linears else None
-        if part is not None:
-            out[local] = part
-    return out
-
-
-def _int8_groups_for(
-    ops: TorchOps, scales: str, dtype: torch.dtype, codes: Callable[[], dict[str, Int8Groups] | None] | None
-) -> tuple[bool, dict[str, Int8Groups] | None]:
-    """Whether int8 takes its group form (a scale per group of 32 on both sides) here, and the file's
-    own codes for it: where the group panels run (they write bf16), when asked for, or with "auto" when
-    `codes()` (read only then) finds a Q8_0 file's; elsewhere the per-channel form, saying why if asked."""
-    if scales == "channel":
-        return False, None
-    if not ops.group_panels_available() or dtype != torch.bfloat16:
-        why = "the group panel kernels (AVX512-BF16 without AMX) and a bfloat16 model"
-        if scales == "group":
-            log.warning("int8_scales group needs %s; quantizing per channel", why)
-        return False, None
-    given = codes() if codes is not None else None
-    return scales == "group" or given is not None, given
-
-
-def _int4_head_in_groups(
-    model: LlamaForCausalLM, dtype: torch.dtype, codes: Callable[[], dict[str, Int8Groups] | None] | None
-) -> bool:
-    """int4's 8-bit output head in int8's group form where the group panels run: a Q8_0 file's own head
-    codes (`codes()`: registry.load_int8_head_codes; the embedded model's), else its weight quantized into
-    groups of 32, times the activations as 16-bit codes per group at every row count (G8Panels' wide
-    rows: the precision of bf16 activations). It then computes the file's weights as they are, where the
-    per-channel form (Q8Panels) quantized their values again (int4's perplexity +0.12% against +0.22%),
-    and faster up to 32 rows: on SmolLM2-135M's 49152 x 576 head (AMD Zen 4) 1.5x at 1 row in the model,
-    1.6-2.6x at 2-8, 1.0x at 32, 0.9x at 128 (docs/benchmarks.md, twenty-third sitting). With 8-bit activation
-    codes it would be 1.5x faster at 32-128 rows, but they cost +0.3% perplexity, more than all the 4-bit
-    layers' W4A8 (benchmarks/perplexity.py). Whether it took the form."""
-    if not model.shard.last_stage or not model.ops.group_panels_available() or dtype != torch.bfloat16:
-        return False
-    given = codes() if codes is not None else None
-    head = shard_codes(model, given).get("lm_head") if given else None
-    group_for = functools.partial(model.ops.group_int8_matmul_for, wide_rows=2**62)
-    layer = GroupInt8Linear.of(model.lm_head, group_for, head)
-    if layer is None:
-        return False
-    model.lm_head = layer  # type: ignore[assignment]
-    return True
-
-
 def build_model(
     cfg: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -390,30 +327,14 @@ def build_model(
     device: torch.device,
     max_positions: int,
     ops: str = "auto",
-    quantization: str | None = None,
+    quant: QuantConfig | None = None,
     shard: Shard | None = None,
     comm: Collectives | None = None,
-    calibration: Calibration | None = None,
-    smoothing_alpha: float = 0.7,
-    int4_activations: str = "int8",
-    int4_codes: dict[str, GroupCodes] | None = None,
-    int8_scales: str = "auto",
-    int8_codes: Callable[[], dict[str, Int8Groups] | None] | None = None,
-    bf16_weights: bool = False,
 ) -> LlamaForCausalLM:
-    """Create the module (whole, or one rank's shard) without initializing random weights, then assign
-    the given ones, cut to the shard. `calibration`: what to smooth the activations on before
-    quantizing (models/smoothing.py, migration strength `smoothing_alpha`; the worker gives them for
-    int8); None leaves the weights as loaded. `int4_activations`: "int8" quantizes the activations of
-    int4 steps above 2 rows where the 4-bit panels run (W4A8); "bf16" keeps them (W4A16); the 8-bit
-    output head takes 16-bit codes of them in either case where it can (_int4_head_in_groups). `int4_codes`:
-    the whole model's 4-bit codes by layer name (a GGUF file's own: registry.load_int4_codes), which
-    int4's 4-bit layers take as they are. `int8_scales`: int8's "channel", "group" or "auto" form
-    (config.py); `int8_codes`: reads a Q8_0 file's own codes (registry.load_int8_codes; called only
-    where the group form can run), which the group form takes as they are and "auto" chooses it for; for
-    int4, its output head's (registry.load_int8_head_codes). `bf16_weights`: a float32 model (`dtype`)
-    whose linears keep bf16 weights, widened to float32 by the kernels (models/wide_linear.py; where the
-    C++ kernels did not build, they stay float32)."""
+    """Create the module (whole, or one rank's shard) without initializing random weights, assign the
+    given ones, cut to the shard, choose its ops (`ops`: "auto", "torch" or a kernel level; models/ops.py)
+    and give its linears their quantization method (models/quant: `quant`, None for the checkpoint's own
+    weights in `dtype`)."""
     rope = RotaryEmbedding(
         cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
@@ -430,75 +351,6 @@ def build_model(
         )
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
-    int8_groups, file_codes = False, None
-    if quantization == "int8":
-        int8_groups, file_codes = _int8_groups_for(model.ops, int8_scales, dtype, int8_codes)
-    if calibration is not None and not int8_groups:  # smoothing is for the per-channel form
-        # Before any weight is quantized or packed: the factors are folded into plain weights.
-        reason = why_not_smoothable(model)
-        if quantization == "int8" and not int8_matmuls_available(device):
-            pass  # int8 keeps bf16 weights here (quantize_linears_int8 says so): nothing to smooth for
-        elif reason is not None:
-            log.warning("weights not smoothed: %s", reason)
-        else:
-            smooth_model(model, calibration, smoothing_alpha)
-    # A float32 model of bf16 weights (models/wide_linear.py): its linears, and int4's copies for big
-    # steps, as bf16 panels computed in float32.
-    widen = bf16_weights and isinstance(model.ops, CpuFusedOps)
-    kernels = model.ops.k if isinstance(model.ops, CpuFusedOps) else None
-    wide_for = functools.partial(WideLinear, kernels=kernels) if widen else None
-    if quantization == "int4":
-        # The output head stays at 8 bits: it is the embedding (Q8_0 or Q6_K in llama.cpp's Q4 files),
-        # and every logit depends on it; but a file that keeps it in 4 bits too gives its own codes
-        # (load_group_codes), which the head takes: the file's weights exactly, in half the bytes.
-        head_codes = "lm_head" in (int4_codes or {})
-        if not head_codes:
-            _int4_head_in_groups(model, dtype, int8_codes)
-        quantize_linears(
-            model,
-            QUANT_MAX_ROWS,
-            bits_for={"lm_head": 4 if head_codes else 8},
-            default_bits=4,
-            quant_for=functools.partial(
-                model.ops.quantized_matmul_for,
-                int8_activations=int4_activations == "int8",
-                float32_rows=widen,  # the AVX2 4-bit loops: for a float32 model's rows only
-            ),
-            small_for=model.ops.small_matmul_for,
-            codes=shard_codes(model, int4_codes) if int4_codes else None,
-            wide_for=wide_for,
-        )
-        # Any kernel that quantizes a step's activations (the 4-bit panels above 2 rows, the AVX2 4-bit
-        # loops up to 4) changes the keys and values (the worker's weights label).
-        kernels4 = [m.small for m in model.modules() if isinstance(m, QuantizedLinear)]
-        model.int4_a8 = any(getattr(k, "int8_activations", False) for k in kernels4)
-    elif quantization == "int8":
-        # Every linear, the output head included: per-channel int8 weights keep each vocabulary row's
-        # own scale (measured in benchmarks/perplexity.py).
-        ops_ = model.ops
-        if int8_groups:
-            model.int8_groups = True
-            given = shard_codes(model, file_codes) if file_codes else None
-            quantize_linears_int8_groups(
-                model,
-                ops_.group_int8_matmul_for,
-                ops_.quantize_rows_u8,
-                ops_.scale_rows_,
-                ops_.int8_matmul_for,
-                given,
-            )
-        else:
-            quantize_linears_int8(model, ops_.quantize_rows_u8, ops_.scale_rows_, ops_.int8_matmul_for)
-    elif quantization == "fp8":
-        quantize_linears_fp8(
-            model, model.ops.e4m3_rows, model.ops.scale_rows_cols, small_for=model.ops.fp8_matmul_for
-        )
-    elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; available: int4, int8, fp8")
-    if widen:
-        widen_linears(model, kernels)  # the output head too: tied, it gets panels of its own
-        if shard.first_stage:
-            model.embed_tokens = WideEmbedding(model.embed_tokens)  # type: ignore[assignment]
-    pack_linears(model, model.ops.small_matmul_for, model.ops.panels_take_every_row())
+    model.quant = quantize_model(model, dtype, quant or QuantConfig())
     model.finalize()
     return model.eval()

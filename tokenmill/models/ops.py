@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.models.fp8_linear import to_e4m3
+from tokenmill.models.linear import amx_brgemm_available
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +128,18 @@ class TorchOps:
         """Whether group_int8_matmul_for gives kernels here (for a weight whose K is a multiple of 32)."""
         return False
 
+    def group_wide_available(self) -> bool:
+        """Whether group_int8_matmul_for gives kernels for float32 rows here (float32_rows=True)."""
+        return False
+
     def group_int8_matmul_for(
-        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0
-    ) -> G8Panels | None:
+        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0, float32_rows: bool = False
+    ) -> G8Panels | G8WidePanels | None:
         """A kernel for W8A8 steps of any number of rows with int8 weight codes in groups of 32 k (q [N, K],
         scale [N, K/32] float32 values float16 holds: a Q8_0 block's), the activations quantized per row
-        and group of 32 as the step runs (to 16 bits in steps of up to `wide_rows` rows: G8Panels); or
-        None (the layer is then quantized per channel)."""
+        and group of 32 as the step runs (to 16 bits in steps of up to `wide_rows` rows: G8Panels); with
+        `float32_rows`, for a float32 model's rows (G8WidePanels); or None (the layer is then quantized
+        otherwise)."""
         return None
 
     def int8_matmul_for(self, q: torch.Tensor, scale: torch.Tensor) -> I8Panels | None:
@@ -215,6 +221,23 @@ def column_scales(scale: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(scale, (0, -scale.numel() % 32)).contiguous()
 
 
+class G8WidePanels:
+    """W8A8 x @ W^T for any number of float32 (or bf16) rows with W as int8 codes and a scale per group of
+    32 k (g8_pack's panels, as G8Panels holds them) on builds without the BF16 loops (AVX2): the rows
+    quantized to int8 per group of 32 and multiplied by vpmaddubsw with the sign trick (as llama.cpp
+    multiplies Q8_0 by Q8_0 on AVX2), the rows' dtype out (kernels/csrc/panel_g8_wide.cpp)."""
+
+    max_rows: int | None = None  # every row count
+
+    def __init__(self, k: object, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.k, self.n = k, q.shape[0]
+        self.panels = g8_pack(q, scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.k.g8_matmul_wide(x, self.panels, self.n)  # type: ignore[attr-defined]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 class Q4WidePanels:
     """x @ W^T for up to 4 rows with W in 4 bits (q4_pack's panels, as Q4Panels holds them) on builds
     without the BF16 loops (AVX2): the rows quantized to int8 per group of 32 and multiplied by
@@ -293,7 +316,7 @@ class G8Panels:
     `wide_rows` rows take 16-bit activation codes instead (a power-of-two scale: every element within
     2^7 of its group's largest exactly, the rest to 2^-15 of it), summed by vpdpwssd: as fast as the
     8-bit codes up to 2 rows, 0.64x of their speed at 32 (AMD Zen 4), the precision of bf16 activations;
-    int4's output head takes them at every row count (models/llama.py, _int4_head_in_groups)."""
+    int4's output head takes them at every row count (models/quant/int4.py, Int4._head_in_groups)."""
 
     max_rows: int | None = None  # every row count
 
@@ -410,13 +433,9 @@ class CpuFusedOps(TorchOps):
             return None
         if weight.shape[1] % 2:  # the panels pair k
             return None
-        from tokenmill.models.linear import amx_brgemm_available
-
         return PanelMatmul(self.k, weight, amx_brgemm_available())
 
     def panels_take_every_row(self) -> bool:
-        from tokenmill.models.linear import amx_brgemm_available
-
         return bool(self.k.panel_dot_available()) and not amx_brgemm_available()
 
     def _dot_loops_for(self, codes: torch.Tensor, k_multiple: int) -> bool:
@@ -424,8 +443,6 @@ class CpuFusedOps(TorchOps):
         panels) take this [N, K] weight: a CPU tensor with K a multiple of the kernel's k grouping, in an
         AVX512-BF16 build on a CPU without AMX. Measured there only (AMD Zen 4); with AMX the bf16 panels
         take brgemm and the others are left to oneDNN and PyTorch, unmeasured against them."""
-        from tokenmill.models.linear import amx_brgemm_available
-
         if codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % k_multiple:
             return False
         return bool(self.k.panel_dot_available()) and not amx_brgemm_available()
@@ -465,9 +482,16 @@ class CpuFusedOps(TorchOps):
     def group_panels_available(self) -> bool:
         return self._dot_loops_for(torch.empty(0, 32), 32)
 
+    def group_wide_available(self) -> bool:
+        # Builds without the BF16 loops (those have their own group panels), with AVX2, FMA and F16C.
+        return not self.k.panel_dot_available() and bool(self.k.g8_wide_available())  # type: ignore[attr-defined]
+
     def group_int8_matmul_for(
-        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0
-    ) -> G8Panels | None:
+        self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0, float32_rows: bool = False
+    ) -> G8Panels | G8WidePanels | None:
+        if float32_rows:
+            taken = q.device.type == "cpu" and q.dim() == 2 and q.shape[1] % 32 == 0 and _fit_float16(scale)
+            return G8WidePanels(self.k, q, scale) if taken and self.group_wide_available() else None
         if not self._dot_loops_for(q, 32) or not _fit_float16(scale):
             return None  # the panels hold float16 scales
         return G8Panels(self.k, q, scale, wide_rows)

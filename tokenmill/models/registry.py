@@ -17,7 +17,6 @@ from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import loader
 from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
-from tokenmill.weights.group_codes import GroupCodes, Int8Groups
 
 # Hugging Face class names -> model_type. All three are Llama-shaped: one implementation covers them
 # (Qwen2 adds q/k/v biases, which ModelConfig.attention_bias carries).
@@ -61,35 +60,28 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]  # the architecture's layout, in the requested dtype
     tokenizer: Tokenizer
     source: Path
+    codes: loader.CheckpointCodes  # the file's own quantized codes, each kind read on first ask
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> LoadedModel:
-    """A checkpoint's config, weights (in its architecture's layout) and tokenizer."""
+    """A checkpoint's config, weights (in its architecture's layout), tokenizer, and its quantized codes
+    for the quantization methods to take (models/quant)."""
     arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
     ck = loader.load(path, dtype, cache_dir, arch.layout)
     note_source(weights_cache_root(path, cache_dir), path)  # for `tokenmill cache`: in use, and when
-    return LoadedModel(ModelConfig.from_hf(ck.hf_config), ck.state_dict, ck.tokenizer, ck.source)
+    return LoadedModel(
+        ModelConfig.from_hf(ck.hf_config),
+        ck.state_dict,
+        ck.tokenizer,
+        ck.source,
+        checkpoint_codes(path, cache_dir),
+    )
 
 
-def load_int4_codes(path: Path, cache_dir: Path | None) -> dict[str, GroupCodes] | None:
-    """A GGUF file's own 4-bit codes of its linear weights, for an int4 model to take as they are (None
-    when it has none: weights/loader.py's load_group_codes)."""
+def checkpoint_codes(path: Path, cache_dir: Path | None) -> loader.CheckpointCodes:
+    """The quantized codes `path` holds (GGUF), named and fused in its architecture's layout."""
     arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
-    return loader.load_group_codes(path, arch.layout, cache_dir)
-
-
-def load_int8_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
-    """A GGUF file's own Q8_0 codes of its linear weights, for an int8 model to take as they are (None
-    when it has none: weights/loader.py's load_int8_groups)."""
-    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
-    return loader.load_int8_groups(path, arch.layout, cache_dir)
-
-
-def load_int8_head_codes(path: Path, cache_dir: Path | None) -> dict[str, Int8Groups] | None:
-    """A GGUF file's output head as 8-bit codes in groups of 32 ({"lm_head": ...}), for an int4 model's
-    head to take (None for a Hugging Face directory: weights/loader.py's load_int8_head)."""
-    arch = ARCHITECTURES[architecture_of(loader.read_hf_config(path, cache_dir))]
-    return loader.load_int8_head(path, arch.layout, cache_dir)
+    return loader.CheckpointCodes(path, arch.layout, cache_dir)
 
 
 def build(

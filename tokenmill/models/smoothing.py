@@ -321,10 +321,11 @@ def why_not_smoothable(model: nn.Module) -> str | None:
     return None
 
 
-def smooth_model(model: nn.Module, calibration: Calibration, alpha: float) -> None:
+def smooth_model(model: nn.Module, calibration: Calibration, alpha: float) -> float | None:
     """Calibrate (or take the cached maxima) and fold the factors, before the weights are quantized or
     packed (every rank of a parallel engine calls it together, with the same chunks).
-    Without calibration text the model is left unsmoothed (calibration_chunks logs why)."""
+    Without calibration text the model is left unsmoothed (calibration_chunks logs why). The strength it
+    was smoothed with, or None."""
     reason = why_not_smoothable(model)
     if reason is not None:
         raise ValueError(f"cannot smooth this model: {reason}")
@@ -332,8 +333,8 @@ def smooth_model(model: nn.Module, calibration: Calibration, alpha: float) -> No
         raise ValueError(f"smoothing alpha must be in (0, 1), got {alpha}")
     maxima = calibration.maxima(model)
     if maxima is None:
-        return
+        return None
     smooth(model, maxima, alpha)
-    model.smoothed_alpha = alpha
     spread = [math.log2(float(m.max() / m.clamp(min=1e-5).median())) for m in maxima.values()]
     log.info("smoothed %d linears, activation range max/median up to 2^%.1f", len(maxima), max(spread))
+    return alpha

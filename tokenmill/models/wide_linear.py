@@ -17,41 +17,12 @@ import logging
 import torch
 from torch import nn
 
-from tokenmill.kernels.isa import best_level, cpu_summary, level_names
 from tokenmill.models.linear import LinearBase, plain_linears
 
 log = logging.getLogger(__name__)
 
 # The kernel builds whose CPUs lack BF16 instructions: their bf16 models compute in float32.
 WIDENING_LEVELS = ("avx2", "avx512")
-
-
-def float32_arithmetic(
-    dtype: torch.dtype, device: torch.device, kernels: str, quantization: str | None
-) -> bool:
-    """Whether a model of `dtype` computes in float32 with bf16 weights here: a bf16 model on a CPU whose
-    kernel build (`kernels`: "auto", "cpu" or a level; EngineConfig.kernels) has no BF16 loops, its
-    linears in bf16 or in int4 (whose copy for big steps is then such panels; int8 and fp8 keep their
-    own arithmetic)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or quantization not in (None, "int4"):
-        return False
-    if kernels in level_names():
-        level = kernels
-    elif kernels in ("auto", "cpu"):
-        best = best_level()
-        level = best.name if best is not None else None
-    else:
-        return False
-    return level in WIDENING_LEVELS
-
-
-def announce(kernels: str) -> None:
-    """The one line a start says about it."""
-    log.info(
-        "bfloat16 weights with float32 arithmetic: %s has no BF16 instructions (kernels %s)",
-        cpu_summary(),
-        kernels,
-    )
 
 
 class WideLinear(LinearBase):

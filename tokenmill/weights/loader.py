@@ -158,6 +158,31 @@ def _load_gguf(path: Path, dtype: torch.dtype, layout: Layout) -> Checkpoint:
     return Checkpoint(config, state_dict, tokenizer, path)
 
 
+class CheckpointCodes:
+    """The quantized codes a checkpoint holds, each kind read on first ask and kept (the methods of
+    models/quant take them as they are): a GGUF file's 4-bit codes (load_group_codes), its Q8_0 codes
+    (load_int8_groups), its output head as 8-bit groups (load_int8_head); None for each from a Hugging
+    Face directory."""
+
+    def __init__(self, path: Path, layout: Layout, cache_dir: Path | None) -> None:
+        self.path, self.layout, self.cache_dir = path, layout, cache_dir
+        self._read: dict[str, Any] = {}
+
+    def _once(self, kind: str, read: Callable[[Path, Layout, Path | None], Any]) -> Any:
+        if kind not in self._read:
+            self._read[kind] = read(self.path, self.layout, self.cache_dir)
+        return self._read[kind]
+
+    def int4(self) -> dict[str, GroupCodes] | None:
+        return self._once("int4", load_group_codes)
+
+    def int8(self) -> dict[str, Int8Groups] | None:
+        return self._once("int8", load_int8_groups)
+
+    def int8_head(self) -> dict[str, Int8Groups] | None:
+        return self._once("head8", load_int8_head)
+
+
 def load_group_codes(path: Path, layout: Layout, cache_dir: Path | None) -> dict[str, GroupCodes] | None:
     """The 4-bit codes of a GGUF file's linear weights (weights/group_codes.py), under the names the
     layout gives the weights without their ".weight" (fused as it fuses them), for an int4 model to

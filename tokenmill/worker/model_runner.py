@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
+from tokenmill.models.decode_step import decode_step_for
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.worker import huge_pages
 from tokenmill.worker.grammars import RequestGrammars
@@ -39,6 +40,10 @@ class ModelRunner:
         kv_caches: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        # Pure decode steps as one C++ call where every layer's kernels allow (models/decode_step.py), on
+        # the weights as they are now: by then the model holds its own copies of the checkpoint's norms and
+        # biases (models/own_weights.py), which the step must hold rather than the mapped file's views.
+        model.layer_loop = decode_step_for(model)
         self.block_size = kv_spec.block_size
         self.device = device
         self.dtype = dtype

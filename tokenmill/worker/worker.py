@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,12 +17,13 @@ from tokenmill.config import EngineConfig
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
+from tokenmill.models.quant import QuantConfig
+from tokenmill.models.quant.arithmetic import announce, float32_arithmetic
+from tokenmill.models.quant.method import linear_kernels
 from tokenmill.models.smoothing import Calibration, calibration_chunks
-from tokenmill.models.wide_linear import announce, float32_arithmetic
 from tokenmill.weights import catalog
 from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
-from tokenmill.weights.group_codes import Int8Groups
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
 from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
@@ -91,18 +91,22 @@ class Worker:
             self.device,
             self.max_model_len,
             config.kernels,
-            config.quantization,
+            QuantConfig(
+                config.quantization,
+                int4_activations=config.int4_activations,
+                int8_scales=config.int8_scales,
+                calibration=self._calibration(config),
+                smoothing_alpha=config.int8_smoothing,
+                bf16_weights=self.bf16_weights,
+                codes=loaded.codes,
+            ),
             shard=self.shard,
             comm=ps,
-            calibration=self._calibration(config),
-            smoothing_alpha=config.int8_smoothing,
-            int4_activations=config.int4_activations,
-            int4_codes=registry.load_int4_codes(path, cache_dir) if config.quantization == "int4" else None,
-            int8_scales=config.int8_scales,
-            int8_codes=self._int8_codes(config.quantization, path, cache_dir),
-            bf16_weights=self.bf16_weights,
         )
         del loaded
+        kernels = ", ".join(f"{n} {k}" for k, n in linear_kernels(self.model).items())
+        log.info("weights %s, arithmetic %s: linears on %s", self._weights_label() or self.dtype_name,
+                 str(self.dtype).removeprefix("torch."), kernels)  # fmt: skip
         # int8's calibration may have made the folder of a Hugging Face directory just now.
         note_source(weights_cache_root(path, cache_dir), path)
         if self.device.type == "cpu":
@@ -110,21 +114,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.load_seconds = time.perf_counter() - t0
 
-    @staticmethod
-    def _int8_codes(
-        quantization: str | None, path: Path, cache_dir: Path | None
-    ) -> Callable[[], dict[str, Int8Groups] | None] | None:
-        """What reads a GGUF file's 8-bit group codes when build_model asks (only where the group panels
-        run): int8's every linear (a Q8_0 file's), or int4's output head (models/llama.py,
-        _int4_head_in_groups)."""
-        if quantization == "int8":
-            return lambda: registry.load_int8_codes(path, cache_dir)
-        if quantization == "int4":
-            return lambda: registry.load_int8_head_codes(path, cache_dir)
-        return None
-
     def _calibration(self, config: EngineConfig) -> Calibration | None:
-        """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (build_model
+        """What int8's smoothing calibrates on (models/smoothing.py), when it is asked for (models/quant
         decides whether this model can be smoothed), with the maxima kept beside the weights' cache."""
         if config.quantization != "int8" or not config.int8_smoothing:
             return None
@@ -136,13 +127,7 @@ class Worker:
     def _weights_label(self) -> str | None:
         """The weight precision as far as it changes the keys and values: the quantization, and for
         int8 its group form or the smoothing strength it was smoothed with."""
-        alpha = getattr(self.model, "smoothed_alpha", None)
-        q = self.config.quantization
-        if q == "int4" and getattr(self.model, "int4_a8", False):
-            q = "int4-a8"  # int8 activations (of some steps) change the keys and values
-        if q == "int8" and getattr(self.model, "int8_groups", False):
-            q, alpha = "int8-groups", None  # a scale per group of 32 (int8_scales), not smoothed
-        label = f"{q}-smoothed-{alpha}" if q and alpha else q
+        label = self.model.quant.label()  # models/quant: its form, int8 activations, smoothing
         if self.bf16_weights:  # float32 activations: other keys and values than bf16 arithmetic's
             return f"{label or 'bf16-weights'}-f32"
         return label
@@ -212,7 +197,6 @@ class Worker:
         path = self.source if name == "self" else catalog.resolve(name)
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
         loaded = registry.load_checkpoint(path, self.weights_dtype, cache_dir)
-        four_bit = spec.draft_quantization == "int4"
         bf16_weights = self.config.dtype == "auto" and float32_arithmetic(
             self.weights_dtype, self.device, self.config.kernels, spec.draft_quantization
         )
@@ -224,10 +208,7 @@ class Worker:
             self.device,
             self.max_model_len,
             self.config.kernels,
-            spec.draft_quantization,
-            int4_codes=registry.load_int4_codes(path, cache_dir) if four_bit else None,
-            int8_codes=self._int8_codes(spec.draft_quantization, path, cache_dir),
-            bf16_weights=bf16_weights,
+            QuantConfig(spec.draft_quantization, bf16_weights=bf16_weights, codes=loaded.codes),
         )
         del loaded
         if self.device.type == "cpu":

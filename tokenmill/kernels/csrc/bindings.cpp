@@ -54,6 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul_wide", &q4_matmul_wide,
         "W4A8 by vpmaddubsw (AVX2): float32 or bfloat16 rows, quantized per group of 32, x 4-bit panels, as float32");
   m.def("q4_wide_available", &q4_wide_available, "whether this build has the AVX2 4-bit loops");
+  m.def("g8_matmul_wide", &g8_matmul_wide,
+        "W8A8 by vpmaddubsw (AVX2): float32 or bfloat16 rows, quantized per group of 32, x int8 group panels, as float32");
+  m.def("g8_wide_available", &g8_wide_available, "whether this build has the AVX2 8-bit loops");
   m.def("q4_matmul", &q4_matmul, "x @ W^T for bfloat16 rows, W in 4-bit panels (Q4Panels): bf16 activations up to exact_rows rows, int8 above");
   m.def("g8_matmul", &g8_matmul,
         "W8A8 in groups of 32: bfloat16 rows quantized per group of 32 x int8 panels with a scale per group "

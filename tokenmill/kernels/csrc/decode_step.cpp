@@ -55,6 +55,11 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
       if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
       break;
     }
+    case kG8Wide: {  // int8 group panels by the AVX2 loops (W8A8), float32 out: in the rows' dtype
+      y = g8_matmul_wide(x, panels, n);
+      if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+      break;
+    }
     default: TORCH_CHECK(false, "unknown linear kind ", kind);
   }
   if (bias) y.add_(*bias);
@@ -72,7 +77,7 @@ DecodeLayers::DecodeLayers(std::vector<int64_t> kinds, std::vector<at::Tensor> p
               "four linears a layer");
   TORCH_CHECK(n > 0 && norms_.size() == n / 2, "at least one layer, two norms a layer");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kQ4Wide, "unknown linear kind ", kinds[i]);
+    TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kG8Wide, "unknown linear kind ", kinds[i]);
     const size_t wanted = kinds[i] == kI8 ? 2 : kinds[i] == kF8 ? 1 : 0;
     TORCH_CHECK(extras[i].size() == wanted, "linear kind ", kinds[i], " takes ", wanted, " extra tensors");
     linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i]});

@@ -10,7 +10,8 @@ namespace tm_decode {
 
 // Which kernel a linear runs (models/decode_step.py's kinds); `param` is its last integer argument and
 // `extra` its other tensors (I8: the code-sum offsets and column scales; F8: the column scales).
-enum Kind : int64_t { kDot = 0, kVector = 1, kQ4 = 2, kG8 = 3, kI8 = 4, kF8 = 5, kWide = 6, kQ4Wide = 7 };
+enum Kind : int64_t { kDot = 0, kVector = 1, kQ4 = 2, kG8 = 3, kI8 = 4, kF8 = 5, kWide = 6, kQ4Wide = 7,
+                      kG8Wide = 8 };
 
 struct Linear {
   int64_t kind, n, param;

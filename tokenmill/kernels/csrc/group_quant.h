@@ -18,17 +18,17 @@ namespace group_quant {
 
 constexpr int64_t kGroup = 32;  // k per scale
 
-// Each row's groups of 32 as float32 (v) with their largest magnitude: code(v, amax, group index within
+// Each row's groups of 32 (bfloat16 or float32 rows) as float32 (v) with their largest magnitude: code(v, amax, group index within
 // all rows' groups) writes the group's codes, scale and code sum. Rows in parallel (independent, so a
 // row's codes do not depend on the rows beside it).
-template <typename Code>
-inline void for_each_group(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, const Code& code) {
+template <typename T, typename Code>
+inline void for_each_group(const T* x, int64_t xs, int64_t M, int64_t K, const Code& code) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
     float v[kGroup];
     for (int64_t m = b; m < e; ++m)
       for (int64_t g = 0; g < groups; ++g) {
-        const at::BFloat16* xg = x + m * xs + g * kGroup;
+        const T* xg = x + m * xs + g * kGroup;
         float amax = 0.f;
         for (int64_t i = 0; i < kGroup; ++i) {
           v[i] = static_cast<float>(xg[i]);
@@ -42,8 +42,8 @@ inline void for_each_group(const at::BFloat16* x, int64_t xs, int64_t M, int64_t
 // Per row and group: codes round(x / a) (half to even), a = max|x| / 127, and the codes' sum (an exact
 // integer, |sum| <= 32 * 127). A group of zeros, or of values so small that 127 / max overflows
 // (subnormals), gets 0 codes and a = 0: its share of the product is below float32's resolution anyway.
-inline void quantize_groups(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa,
-                            int32_t* xsum) {
+template <typename T>
+inline void quantize_groups(const T* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, int32_t* xsum) {
   for_each_group(x, xs, M, K, [&](const float* v, float amax, int64_t mg) {
     float inv = amax > 0.f ? 127.f / amax : 0.f;
     if (!std::isfinite(inv)) inv = 0.f;

@@ -38,6 +38,8 @@ at::Tensor panel_matmul_wide(at::Tensor x, at::Tensor panels, int64_t n);
 bool panel_wide_fast();
 at::Tensor q4_matmul_wide(at::Tensor x, at::Tensor packed, int64_t n);
 bool q4_wide_available();
+at::Tensor g8_matmul_wide(at::Tensor x, at::Tensor packed, int64_t n);
+bool g8_wide_available();
 at::Tensor f8_matmul(at::Tensor x, at::Tensor x_scales, at::Tensor panels, at::Tensor w_scales,
                         int64_t n);
 at::Tensor i8_matmul(at::Tensor xq, at::Tensor x_scales, at::Tensor panels, at::Tensor offsets,

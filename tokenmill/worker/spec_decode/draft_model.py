@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
+from tokenmill.models.decode_step import decode_step_for
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.spec_decode.proposer import ProposeInput, Proposer
@@ -52,6 +53,7 @@ class DraftModelProposer(Proposer):
         kv_format: str | None = None,
     ) -> None:
         self.model = model
+        model.layer_loop = decode_step_for(model)  # decode passes in C++, as the target's (model_runner.py)
         self.block_size = block_size
         self.device = device
         cfg = model.config
