@@ -75,14 +75,15 @@ def test_greedy_tokens_equal_transformers_float32_on_the_bf16_weights(llm_wide: 
                 assert abs(lp - float(theirs[tid])) < LOGPROB_TOL
 
 
-def test_int4_on_the_avx2_path_reads_4_bits_at_decode_and_widened_panels_above() -> None:
+def test_int4_on_the_avx2_path_reads_4_bits_at_decode_and_8bit_groups_above() -> None:
     """`quantization="int4"` on the avx2 build: decode steps of up to 4 rows on the AVX2 4-bit loops
     (W4A8, checked against float64 in test_kernels_isa.py, and in the C++ step in test_decode_step.py),
-    bigger steps on widened bf16 panels."""
+    bigger steps on a copy of the 4-bit weights in int8 groups on the AVX2 8-bit loops (W8A8); with
+    bf16 activations (W4A16) on widened bf16 panels, whose arithmetic keeps the activations."""
     if not get_level("avx2").supported():
         pytest.skip("this CPU has no AVX2: the kernels' avx2 build cannot run")
-    from tokenmill.models.linear import QuantizedLinear
-    from tokenmill.models.ops import Q4WidePanels
+    from tokenmill.models.linear import GroupInt8Linear, QuantizedLinear
+    from tokenmill.models.ops import G8WidePanels, Q4WidePanels
 
     llm = LLM(kernels="avx2", quantization="int4", max_model_len=256, enable_prefix_caching=False)
     try:
@@ -90,11 +91,19 @@ def test_int4_on_the_avx2_path_reads_4_bits_at_decode_and_widened_panels_above()
         assert worker.dtype == torch.float32 and worker._weights_label() == "int4-a8-f32"
         layers = [m for m in worker.model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4]
         assert layers and all(isinstance(m.small, Q4WidePanels) for m in layers)
-        assert all(isinstance(m.wide, WideLinear) for m in layers)
+        assert all(isinstance(m.wide, GroupInt8Linear) for m in layers)
+        assert all(isinstance(m.wide.kernel, G8WidePanels) for m in layers)
         step = worker.model.layer_loop  # the runner's C++ step
         assert step is not None and step.max_rows == 4, "decode steps of up to 4 rows run the C++ loop"
         out = llm.generate(["The capital of France is"], [SamplingParams(temperature=0.0, max_tokens=8)])
         assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        llm.close()
+    llm = LLM(kernels="avx2", quantization="int4", int4_activations="bf16", max_model_len=256)
+    try:
+        model = llm.engine.executor.worker.model  # type: ignore[attr-defined]
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4]
+        assert layers and all(isinstance(m.wide, WideLinear) for m in layers)
     finally:
         llm.close()
 

@@ -1,5 +1,6 @@
 """int4: 4-bit weights in groups of 32 (a GGUF file's own codes where it has them), the output head at 8
-bits; a bf16 (or widened) copy of each weight for steps above QUANT_MAX_ROWS rows."""
+bits; a copy of each weight for steps above QUANT_MAX_ROWS rows where the 4-bit kernels stop there (in
+the model's dtype; in a float32 model, int8 groups on the AVX2 8-bit loops, or widened bf16 panels)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from tokenmill.models.linear import GroupInt8Linear, QuantizedLinear, WideFor, quantize_linears
 from tokenmill.models.quant.codes import shard_codes
@@ -36,6 +38,17 @@ class Int4(QuantMethod):
         head_codes = "lm_head" in (file_codes or {})
         if not head_codes and self.head_in_groups:
             self._head_in_groups()
+        a8 = quant.int4_activations == "int8"
+        if wide_for is not None and a8 and model.ops.group_wide_available():
+            # A float32 model's copy for big steps: the 4-bit weights in int8 groups on the AVX2 8-bit
+            # loops (W8A8, as the 4-bit loops' activations) rather than widened bf16 panels: 8.5 bits a
+            # weight rather than 16, and faster at every row count (benchmarks/wide_bf16.py --kernel).
+            group_for = functools.partial(model.ops.group_int8_matmul_for, float32_rows=True)
+            widened = wide_for
+
+            def wide_for(linear: nn.Linear) -> nn.Module:
+                return GroupInt8Linear.of(linear, group_for) or widened(linear)
+
         quantize_linears(
             model,
             QUANT_MAX_ROWS,
@@ -43,7 +56,7 @@ class Int4(QuantMethod):
             default_bits=4,
             quant_for=functools.partial(
                 model.ops.quantized_matmul_for,
-                int8_activations=quant.int4_activations == "int8",
+                int8_activations=a8,
                 float32_rows=wide_for is not None,  # the AVX2 4-bit loops: for a float32 model's rows only
             ),
             small_for=model.ops.small_matmul_for,
