@@ -275,6 +275,8 @@ class QuantizedLinear(LinearBase):
         else:
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # A kernel that takes the rows in any dtype (the AVX2 4-bit loops' float32 rows): no casts.
+        self._small_any_dtype = bool(getattr(self.small, "any_dtype", False))
         if self.small is not None and self.small.max_rows is None and dtype == torch.bfloat16:
             self.max_rows, self.wide = None, None  # the kernel takes every step: no bf16 copy
             return
@@ -297,7 +299,7 @@ class QuantizedLinear(LinearBase):
         if self.small is not None:
             # The kernels take bf16. The two no-op casts of a bf16 step were 1.5% of a 1.7B int4 model's
             # step at one stream (their argument parsing, in py-spy's profile), so they are skipped.
-            if x.dtype == torch.bfloat16 or getattr(self.small, "any_dtype", False):
+            if x.dtype == torch.bfloat16 or self._small_any_dtype:
                 y = self.small(x)
             else:
                 y = self.small(x.to(torch.bfloat16)).to(x.dtype)

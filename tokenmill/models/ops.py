@@ -458,7 +458,7 @@ class CpuFusedOps(TorchOps):
     ) -> Q4Panels | Q4WidePanels | Q8Panels | None:
         if not self._dot_loops_for(q, 32):  # 4-bit groups of 32
             wide = bits == 4 and lo is not None and int8_activations and float32_rows
-            if wide and self._q4_wide_for(q, scale, lo):
+            if wide and self._wide_loops_for(q, scale, lo) and self.k.q4_wide_available():  # type: ignore[attr-defined]
                 return Q4WidePanels(self.k, q, scale, lo)
             return None
         if bits == 4 and lo is not None:
@@ -467,14 +467,13 @@ class CpuFusedOps(TorchOps):
             return Q4Panels(self.k, q, scale, lo, int8_activations)
         return Q8Panels(self.k, q, scale) if bits == 8 else None
 
-    def _q4_wide_for(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
-        """Whether the AVX2 4-bit loops (W4A8 by vpmaddubsw) take this weight: a build without the BF16
-        loops (those have their own 4-bit panels), a CPU tensor with K a multiple of 32, float16 scales."""
-        if q.device.type != "cpu" or q.dim() != 2 or q.shape[1] % 32:
+    def _wide_loops_for(self, q: torch.Tensor, *scales: torch.Tensor) -> bool:
+        """Whether the AVX2 loops for a float32 model's rows (4-bit and 8-bit, by vpmaddubsw) may take
+        this [N, K] weight: a build without the BF16 loops (those have their own panels), a CPU tensor
+        with K a multiple of 32, scales that float16 holds."""
+        if q.device.type != "cpu" or q.dim() != 2 or q.shape[1] % 32 or self.k.panel_dot_available():
             return False
-        if self.k.panel_dot_available() or not self.k.q4_wide_available():  # type: ignore[attr-defined]
-            return False
-        return _fit_float16(scale, lo)
+        return _fit_float16(*scales)
 
     def fp8_matmul_for(self, codes: torch.Tensor, scale: torch.Tensor) -> F8Panels | None:
         return F8Panels(self.k, codes, scale) if self._dot_loops_for(codes, 2) else None
@@ -483,15 +482,14 @@ class CpuFusedOps(TorchOps):
         return self._dot_loops_for(torch.empty(0, 32), 32)
 
     def group_wide_available(self) -> bool:
-        # Builds without the BF16 loops (those have their own group panels), with AVX2, FMA and F16C.
-        return not self.k.panel_dot_available() and bool(self.k.g8_wide_available())  # type: ignore[attr-defined]
+        return self._wide_loops_for(torch.empty(0, 32)) and bool(self.k.g8_wide_available())  # type: ignore[attr-defined]
 
     def group_int8_matmul_for(
         self, q: torch.Tensor, scale: torch.Tensor, wide_rows: int = 0, float32_rows: bool = False
     ) -> G8Panels | G8WidePanels | None:
         if float32_rows:
-            taken = q.device.type == "cpu" and q.dim() == 2 and q.shape[1] % 32 == 0 and _fit_float16(scale)
-            return G8WidePanels(self.k, q, scale) if taken and self.group_wide_available() else None
+            taken = self._wide_loops_for(q, scale) and self.k.g8_wide_available()  # type: ignore[attr-defined]
+            return G8WidePanels(self.k, q, scale) if taken else None
         if not self._dot_loops_for(q, 32) or not _fit_float16(scale):
             return None  # the panels hold float16 scales
         return G8Panels(self.k, q, scale, wide_rows)

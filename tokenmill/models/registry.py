@@ -74,7 +74,7 @@ def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> L
         ck.state_dict,
         ck.tokenizer,
         ck.source,
-        checkpoint_codes(path, cache_dir),
+        loader.CheckpointCodes(path, arch.layout, cache_dir),
     )
 
 

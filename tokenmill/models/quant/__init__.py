@@ -1,6 +1,7 @@
 """Quantization as one seam: a config says which method a model's linears take (quant/config.py), each
 method owns its weights' form, the codes it takes from the checkpoint and the kernels it picks for this
-CPU (quant/int4.py, int8.py, fp8.py, unquantized.py), registered by name (quant/method.py). Model files
+CPU (quant/int4.py, int8.py, fp8.py; the checkpoint's own weights: method.py's Unquantized), registered by
+name (quant/method.py). Model files
 describe the architecture only; models/llama.py's build_model hands the built module to
 `quantize_model`."""
 

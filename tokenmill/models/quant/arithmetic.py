@@ -18,8 +18,8 @@ def float32_arithmetic(
 ) -> bool:
     """Whether a model of `dtype` computes in float32 with bf16 weights here: a bf16 model on a CPU whose
     kernel build (`kernels`: "auto", "cpu" or a level; EngineConfig.kernels) has no BF16 loops, and
-    `quantization` a method whose kernels take float32 rows (QuantMethod.float32_rows: none, int4; int8 and
-    fp8 keep their own arithmetic)."""
+    `quantization` a method whose kernels take float32 rows (QuantMethod.float32_rows: none, int4, int8;
+    fp8 keeps its own arithmetic)."""
     if dtype != torch.bfloat16 or device.type != "cpu" or not method_class(quantization).float32_rows:
         return False
     if kernels in level_names():

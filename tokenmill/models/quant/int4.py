@@ -21,7 +21,7 @@ QUANT_MAX_ROWS = 4
 @register
 class Int4(QuantMethod):
     name = "int4"
-    float32_rows = True  # the AVX2 4-bit loops take float32 rows; the big-step copies are widened
+    float32_rows = True  # the AVX2 4-bit loops take float32 rows, and so do the big-step copies
 
     # Whether the head may take int8's group form (benchmarks/perplexity.py turns it off to compare).
     head_in_groups: ClassVar[bool] = True
@@ -64,9 +64,11 @@ class Int4(QuantMethod):
             wide_for=wide_for,
         )
         # Any kernel that quantizes a step's activations (the 4-bit panels above 2 rows, the AVX2 4-bit
-        # loops up to 4) changes the keys and values (label()).
-        kernels4 = [m.small for m in model.modules() if isinstance(m, QuantizedLinear)]
-        self.a8 = any(getattr(k, "int8_activations", False) for k in kernels4)
+        # loops up to 4, the int8-group copies above) changes the keys and values (label()).
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        self.a8 = any(
+            getattr(m.small, "int8_activations", False) or isinstance(m.wide, GroupInt8Linear) for m in layers
+        )
 
     def label(self) -> str | None:
         return "int4-a8" if self.a8 else "int4"
