@@ -20,7 +20,7 @@ per token (median 2.2 us against 9.5 us for JSON; 2 against 22 us for a choice),
 cold in ~5 ms against ~0.4 ms (first walk included: 5.5 against 1.8 ms), and lets texts through that
 break `not`, `contains`, `if`/`then`, `uniqueItems` or an unknown `format`, where llguidance refuses
 the schema. tokenmill uses llguidance: enforcing the schema it accepted matters more than ~8 us per
-token (32 constrained streams: ~0.3 ms of a ~43 ms decode step here, docs/benchmarks.md).
+token (32 constrained streams: ~0.3 ms of a ~43 ms decode step here, docs/history/benchmarks.md).
 apply_bitmask at the time: ~1.6 ms for all 32 rows (xgrammar's compiled CPU kernel: ~3.3 ms); since
 replaced by a byte-table lookup into kept buffers (~0.5 ms on 2 threads; structured_throughput.py).
 

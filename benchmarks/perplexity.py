@@ -1,6 +1,6 @@
 """Perplexity of each precision option on a fixed text (tokenmill/quality/perplexity.py: Python's own
 documentation topics, shipped with CPython), against float32 and bf16 in the same run: what a
-quantization costs in accuracy, beside what it buys in speed (docs/benchmarks.md).
+quantization costs in accuracy, beside what it buys in speed (docs/history/benchmarks.md).
 
     python benchmarks/perplexity.py [--chunks 32 --steps 128] [--model FILE] [--only int4 ...]
 

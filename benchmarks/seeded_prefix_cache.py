@@ -12,7 +12,7 @@ unseeded (the baseline, in the same run).
 
     .venv/bin/python benchmarks/seeded_prefix_cache.py [--dtype bfloat16] [--seeds 5] [--max-tokens 48]
 
-Figures: docs/benchmarks.md, "Seeded sampling and the prefix cache".
+Figures: docs/history/benchmarks.md, "Seeded sampling and the prefix cache".
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ bandwidth and doing its arithmetic at the best matmul rate this machine reaches:
 
 The rates are measured, not taken from a datasheet: a virtual CPU's clock is not known here, and the
 measured rate is what a kernel can actually reach on it (the panels of kernels/csrc reach it within a few
-percent: docs/benchmarks.md).
+percent: docs/history/benchmarks.md).
 """
 
 from __future__ import annotations

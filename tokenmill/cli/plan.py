@@ -4,7 +4,7 @@ planner (tokenmill/cluster/planner: the same Planner class the fleet runs).
 The defaults simulate a whole day in seconds: Llama 3 70B in FP8 on two H100s a worker, a few requests
 a second at the peak, so that the fleet grows to several workers from a few hundred thousand requests
 (the simulator's cost is per request). An 8B model's workers serve ~20 requests/s each: a fleet of the
-same size then means millions of requests and minutes (docs/benchmarks.md's day: 17 M, ~4 minutes).
+same size then means millions of requests and minutes (docs/history/benchmarks.md's day: 17 M, ~4 minutes).
 """
 
 from __future__ import annotations

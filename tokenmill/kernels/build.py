@@ -11,7 +11,7 @@ The build runs as `python -m tokenmill.kernels.build LEVEL DIR`, a child of whoe
   not minutes of silence.
 
 Only bindings.cpp includes <torch/extension.h>; the kernels include the light headers of csrc/tensor.h
-(docs/benchmarks.md has the build's time).
+(docs/history/benchmarks.md has the build's time).
 """
 
 from __future__ import annotations

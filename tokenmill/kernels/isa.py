@@ -28,7 +28,7 @@ class IsaLevel:
 # Best first. The AVX-512 levels keep GCC's generic preference for 256-bit vectors in auto-vectorized
 # loops: on AMD Zen 4 the decode-attention kernel ran ~20% faster than with -mprefer-vector-width=512
 # (its dot products are 64 floats long, and the horizontal sums cost more at 512 bits), and the
-# element-wise ops were within noise (docs/benchmarks.md). Explicit AVX-512 intrinsics still use 512.
+# element-wise ops were within noise (docs/history/benchmarks.md). Explicit AVX-512 intrinsics still use 512.
 X86_LEVELS = (
     IsaLevel(
         "avx512_bf16",

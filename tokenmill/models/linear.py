@@ -73,7 +73,7 @@ def row_bucket(m: int) -> int:
 # On CPUs whose panel kernels take every row count (models/ops.py: AVX512-BF16 without AMX) a linear
 # keeps its panels as its only copy of the weights: oneDNN's would double their memory for steps the
 # panels run as fast or faster (bf16 1.02-1.09x oneDNN's matmul at 256-2048 rows, int8 1.05-1.07x at
-# 512-2048; docs/benchmarks.md). Benchmarks that compare the two in one model set this first.
+# 512-2048; docs/history/benchmarks.md). Benchmarks that compare the two in one model set this first.
 KEEP_ONEDNN_COPY = False
 
 

@@ -266,7 +266,7 @@ class Q4Panels:
     `int8_activations` above 2 rows are quantized to int8 per row and group of 32 and multiplied by
     vpdpbusd (W4A8: faster from 3 rows, less accurate). Weights whose minima are all -8 x their
     scales (a Q4_0 file's) are held without them, 10% fewer bytes for the same bits. AMD Zen 4
-    figures: docs/benchmarks.md."""
+    figures: docs/history/benchmarks.md."""
 
     max_rows: int | None = None  # every row count
 

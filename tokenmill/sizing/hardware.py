@@ -5,7 +5,7 @@ datasheet-derived table in ../shared/reference/bench_and_sizing.md section 3.1. 
 indicative on-demand cloud prices, an assumption to override with --gpu-hour-price. "cpu-2c" is the
 2-core Sapphire Rapids machine this project is developed on, so that the model can be calibrated and
 checked against real `tokenmill bench` runs here: its peak is nominal (AMX bf16), its bandwidth the
-~20 GB/s measured with a large read (docs/benchmarks.md), and it is meant to be calibrated.
+~20 GB/s measured with a large read (docs/history/benchmarks.md), and it is meant to be calibrated.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ default glibc serves blocks above its mmap threshold (128 KB, rising with use to
 mmap and returns them on free, and trims the top of its heap once more than twice that lies free: the
 next step then faults every 4 KB page in again and the kernel zeroes it. On an offline prefill of 69k
 tokens that was 880k page faults, ~3.5 GB re-zeroed, 13% of the process's CPU time (`perf stat`,
-Intel Xeon with AMX, 2 cores; docs/benchmarks.md, eighth sitting). Blocks up to 32 MB now come from
+Intel Xeon with AMX, 2 cores; docs/history/benchmarks.md, eighth sitting). Blocks up to 32 MB now come from
 the heap, and up to 1 GB of freed heap stays mapped: the resident size settles at the peak a step
 needs instead of rising and falling every step.
 

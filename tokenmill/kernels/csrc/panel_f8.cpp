@@ -14,7 +14,7 @@
 // The codes come from rounding (models/fp8_linear.py clamps to +-448), never the NaN code 0x7F.
 //
 // Why: the emulated path multiplied bf16 copies of the codes through oneDNN, reading bf16's bytes: on
-// AMD Zen 4 it ran at 0.63x the bf16 model at one stream (docs/benchmarks.md). Measured there only, so
+// AMD Zen 4 it ran at 0.63x the bf16 model at one stream (docs/history/benchmarks.md). Measured there only, so
 // models/ops.py uses it only on CPUs without AMX, as the bf16 dot loops.
 #include "tensor.h"
 #include <algorithm>

@@ -11,7 +11,7 @@
 // L2 of the bf16 panel matmul (panels::panel_prefetch); up to 8 rows a pass (16 accumulators).
 //
 // Why: oneDNN's u8 x s8 matmul on AMD Zen 4 (avx512_core_vnni) took longer at one row than the bf16 dot
-// loops over twice the bytes (docs/benchmarks.md, eleventh sitting); measured there only, so models/ops.py
+// loops over twice the bytes (docs/history/benchmarks.md, eleventh sitting); measured there only, so models/ops.py
 // uses it only on CPUs without AMX.
 #include "tensor.h"
 #include <algorithm>

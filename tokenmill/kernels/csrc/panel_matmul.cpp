@@ -12,7 +12,7 @@
 // - more rows (up to 96), on CPUs with AMX: oneDNN's brgemm micro-kernel (at::native::cpublas) on one
 //   panel at a time, faster at these sizes than oneDNN's own matmul over its packed weights (below).
 //
-// Measured (SmolLM2-135M, Intel Xeon with AMX, 2 cores, docs/benchmarks.md): in the model at one stream
+// Measured (SmolLM2-135M, Intel Xeon with AMX, 2 cores, docs/history/benchmarks.md): in the model at one stream
 // oneDNN's matmul took 18.7-20.2 ms a token; the vector loops without software prefetch 17.8; prefetching
 // into L1 (T0) 8 KB ahead 17.9, 16 KB ahead 16.3; into L2 (T1) 8 KB ahead 14.3-14.8, 16-128 KB ahead
 // 15.0-15.6; non-temporal (NTA) 20.7-21.9; brgemm per panel at one row 15.5. The hardware prefetchers

@@ -31,7 +31,7 @@
 //   sums the weight codes (unsigned) times the activation codes (signed) exactly in int32, per group;
 //   y += scale * x_scale * sum + lo * x_scale * sum(x codes): the weights times the rounded activations,
 //   as llama.cpp's Q4_1 x Q8_1 product. 1.0-1.3x the bf16 model's linears at 5-512 rows on Zen 4 (head
-//   included), for a small accuracy cost (+0.16% perplexity against W4A16's +0.04%; docs/benchmarks.md).
+//   included), for a small accuracy cost (+0.16% perplexity against W4A16's +0.04%; docs/history/benchmarks.md).
 //   Without minima the int32 sums start at -8 x the row's code sum, so they end as sum(x codes (q - 8))
 //   and y += scale * x_scale * sum: one scaling a group rather than two terms, as llama.cpp's Q4_0 x
 //   Q8_0, and 1.08-1.11x faster at 8-128 rows on Zen 4 (the minima's term was a tenth of the arithmetic).
@@ -284,7 +284,7 @@ void group_sums(const bf16* x, int64_t xs, int64_t M, int64_t K, float* xsum) {
 // exactly that of the rounded activations with the weights, sum((q * scale + lo) * a * code). Taking
 // the exact bf16 sum for the minimum's term instead leaves the rounding errors meeting q * scale, with
 // q 0..15 (mean ~7.5), rather than the weight itself, which Q4 centres on zero: ~3x the error's variance
-// (+1.5% perplexity against +0.4% for SmolLM2-135M, docs/benchmarks.md, sixteenth sitting).
+// (+1.5% perplexity against +0.4% for SmolLM2-135M, docs/history/benchmarks.md, sixteenth sitting).
 // Panels without minima take the codes' integer sums instead (int8_pass).
 void quantize_groups(const bf16* x, int64_t xs, int64_t M, int64_t K, int8_t* xq, float* xa, float* xsum,
                      int32_t* sums) {

@@ -13,7 +13,7 @@
 // - more rows: the panel widened once a sweep into a float32 panel [K][32] in L2, then passes of 6 rows x
 //   16 columns over it (12 accumulators, 2 weight vectors and a broadcast: AVX2's classic float32 kernel,
 //   bound by the FMA units rather than by the loads).
-// Measured against PyTorch's bf16 and float32 matmuls, and in the model: docs/benchmarks.md, "CPUs without
+// Measured against PyTorch's bf16 and float32 matmuls, and in the model: docs/history/benchmarks.md, "CPUs without
 // BF16 instructions" (benchmarks/wide_bf16.py).
 #include "tensor.h"
 #include <ATen/Parallel.h>

@@ -68,7 +68,7 @@ class PassPrefetch {
 // prefetches its share of the next panel (past a thread's last panel a prefetch is only a wasted hint,
 // never a fault): so the memory keeps streaming while every pass computes. Prefetching in the first pass
 // alone left it idle through the others: the bf16 dot loops took 12.5-12.7 ms for SmolLM2-135M's 121
-// linears at 32 rows, 10.1-10.3 ms with this (AMD Zen 5, benchmarks/panel_matmul.py, docs/benchmarks.md).
+// linears at 32 rows, 10.1-10.3 ms with this (AMD Zen 5, benchmarks/panel_matmul.py, docs/history/benchmarks.md).
 // `filled`: the passes read a copy of the panel (widened or dequantized into a buffer) whose filling
 // streamed it, so one pass prefetches nothing.
 inline PassPrefetch panel_prefetch(const void* panel, int64_t bytes, int64_t units, int64_t pass, int64_t passes,
