@@ -19,6 +19,7 @@ from rich.table import Table
 
 from tokenmill.bench.runner import BenchResult, LevelResult
 from tokenmill.bench.stats import PERCENTILES
+from tokenmill.extras import require
 
 STAT_KEYS = ("mean", "min", "max", "std", *(f"p{p}" for p in PERCENTILES))
 TABLE_METRICS = (
@@ -118,6 +119,7 @@ def _write_sweep_csv(levels: list[LevelResult], path: Path) -> None:
 
 
 def _pyplot():
+    require("bench", "the plots of tokenmill bench")
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers

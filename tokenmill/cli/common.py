@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -36,7 +37,8 @@ err = Console(stderr=True, soft_wrap=True)  # one error, one line: never wrapped
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """One clear line on stderr and an exit code (2: bad input), never a traceback."""
-    err.print(f"[red]error:[/red] {message}", highlight=False)
+    # Escaped: a message may hold brackets that are not markup (pip install 'tokenmill[bench]').
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 

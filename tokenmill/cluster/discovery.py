@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from tokenmill.extras import require
+
 
 class Discovery(ABC):
     @abstractmethod
@@ -90,6 +92,7 @@ def _current_namespace() -> str:
 
 
 def _discovery_api() -> Any:
+    require("k8s", "serve --discovery k8s")
     from kubernetes import client, config
 
     try:

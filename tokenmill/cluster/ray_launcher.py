@@ -17,6 +17,7 @@ from typing import Any
 from tokenmill.cluster.router import RouterEngineClient, RouterSettings, Worker
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import EngineDeadError
+from tokenmill.extras import require
 
 NAMESPACE = "tokenmill"
 
@@ -84,6 +85,7 @@ class RayRouter(RouterEngineClient):
     ) -> None:
         """`host`: the address workers listen on (default: their node's IP, as Ray knows it); `roles`:
         each worker's part in a disaggregated fleet."""
+        require("ray", "serve --launcher ray")  # before anything starts: ray is imported only in _launch
         self.roles = roles or [None] * count
         self.engine, self.count, self.ray_address, self.cpus = engine, count, address, cpus_per_worker
         self.host = host

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from tokenmill.engine.client import EngineClient, EngineDeadError
+from tokenmill.extras import require
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig
@@ -73,6 +74,8 @@ def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # 
 async def serve(config: ServerConfig, announce: bool = True) -> None:
     from tokenmill.cluster.fleet import engine_client_for
 
+    if config.model_repository:  # said now, not once the engine has loaded (minutes, for a big model)
+        require("triton", "serve --model-repository")
     client = engine_client_for(config)  # the fleet's settings checked before anything starts
     # The ports are taken before the engine loads (minutes, for a big model): one already in use is
     # said at once, not after the load. Connections made meanwhile wait in the backlog.

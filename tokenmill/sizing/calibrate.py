@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
 
+from tokenmill.extras import require
 from tokenmill.sizing.hardware import Factors
 from tokenmill.sizing.roofline import Deployment, predict
 
@@ -105,6 +105,9 @@ def fit(deployments: list[tuple[Deployment, list[Measurement]]], start: Factors)
     def fun(x: np.ndarray) -> np.ndarray:
         f = _with(start, x)
         return np.concatenate([residuals(replace(d, factors=f), ms) for d, ms in deployments])
+
+    require("bench", "the calibration fit (tokenmill size calibrate)")
+    from scipy.optimize import least_squares  # here: loading saved factors imports without the extra
 
     sol = least_squares(fun, x0, bounds=(lo, hi), x_scale="jac")
     factors = replace(_with(start, sol.x), source="calibrated from measurements")

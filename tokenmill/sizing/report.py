@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tokenmill.extras import require
 from tokenmill.sizing.arch import Arch
 from tokenmill.sizing.hardware import Factors, Gpu
 from tokenmill.sizing.search import SizingResult, frontier
@@ -92,6 +93,7 @@ def _alternatives(r: SizingResult, osl: int, gpu: Gpu, n: int = 6) -> list[dict[
 
 
 def plot_frontier(r: SizingResult, osl: int, path: Path, title: str) -> None:
+    require("bench", "the frontier plot (tokenmill size --plot)")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from scipy.stats import poisson
-
 from tokenmill.bench.workload import WORDS_PER_TOKEN
+from tokenmill.extras import require
 from tokenmill.sizing.arch import Arch
 from tokenmill.sizing.hardware import Factors, Gpu
 from tokenmill.sizing.roofline import Deployment, Prediction, predict
@@ -25,6 +24,9 @@ def peak_rps(average: float, percentile: float) -> int:
     """Peak requests in a second at the given percentile for Poisson arrivals of the given mean."""
     if not 0 < percentile < 100:
         raise ValueError("the peak percentile must be between 0 and 100")
+    require("bench", "the Poisson peak (tokenmill size --avg-rps)")
+    from scipy.stats import poisson  # here: the rest of the sizing model imports without the extra
+
     return int(poisson.ppf(percentile / 100, average))
 
 

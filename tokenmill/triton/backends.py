@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.extras import require
 from tokenmill.triton.config import TritonModelConfig
 from tokenmill.triton.stats import RequestTimes
 
@@ -178,6 +179,8 @@ class _BatchingInstance(Instance, ABC):
 class OnnxInstance(_BatchingInstance):
     def __init__(self, cfg: TritonModelConfig, version_dir: Path, index: int) -> None:
         super().__init__(cfg)
+        # A MissingExtra is an ImportError: the repository reports it as this model's load error.
+        require("triton", f"{cfg.name}: the onnxruntime backend")
         import onnxruntime as ort
 
         opts = ort.SessionOptions()

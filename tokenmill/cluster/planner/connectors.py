@@ -9,6 +9,7 @@ import logging
 from typing import Any, Protocol
 
 from tokenmill.cluster.router import in_pool
+from tokenmill.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class KubernetesConnector:
         if kind not in ("StatefulSet", "Deployment"):
             raise ValueError(f"kind must be StatefulSet or Deployment, got {kind!r}")
         if api is None:
+            require("k8s", "the planner's Kubernetes connector")
             from kubernetes import client, config
 
             try:

@@ -6,11 +6,13 @@ from pathlib import Path
 
 from tokenmill.cluster.planner.sim_result import SimResult
 from tokenmill.cluster.planner.traffic import Traffic
+from tokenmill.extras import require
 
 
 def plot_day(traffic: Traffic, results: list[SimResult], path: Path, title: str) -> None:
     """Three panels over the day: arrivals, workers launched (with the planner's decisions) and the
     share of requests within the SLO per 15 minutes, one line per simulated fleet."""
+    require("bench", "the day's plot (tokenmill plan simulate --plot)")
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers
