@@ -27,7 +27,7 @@ def capture() -> tuple[typer.Typer, list[ServerConfig]]:
 
 
 def test_every_setting_of_every_section_is_a_flag() -> None:
-    out = CliRunner().invoke(tokenmill_app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    out = CliRunner().invoke(tokenmill_app, ["serve", "--help-all"], env={"COLUMNS": "200"}).output
     for sec in SERVER_SECTIONS:
         assert sec.title in out
         hints = typing.get_type_hints(sec.cls)

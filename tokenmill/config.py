@@ -215,11 +215,9 @@ class EngineConfig:
     # elsewhere for decode-sized ones with a dtype copy for larger.
     quantization: str | None = setting(
         None,
-        help='"int4": 4-bit weights (Q4 GGUF precision); "int8": int8 weights and '
-        "activations (dynamic scales per row, or per group of 32: int8_scales) at every batch size; "
-        '"fp8": e4m3 weights (per channel) and '
-        "activations (per row), emulated on CPU in bf16 (fp8's accuracy; decode steps read one byte a "
-        "weight on AVX512-BF16 CPUs without AMX, bf16's bytes elsewhere)",
+        # Which kernels each form runs on which CPU: docs/guides/quantization.md.
+        help='"int4": 4-bit weights (a Q4 file\'s own codes); "int8": 8-bit weights and activations '
+        '(int8_scales: per row or per group of 32); "fp8": e4m3 weights and activations',
     )
     int8_smoothing: float = setting(
         0.7,

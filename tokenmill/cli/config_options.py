@@ -1,8 +1,9 @@
 """Command-line flags generated from the config dataclasses, and the config tree built from them.
 
 Each field of a section becomes `--field-name` (or its `flag`), typed and with its help, in a help
-panel named for the section. `--config FILE.yaml` gives the same tree as nested mappings (the
-dataclasses' own field names); flags given on the command line win over the file.
+panel named for the section; the few a command names as common go first, in the panel `--help` shows
+(cli/help_layout.py), and the rest wait for `--help-all`. `--config FILE.yaml` gives the same tree as
+nested mappings (the dataclasses' own field names); flags given on the command line win over the file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import typer
 
+from tokenmill.cli.help_layout import HELP_ALL_OPTION, LayeredCommand
 from tokenmill.config import (
     CacheConfig,
     EngineConfig,
@@ -59,9 +61,12 @@ class _Flag:
     param: str  # the Python parameter name, unique in the command
     path: tuple[str, ...]  # where the value goes in the tree
     parameter: inspect.Parameter
+    name: str  # the flag without its dashes
 
 
-def _flags(sections: list[Section]) -> list[_Flag]:
+def _flags(sections: list[Section], common: tuple[str, ...] = ()) -> list[_Flag]:
+    """The sections' flags: those named in `common` (flag names without dashes) first, in that order and
+    in the default panel; the others in their sections' panels."""
     flags = []
     for sec in sections:
         hints = typing.get_type_hints(sec.cls)
@@ -73,13 +78,19 @@ def _flags(sections: list[Section]) -> list[_Flag]:
             decl = f"--{name}/--no-{name}" if hints[f.name] is bool else f"--{name}"
             opt = typer.Option(
                 default, decl, help=f.metadata.get("help", ""), envvar=f.metadata.get("envvar"),
-                rich_help_panel=sec.title, show_default=default is not None and default != [],
+                rich_help_panel=None if name in common else sec.title,
+                show_default=default is not None and default != [],
             )  # fmt: skip
             param = "__".join((*sec.path, f.name))
             kind = inspect.Parameter.KEYWORD_ONLY
             p = inspect.Parameter(param, kind, default=opt, annotation=hints[f.name])
-            flags.append(_Flag(param, (*sec.path, f.name), p))
-    return flags
+            flags.append(_Flag(param, (*sec.path, f.name), p, name))
+    order = {name: i for i, name in enumerate(common)}
+    unknown = set(common) - {f.name for f in flags}
+    if unknown:
+        raise ValueError(f"common flags that no section has: {', '.join(sorted(unknown))}")
+    # sorted() is stable: the other flags keep the sections' order
+    return sorted(flags, key=lambda f: order.get(f.name, len(order)))
 
 
 def tree_from_mapping(cls: type, data: Any, where: str = "") -> Any:
@@ -106,12 +117,16 @@ def config_command(
     body: Callable[..., None],
     extra: list[inspect.Parameter] = (),  # type: ignore[assignment]
     help: str | None = None,
+    common: tuple[str, ...] = (),
 ) -> None:
-    """Register `name`: its flags are the sections' fields plus `extra`; `body(config, **extra)` runs."""
-    flags = _flags(sections)
+    """Register `name`: its flags are the sections' fields plus `extra`; `body(config, **extra)` runs.
+    `extra` and the `common` flags make up what `--help` shows; `--help-all` shows the sections too."""
+    flags = _flags(sections, common)
+    n_common = sum(f.name in common for f in flags)
     config_opt = typer.Option(None, "--config", help="YAML file with the config tree (flags given win)")
 
-    def command(ctx: typer.Context, config: Path | None, **values: Any) -> None:
+    # help_all: typer passes every parameter of the signature, even one that does not expose its value
+    def command(ctx: typer.Context, config: Path | None, help_all: bool = False, **values: Any) -> None:
         try:
             data = {} if config is None else _read_yaml(config)
             tree = tree_from_mapping(root, data)
@@ -142,13 +157,22 @@ def config_command(
     command.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
             inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-            inspect.Parameter("config", kind, default=config_opt, annotation=Path | None),
             *extra,
-            *(f.parameter for f in flags),
+            *(f.parameter for f in flags[:n_common]),
+            inspect.Parameter("config", kind, default=config_opt, annotation=Path | None),
+            inspect.Parameter("help_all", kind, default=HELP_ALL_OPTION, annotation=bool),
+            *(f.parameter for f in flags[n_common:]),
         ]
     )
-    command.__doc__ = help or body.__doc__
-    app.command(name)(command)
+    command.__doc__ = _one_line_paragraphs(help or body.__doc__ or "")
+    app.command(name, cls=LayeredCommand)(command)
+
+
+def _one_line_paragraphs(text: str) -> str:
+    """typer's rich help keeps a docstring's line breaks after the first paragraph, which then show as
+    ragged lines: each paragraph becomes one line, for the terminal to wrap."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs)
 
 
 def _read_yaml(path: Path) -> dict:

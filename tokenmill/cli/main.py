@@ -315,7 +315,14 @@ def probe(
     console.print(f"ready: {info.get('model')} ({info.get('num_blocks')} KV blocks)")
 
 
-config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve)
+# What `serve --help` and `worker --help` show first (flag names); `--help-all` adds the rest.
+SERVE_COMMON = (
+    "model", "host", "port", "api-key", "served-model-name", "dtype", "quantization", "max-model-len",
+    "kv-cache-memory-gb", "max-num-seqs", "threads", "workers",
+)  # fmt: skip
+WORKER_COMMON = ("model", "dtype", "quantization", "max-model-len", "kv-cache-memory-gb", "max-num-seqs",
+                 "threads")  # fmt: skip
+config_command(app, "serve", ServerConfig, SERVER_SECTIONS, serve, common=SERVE_COMMON)
 _listen = typer.Option(
     ..., "--listen", help="where to serve the engine protocol: tcp://HOST:PORT or ipc://PATH"
 )
@@ -330,6 +337,7 @@ config_command(
                              annotation=str | None),
            inspect.Parameter("allow_shutdown", inspect.Parameter.KEYWORD_ONLY, default=_allow_shutdown,
                              annotation=bool)],
+    common=WORKER_COMMON,
 )  # fmt: skip
 
 

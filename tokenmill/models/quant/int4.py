@@ -80,7 +80,7 @@ class Int4(QuantMethod):
         precision of bf16 activations). It then computes the file's weights as they are, where the
         per-channel form (Q8Panels) quantized their values again (int4's perplexity +0.12% against
         +0.22%), and faster up to 32 rows: on SmolLM2-135M's 49152 x 576 head (AMD Zen 4) 1.5x at 1 row
-        in the model, 1.6-2.6x at 2-8, 1.0x at 32, 0.9x at 128 (docs/history/benchmarks.md, twenty-third sitting).
+        in the model, 1.6-2.6x at 2-8, 1.0x at 32, 0.9x at 128 (docs/history/benchmarks.md, 23rd sitting).
         With 8-bit activation codes it would be 1.5x faster at 32-128 rows, but they cost +0.3%
         perplexity, more than all the 4-bit layers' W4A8 (benchmarks/perplexity.py). Whether it took
         the form."""
