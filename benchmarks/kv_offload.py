@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from machine import cpu_description
+from results_log import add_flag, record
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -267,6 +268,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model", default=catalog.DEFAULT_MODEL)
     ap.add_argument("--seed", type=int, default=0)
+    add_flag(ap)
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c and c != "recompute"]
     if unknown := set(configs) - {"host", "disk", "host+disk"}:
@@ -310,6 +312,7 @@ def main() -> None:
         return statistics.median(run.ttfts(later))
 
     base = statistics.median(p50(r) for r in runs["recompute"])
+    figures: dict[str, float] = {}
     print(f"\nTTFT ms, median of {args.repeats} run(s); ratio: recompute p50 / p50, turns >= 2 (goal >= 2x)")
     print(f"{'config':10} {'turn1 p50':>9} {'later p50':>9} {'later p90':>9} {'ratio':>6} {'cached':>6} "
           f"{'identical':>9}  counters (last run)")  # fmt: skip
@@ -320,10 +323,12 @@ def main() -> None:
         cached = statistics.mean(v for r in rs for (_, t), v in r.cached.items() if t > 0)
         same = [same_outputs(r, ref) for r in rs]
         ident = f"{sum(s for s, _ in same)}/{sum(n for _, n in same)}"
+        figures[f"{name}_ttft_speedup"] = round(base / late, 3)
         print(f"{name:10} {first:9.1f} {late * 1e3:9.1f} {p90:9.1f} {base / late:6.2f} {cached:6.0%} "
               f"{ident:>9}  {counter_line(rs[-1].counters)}", flush=True)  # fmt: skip
 
     if args.skip_restart or args.turns < 2:
+        record("kv_offload", figures, args=args)
         return
     print(f"\nrestart: turns 1..{args.turns - 1} in an engine with a disk tier, close(), then turn "
           f"{args.turns} of every conversation in a new engine, on that directory (warm) or an empty one "
@@ -337,8 +342,10 @@ def main() -> None:
         cached = statistics.mean(v for r in rs for v in r.cached.values())
         same = [same_outputs(r, ref) for r in rs]
         ident = f"{sum(s for s, _ in same)}/{sum(n for _, n in same)}"
+        figures[f"{label}_restart_ttft_speedup"] = round(cold50 / late, 3)
         print(f"{label:10} {late * 1e3:9.1f} {p90:9.1f} {cold50 / late:6.2f} {cached:6.0%} {ident:>9}  "
               f"{counter_line(rs[-1].counters)}", flush=True)  # fmt: skip
+    record("kv_offload", figures, args=args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from results_log import add_flag, record  # noqa: E402
 from server_fixture import running_server  # noqa: E402
 
 
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache of each worker")
     ap.add_argument("--policies", default="kv,round-robin,random")
     ap.add_argument("--no-single", action="store_true", help="skip the one-worker run")
+    add_flag(ap)
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,14 +108,12 @@ def main() -> None:
     base = {r["policy"]: r for r in rows}
     if "kv" in base and "round-robin" in base:
         rr, kv = base["round-robin"], base["kv"]
-        print(
-            json.dumps(
-                {
-                    "ttft_p50_round_robin_over_kv": round(rr["ttft_p50_ms"] / kv["ttft_p50_ms"], 2),
-                    "throughput_kv_over_round_robin": round(kv["output_tok_s"] / rr["output_tok_s"], 3),
-                }
-            )
-        )
+        figures = {
+            "ttft_p50_round_robin_over_kv": round(rr["ttft_p50_ms"] / kv["ttft_p50_ms"], 2),
+            "throughput_kv_over_round_robin": round(kv["output_tok_s"] / rr["output_tok_s"], 3),
+        }
+        print(json.dumps(figures))
+        record("kv_routing", figures, args=args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from results_log import add_flag, record
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.weights import catalog
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures to this file")
+    add_flag(ap)
     args = ap.parse_args()
 
     llm = LLM(dtype=args.dtype)
@@ -151,6 +153,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": res}, f, indent=1)
+    record("offline_throughput", res, args=args)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from tokenmill.weights.loader import CheckpointCodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
+from results_log import add_flag, record  # noqa: E402
 
 COMMON = {"max_model_len": 512, "kv_cache_memory_gb": 0.2, "enable_prefix_caching": False}
 CONFIGS = [
@@ -57,6 +58,18 @@ CONFIGS = [
     ("bf16, int8 KV cache (kv_cache_dtype=int8)", {"kv_cache_dtype": "int8"}),
     ("bf16, fp8 e4m3 KV cache (kv_cache_dtype=fp8)", {"kv_cache_dtype": "fp8"}),
 ]
+# The rows benchmarks/goals.toml judges, by the stable names of their figures (percent against bf16).
+METRICS = {
+    "int8 weights and activations (quantization=int8, smoothed)": "int8_ppl_pct",
+    "int8 weights and activations in groups of 32 (int8_scales=group, Q8_0's blocks)": "int8_groups_ppl_pct",
+    "int4 weights (quantization=int4: a 4-bit GGUF file's own codes), bf16 activations (W4A16)": (
+        "int4_w4a16_ppl_pct"
+    ),
+    "int4 weights, int8 activations above 2 rows (int4_activations=int8, the default: W4A8)": "int4_ppl_pct",
+    "fp8 e4m3 weights and activations, emulated (quantization=fp8)": "fp8_ppl_pct",
+    "bf16, int8 KV cache (kv_cache_dtype=int8)": "kv_int8_ppl_pct",
+    "bf16, fp8 e4m3 KV cache (kv_cache_dtype=fp8)": "kv_fp8_ppl_pct",
+}
 
 
 def main() -> None:
@@ -65,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded model)")
     ap.add_argument("--only", nargs="*", default=None, help="rows whose label contains one of these")
+    add_flag(ap)
     args = ap.parse_args()
     model = {"model": args.model} if args.model else {}
     base_rows = ("float32, plain PyTorch (the reference)", "bf16 (default)")
@@ -73,6 +87,7 @@ def main() -> None:
     print("| configuration | perplexity | vs float32 | vs bf16 default |")
     print("|---|---|---|---|")
     base: dict[str, float] = {}
+    figures: dict[str, float | str | None] = {"model": args.model}
     for label, kw in CONFIGS:
         if args.only and label not in base_rows and not any(w in label for w in args.only):
             continue
@@ -99,6 +114,9 @@ def main() -> None:
         vs_bf16 = f"{100 * (p.value / base['bf16'] - 1):+.2f}%" if "bf16" in base else "-"
         vs_f32 = f"{100 * (p.value / base['f32'] - 1):+.2f}%"
         print(f"| {label} | {p.value:.4f} | {vs_f32} | {vs_bf16} |", flush=True)
+        if label in METRICS and "bf16" in base:
+            figures[METRICS[label]] = round(100 * (p.value / base["bf16"] - 1), 3)
+    record("perplexity", figures, args=args)
 
 
 if __name__ == "__main__":

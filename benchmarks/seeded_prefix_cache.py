@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from results_log import add_flag, record
+
 PREAMBLE = "You are a helpful assistant who writes short stories about animals living in a quiet forest. " * 3
 QUESTIONS = [
     "Tell me about the fox.",
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
+    add_flag(ap)
     args = ap.parse_args()
 
     from tokenmill import LLM, SamplingParams
@@ -76,6 +79,8 @@ def main() -> None:
     print(f"{args.dtype}, greedy: {moved} of {len(QUESTIONS)} requests differ cached vs not")
     sampler_cost(llm)
     llm.close()
+    figures = {"seeded_differ": len(differ), "seeded_total": total, "greedy_differ": moved}
+    record("seeded_prefix_cache", {**figures, "dtype": args.dtype}, args=args)
 
 
 def sampler_cost(llm) -> None:  # noqa: ANN001

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from results_log import add_flag, record  # noqa: E402
 from server_fixture import running_server  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--server-threads", type=int, default=None, help="torch threads of the engine process")
     ap.add_argument("--quantization", default=None, help="as the server's --quantization (int4, int8, fp8)")
     ap.add_argument("--model", default=None, help="as the server's --model (default: the embedded one)")
+    add_flag(ap)
     args = ap.parse_args()
     reqs = workload(args.num_requests, args.seed)
 
@@ -158,6 +160,9 @@ def main() -> None:
     print(f"HTTP ms per token    : {1e3 / http_tps * args.concurrency:.2f} (per stream)")
     for name, seconds in spent.items():
         print(f"CPU ms per token     : {1e3 * seconds / http_tokens:6.2f}  {name}")
+    figures = {"server_over_offline": http_tps / offline_tps, "offline_tok_s": offline_tps}
+    figures["http_tok_s"] = http_tps
+    record("serving_overhead", figures, args=args)
 
 
 if __name__ == "__main__":

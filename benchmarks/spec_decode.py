@@ -14,6 +14,8 @@ import argparse
 import statistics
 import time
 
+from results_log import add_flag, record
+
 from tokenmill import LLM
 from tokenmill.sampling_params import SamplingParams
 
@@ -83,11 +85,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per step")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--workloads", default="grounded,chat")
+    add_flag(ap)
     args = ap.parse_args()
     methods = args.methods.split(",")
     print(f"{'workload':10} {'streams':>7} {'method':8} {'tok/s':>8} {'ratio':>6} {'accept':>7} "
           f"{'tok/step':>8} identical")  # fmt: skip
     workloads = {"grounded": GROUNDED, "chat": CHAT}
+    metrics: dict[str, float] = {}
     for name in args.workloads.split(","):
         prompts = workloads[name]
         for streams in map(int, args.streams.split(",")):
@@ -98,6 +102,12 @@ def main() -> None:
                 same = sum(a == b for a, b in zip(texts, base_texts, strict=True))
                 row = f"{name:10} {streams:7} {m:8} {rate:8.1f} {rate / base:6.2f} {acc:7.0%} {mean_len:8.2f}"
                 print(f"{row} {same}/{len(texts)}", flush=True)
+                metrics[f"{name}_{streams}_{m}"] = round(rate / base, 3)
+            ratios = [metrics[f"{name}_{streams}_{m}"] for m in methods]
+            if streams == 1:  # the goals: grounded with the best proposer, chat with the worst
+                metrics[f"{name}_1_stream_speedup"] = max(ratios)
+                metrics[f"{name}_1_stream_speedup_worst"] = min(ratios)
+    record("spec_decode", metrics, args=args)
 
 
 if __name__ == "__main__":

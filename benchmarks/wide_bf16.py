@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import cpu_description  # noqa: E402
+from results_log import add_flag, record  # noqa: E402
 
 AVX2_ENV = {
     "TOKENMILL_MAX_ISA": "avx2",
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--kernel", action="store_true", help="time the matmul alone against PyTorch's")
     ap.add_argument("--quantization", default="", help='e.g. "int4": both settings quantized so')
+    add_flag(ap)
     args = ap.parse_args()
     env = AVX2_ENV if args.emulate_avx2 else {}
     print(f"CPU: {cpu_description()}" + (" (held to AVX2)" if args.emulate_avx2 else ""))
@@ -153,6 +155,10 @@ def main() -> None:
     stable = all(all(r["first_tokens"] == rs[0]["first_tokens"] for r in rs) for rs in runs.values())
     verdict = "the same" if stable else "differ"
     print(f"greedy tokens of the first request, each setting's rounds: {verdict}")
+    figures = {f"bf16_{k}": v for k, v in base.items()} | new
+    figures |= {"prefill512_speedup": base["prefill512_s"] / new["prefill512_s"], "one_stream_speedup": one}
+    figures |= {"quantization": args.quantization or "none", "rounds": args.rounds}
+    record("wide_bf16", figures, args=args, max_isa="avx2" if args.emulate_avx2 else None)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"cpu": cpu_description(), "args": vars(args), "runs": runs}, indent=1)

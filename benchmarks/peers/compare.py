@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/machine.py
 
 from machine import cpu_description  # noqa: E402
 from proc_memory import group_memory_mb  # noqa: E402
+from results_log import add_flag, record  # noqa: E402
 from step_bytes import gguf_weight_bytes, hf_weight_bytes, limit_ms, read_bandwidth_gbs, weight_bytes  # noqa: E402
 from step_flops import decode_step_gflop, matmul_rate_gflops  # noqa: E402
 
@@ -665,6 +666,22 @@ def print_memory(console, results: dict, args: argparse.Namespace) -> None:
         console.print(t)
 
 
+def goal_figures(summary: dict, args: argparse.Namespace) -> dict[str, float | str]:
+    """The ratios benchmarks/goals.toml judges, by stable names: "served_32_streams_over_vllm",
+    "served_1_stream_int4_over_llamacpp" (tokenmill's --quantization in the name), and tokenmill's share of
+    its limit per level."""
+    q = re.search(r"--quantization[= ](\S+)", args.tokenmill_args)
+    form = f"_{q.group(1)}" if q else ""
+    out: dict[str, float | str] = {"tokenmill_args": args.tokenmill_args}
+    for peer, by_c in summary["ratios_tokenmill_over_peer"].items():
+        for c, ratio in by_c.items():
+            out[f"served_{c}_stream{'' if c == '1' else 's'}{form}_over_{peer.replace('-', '_')}"] = ratio
+    for c, lv in summary["engines"].get("tokenmill", {}).get("levels", {}).items():
+        if "of_limit" in lv:
+            out[f"served_{c}_stream{'' if c == '1' else 's'}{form}_of_limit"] = lv["of_limit"]
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -707,6 +724,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--output", type=Path, help="artifact folder (default PEERS_DIR/runs/<time>)")
     ap.add_argument("--json", type=Path, help="results JSON (default OUTPUT/results.json)")
+    add_flag(ap)
     args = ap.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in args.engines if e not in ENGINES]
@@ -801,6 +819,7 @@ def main(argv: list[str] | None = None) -> None:
     path = args.json or out / "results.json"
     path.write_text(json.dumps(summary, indent=2))
     console.print(f"results: {path}; server logs and bench artifacts: {out}/", highlight=False)
+    record("peers_compare", goal_figures(summary, args), args=args)
     failed = [
         e
         for e, r in results.items()

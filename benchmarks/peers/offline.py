@@ -29,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from machine import cpu_description  # noqa: E402
+from results_log import add_flag, record  # noqa: E402
 from step_bytes import read_bandwidth_gbs  # noqa: E402
 from step_flops import flop, matmul_rate_gflops  # noqa: E402
 
@@ -104,6 +105,7 @@ def main() -> None:
         default=4.0,
         help="KV budget of both engines (tokenmill's kv_cache_memory_gb, vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
+    add_flag(ap)
     args = ap.parse_args()
     hf_dir = args.hf_dir.expanduser() if args.hf_dir else PEERS / "smollm2-135m-hf"
     vllm_python = str(PEERS / "vllm-venv" / "bin" / "python")
@@ -145,10 +147,14 @@ def main() -> None:
             all_tps = (res["output_tokens"] + prompt_tokens) / res["seconds"]
             secs = res["seconds"]
             print(f"{e}: {secs:.1f} s, {out_tps:.1f} output tok/s, {all_tps:.1f} tok/s with prompts")
+    figures: dict[str, float] = {}
     for e in results:
         for v in results:
             if e.startswith("tokenmill") and v.startswith("vllm"):
                 print(f"{e} / {v}: {results[v]['seconds'] / results[e]['seconds']:.2f}x")
+                # "offline_over_vllm" for the bf16 pair; "offline_int8_kv_over_vllm" for tokenmill-int8
+                kv = "".join(f"_{x}_kv" for x in (e.split("-", 1)[1:] + v.split("-", 1)[1:]))
+                figures[f"offline{kv}_over_vllm"] = results[v]["seconds"] / results[e]["seconds"]
 
     # How near each run came to this machine's limit, measured after the runs (the same threads).
     a = resolve(args.model or (str(hf_dir) if hf_dir.exists() else "smollm2-135m"))
@@ -161,6 +167,7 @@ def main() -> None:
             f"{e}: arithmetic floor {flop_s:.1f} s ({flop_s / res['seconds']:.0%} of its time), decode"
             f" attention's KV reads {kv_s:.1f} s ({kv_s / res['seconds']:.0%})"
         )
+    record("peers_offline", figures, args=args)
 
 
 if __name__ == "__main__":
