@@ -4,16 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEV_STAMP := $(VENV)/.dev-installed-stamp
+DOCS_PORT ?= 8001
 MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 BENCH_ARGS ?=
 PROMPT ?= Explain in two sentences what a KV cache is.
 
-.PHONY: run triton generate test lint bench install clean
+.PHONY: run triton generate test lint bench install docs docs-deps docs-serve clean
 
-# `make run` installs what serving needs; `make test` adds the dev extras (transformers, ray, the
-# clients the tests drive: ~2 GB more). Each step says what it does; pip's own chatter stays quiet.
+# `make run` installs what serving needs (the base install: the OpenAI API); `make test` adds the dev
+# extras, which hold every other extra too (KServe backends, bench and sizing, Ray, Kubernetes, the docs
+# site) and what the tests drive (transformers, the clients: ~2 GB more). Each step says what it does;
+# pip's own chatter stays quiet.
 $(STAMP): pyproject.toml
 	@echo "==> [1/4] creating $(VENV) (Python: $$($(PYTHON) --version 2>&1))"
 	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +31,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "==> installing the test dependencies (dev extras)"
+	@echo "==> installing every extra and the test dependencies (dev extras)"
 	@$(BIN)/pip install --quiet -e '.[dev]'
 	@echo "==> Triton's perf_analyzer for its test (from the registries; the test skips, saying why, without it)"
 	@bash tests/get_perf_analyzer.sh >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1; \
@@ -55,18 +58,32 @@ AVX2_TESTS := tests/test_decode_step.py tests/test_linear.py tests/test_int8_lin
 	tests/test_smoothing.py tests/test_own_weights.py
 
 test: $(DEV_STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks examples
+	$(BIN)/ruff check tokenmill tests benchmarks examples scripts
 	$(BIN)/pytest -q --durations=25
 	@echo "==> the CPU-dependent tests as an AVX2-only CPU runs them"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 TOKENMILL_MAX_ISA=avx2 \
 	  $(BIN)/pytest -q $(AVX2_TESTS)
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check tokenmill tests benchmarks examples
-	$(BIN)/ruff format --check tokenmill tests benchmarks examples
+	$(BIN)/ruff check tokenmill tests benchmarks examples scripts
+	$(BIN)/ruff format --check tokenmill tests benchmarks examples scripts
 
 bench: $(DEV_STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py $(BENCH_ARGS)
 
+# The documentation site from docs/ (mkdocs.yml) into site/; --strict: a broken link or a page left out
+# of the nav fails the build. It needs the docs extra (installed with tokenmill, whose scripts regenerate
+# the reference and figures pages), not the model or the kernels `make run` sets up.
+docs-deps:
+	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	@{ test -x $(BIN)/tokenmill && $(BIN)/python -c "import mkdocs, material" 2>/dev/null; } || \
+	  { echo "==> installing tokenmill with the docs extra"; $(BIN)/pip install --quiet -e '.[docs]'; }
+
+docs: docs-deps
+	$(BIN)/mkdocs build --strict
+
+docs-serve: docs-deps
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -178,6 +178,39 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def short(goal: Goal, group: list[dict[str, Any]]) -> str:
+    """A figure for the summary: the number, or the range of a sitting's runs."""
+    flat = [x for ln in group for x in values(ln["metrics"][goal.metric])]
+    if not flat:
+        return "—"
+    lo, hi = min(flat), max(flat)
+    return fmt(lo, goal.unit) if lo == hi else f"{fmt(lo, goal.unit)}–{fmt(hi, goal.unit)}"
+
+
+MARK = {"yes": "✓", "no": "✗", "—": ""}
+
+
+def summary(goals: list[Goal], lines: list[dict[str, Any]]) -> list[str]:
+    """One row per goal, one column per CPU: the latest figure and whether it holds, linked to its table."""
+    latest = {g.id: latest_per_cpu(g, lines) for g in goals}
+    cpus = sorted({cpu for per in latest.values() for cpu in per})
+    legend = "The latest figure per CPU; ✓ the goal holds, ✗ it does not. Details below."
+    out = ["## At a glance", "", legend, ""]
+    out += ["| goal | " + " | ".join(cpus) + " |", "|---" * (len(cpus) + 1) + "|"]
+    for g in goals:
+        sign = "≥" if g.comparison == ">=" else "≤"
+        row = [f"[{cell(g.title)}](#{slug(g.title)}) ({sign} {fmt(g.threshold, g.unit)})"]
+        for cpu in cpus:
+            group = latest[g.id].get(cpu)
+            if not group:
+                row.append("")
+                continue
+            verdict = holds(g, [x for ln in group for x in values(ln["metrics"][g.metric])])
+            row.append(f"{short(g, group)} {MARK.get(verdict, verdict)}".strip())
+        out.append("| " + " | ".join(row) + " |")
+    return [*out, ""]
+
+
 def goal_section(goal: Goal, lines: list[dict[str, Any]]) -> list[str]:
     sign = "≥" if goal.comparison == ">=" else "≤"
     want = f"{sign} {fmt(goal.threshold, goal.unit)}"
@@ -186,7 +219,8 @@ def goal_section(goal: Goal, lines: list[dict[str, Any]]) -> list[str]:
     latest = latest_per_cpu(goal, lines)
     if not latest:
         return [*out, "Not yet measured.", ""]
-    out += ["| CPU | figure | goal | holds | date | commit | command | source |", "|---" * 8 + "|"]
+    out += ["| CPU | figure | holds | date | commit | source |", "|---" * 6 + "|"]
+    commands: list[str] = []
     for cpu in sorted(latest):
         group = latest[cpu]
         figures = [ln["metrics"][goal.metric] for ln in group]
@@ -194,13 +228,16 @@ def goal_section(goal: Goal, lines: list[dict[str, Any]]) -> list[str]:
         flat = [x for f in figures for x in values(f)]
         date = (group[0].get("date") or "—")[:10]
         commits = sorted({ln.get("commit") or "—" for ln in group})
-        commands = sorted({ln.get("command") for ln in group if ln.get("command")})
-        command = "<br>".join(f"`{cell(c)}`" for c in commands) or "—"
         sources = sorted({source_cell(ln) for ln in group})
         notes = sorted({n for ln in group if (n := note(ln, goal.metric))})
         figure = shown + (f" ({'; '.join(notes)})" if notes else "")
-        row = [cpu, figure, want, holds(goal, flat), date, ", ".join(commits), command, ", ".join(sources)]
-        out.append("| " + " | ".join(cell(x) if i != 6 else x for i, x in enumerate(row)) + " |")
+        row = [cpu, figure, holds(goal, flat), date, ", ".join(commits), ", ".join(sources)]
+        out.append("| " + " | ".join(cell(x) if i != 5 else x for i, x in enumerate(row)) + " |")
+        # Commands go under the table: a long one in a narrow column wraps a letter a line.
+        runs = sorted({ln.get("command") for ln in group if ln.get("command")})
+        commands += [f"- {cpu}: `{c}`" for c in runs]
+    if commands:
+        out += ["", "Commands:", "", *commands]
     return [*out, ""]
 
 
@@ -249,6 +286,7 @@ def render(goals: list[Goal], lines: list[dict[str, Any]]) -> str:
     missing = [g for g in goals if not latest_per_cpu(g, lines)]
     if missing:
         out += ["**Not yet measured:** " + ", ".join(g.title for g in missing) + ".", ""]
+    out += summary(goals, lines)
     for key, heading in GROUPS.items():
         members = [g for g in goals if g.group == key]
         if members:
