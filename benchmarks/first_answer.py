@@ -1,8 +1,7 @@
 """From `make run` in a fresh clone to the first answer, as a new user meets it.
 
 Clones this repository (its committed HEAD) into a temporary folder, runs `make run PORT=...` there with
-empty caches of its own (XDG_CACHE_HOME: pip's downloads, the model's weights, the kernel builds; what
-pip is configured to take from local disk, such as this machine's torch wheel, it still takes), and
+empty caches of its own (XDG_CACHE_HOME: pip's downloads, the model's weights, the kernel builds), and
 sends a chat request every second until one is answered. Prints each line `make run` printed with the
 seconds at which it came, and records the time to the first answer (benchmarks/results/first_answer.jsonl,
 read by the figures page).
@@ -96,8 +95,13 @@ def main() -> int:
     steps = {text.split("]", 1)[0].removeprefix("==> ["): t for t, text in lines if text.startswith("==> [")}
     metrics: dict[str, results_log.Metric] = {"seconds_to_first_answer": round(seconds, 1)}
     metrics |= {f"seconds_at_step_{k.replace('/', '_of_')}": round(t, 1) for k, t in steps.items()}
-    caches = "this user's caches" if args.keep_caches else "empty caches (pip's local torch wheel taken)"
-    results_log.record("first_answer", metrics, args=args, notes=f"fresh clone, {caches}")
+    caches = "this user's caches" if args.keep_caches else "empty caches, packages downloaded"
+    head = subprocess.run(
+        ["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    results_log.record(
+        "first_answer", metrics, args=args, notes=f"fresh clone, {caches}", commit=head.stdout.strip()
+    )
     return 0
 
 

@@ -151,10 +151,12 @@ def record(
     notes: str = "",
     args: argparse.Namespace | None = None,
     max_isa: str | None = None,
+    commit: str | None = None,
 ) -> Path | None:
     """Append one run's figures to benchmarks/results/<benchmark>.jsonl; the file written, or None when
     recording is off. `max_isa`: the cap the measured processes ran under, where it is set in their
-    environment rather than this one's (TOKENMILL_MAX_ISA). Never raises for the log's sake: a finished
+    environment rather than this one's (TOKENMILL_MAX_ISA). `commit`: the one measured, where that is not
+    this checkout's (a fresh clone's). Never raises for the log's sake: a finished
     benchmark's printed figures matter more than its line here, so a failure to write is reported on
     stderr and the run goes on."""
     if disabled(args):
@@ -168,7 +170,7 @@ def record(
         "benchmark": benchmark,
         "metrics": metrics,
         "cpu": {**cpu_record(), **({"max_isa": max_isa} if max_isa else {})},
-        "commit": git_commit(),
+        "commit": commit or git_commit(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command if isinstance(command, str) else shlex.join(["python", *command]),
         **_versions(),

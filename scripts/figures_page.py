@@ -241,6 +241,20 @@ def goal_section(goal: Goal, lines: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
+# `make run`'s four steps, as it numbers them ("==> [k/4] ..."), and what the last one ends with.
+STEPS = ("virtualenv", "packages", "model", "kernels, then the server's start")
+
+
+def steps_cell(metrics: dict[str, Any]) -> str:
+    """Seconds per step of `make run`, from the times its step lines were printed."""
+    starts = [metrics.get(f"seconds_at_step_{k}_of_{len(STEPS)}") for k in range(1, len(STEPS) + 1)]
+    end = metrics.get("seconds_to_first_answer")
+    if None in starts or end is None:
+        return "—"
+    bounds = [*starts, end]
+    return ", ".join(f"{name} {bounds[i + 1] - bounds[i]:.0f} s" for i, name in enumerate(STEPS))
+
+
 def first_answer_section(lines: list[dict[str, Any]]) -> list[str]:
     out = ["## First answer from a fresh clone", ""]
     rows = [ln for ln in lines if ln.get("benchmark") == "first_answer"]
@@ -251,12 +265,13 @@ def first_answer_section(lines: list[dict[str, Any]]) -> list[str]:
     ]
     if not rows:
         return [*out, "Not yet measured.", ""]
-    out += ["| CPU | seconds | date | commit | notes | source |", "|---|---|---|---|---|---|"]
+    out += ["| CPU | seconds | where they went | date | commit | notes | source |", "|---" * 7 + "|"]
     for ln in sorted(rows, key=lambda r: (cpu_name(r), r.get("date") or "")):
         secs = ln["metrics"].get("seconds_to_first_answer")
         row = [
-            cpu_name(ln), "—" if secs is None else f"{secs:g}", (ln.get("date") or "—")[:10],
-            ln.get("commit") or "—", note(ln, "seconds_to_first_answer"), source_cell(ln),
+            cpu_name(ln), "—" if secs is None else f"{secs:g}", steps_cell(ln["metrics"]),
+            (ln.get("date") or "—")[:10], ln.get("commit") or "—", note(ln, "seconds_to_first_answer"),
+            source_cell(ln),
         ]  # fmt: skip
         out.append("| " + " | ".join(cell(x) for x in row) + " |")
     return [*out, ""]

@@ -13,6 +13,9 @@
 #   LLAMA_CPP_PYTHON_VERSION   the sdist (default: the one these scripts were checked with)
 #   JOBS                       parallel compile jobs (default 2)
 #   PYTHON                     interpreter for pip (default python3)
+#   MAX_ISA=avx2               build for an AVX2-only CPU (AMD Zen 3, most laptops) on any x86 CPU:
+#                              AVX-512 and VNNI off, into $PEERS_DIR/llama.cpp-avx2 unless LLAMACPP_DIR
+#                              says otherwise; set against tokenmill held to AVX2 (TOKENMILL_MAX_ISA)
 #
 # Build choices:
 #   - Release, static, llama-server only; no CURL (this llama.cpp no longer links libcurl at all;
@@ -29,7 +32,9 @@
 set -euo pipefail
 
 PEERS_DIR="${PEERS_DIR:-$HOME/.cache/tokenmill-peers}"
-LLAMACPP_DIR="${LLAMACPP_DIR:-$PEERS_DIR/llama.cpp}"
+MAX_ISA="${MAX_ISA:-}"
+[[ -z "$MAX_ISA" || "$MAX_ISA" == avx2 ]] || { echo "[setup_llamacpp] error: MAX_ISA must be avx2 or unset" >&2; exit 1; }
+LLAMACPP_DIR="${LLAMACPP_DIR:-$PEERS_DIR/llama.cpp${MAX_ISA:+-$MAX_ISA}}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
 PYTHON="${PYTHON:-python3}"
@@ -44,7 +49,11 @@ BIN="$BUILD/bin/llama-server"
 LINK="$LLAMACPP_DIR/llama-server"   # stable path compare.py looks at
 
 # --- x86 flags from this CPU, AMX always off -------------------------------------------------
-cpu_has() { grep -m1 -E '^flags' /proc/cpuinfo | grep -qw "$1"; }
+cpu_has() {
+    # Held to AVX2: the extensions an AVX2-only CPU lacks count as absent.
+    if [[ "$MAX_ISA" == avx2 && "$1" =~ ^(avx512|avx_vnni) ]]; then return 1; fi
+    grep -m1 -E '^flags' /proc/cpuinfo | grep -qw "$1"
+}
 onoff() { if cpu_has "$1"; then echo ON; else echo OFF; fi; }
 CMAKE_FLAGS=(
     -DCMAKE_BUILD_TYPE=Release
