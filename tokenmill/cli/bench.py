@@ -17,6 +17,8 @@ bench_app = typer.Typer(
     "throughput, goodput.",
 )
 
+# The panels of `bench --help`, in the order a run is described: where, how hard, with what, judged how.
+TARGET, LOAD, PROMPTS, GOODPUT, RUN = "Target", "Load", "Prompts", "Goodput", "Run"
 PRESET_HELP = "use-case shape: chatbot, rag, summarization, translation, generation, reasoning (sets isl/osl)"
 
 
@@ -35,49 +37,88 @@ def _numbers(text: str | None, name: str, kind: type) -> list:
 @bench_app.callback()
 def bench(
     ctx: typer.Context,
-    url: str | None = typer.Option(None, help="base URL of the API, e.g. http://127.0.0.1:8000/v1"),
-    model: str | None = typer.Option(None, help="model name (default: the first one /v1/models lists)"),
-    endpoint: str = typer.Option("chat", help="chat (/v1/chat/completions) or completions (/v1/completions)"),
-    stream: bool = typer.Option(True, help="stream tokens (needed for TTFT and ITL)"),
-    api_key: str | None = typer.Option(None, envvar="TOKENMILL_API_KEY", help="bearer token"),
+    url: str | None = typer.Option(
+        None, help="base URL of the API, e.g. http://127.0.0.1:8000/v1", rich_help_panel=TARGET
+    ),
+    model: str | None = typer.Option(
+        None, help="model name (default: the first one /v1/models lists)", rich_help_panel=TARGET
+    ),
+    endpoint: str = typer.Option(
+        "chat", help="chat (/v1/chat/completions) or completions (/v1/completions)", rich_help_panel=TARGET
+    ),
+    stream: bool = typer.Option(True, help="stream tokens (needed for TTFT and ITL)", rich_help_panel=TARGET),
+    api_key: str | None = typer.Option(
+        None, envvar="TOKENMILL_API_KEY", help="bearer token", rich_help_panel=TARGET
+    ),
     concurrency: str | None = typer.Option(
-        None, help="requests in flight (closed loop); a list sweeps: 1,2,4,8"
+        None, help="requests in flight (closed loop); a list sweeps: 1,2,4,8", rich_help_panel=LOAD
     ),
-    request_rate: str | None = typer.Option(None, help="requests/s (open loop); a list sweeps: 1,2,4"),
-    arrival: str = typer.Option("poisson", help="arrivals for --request-rate: poisson or constant"),
-    max_concurrency: int | None = typer.Option(None, help="cap on requests in flight with --request-rate"),
-    num_requests: int | None = typer.Option(None, help="measured requests per level"),
-    duration: float | None = typer.Option(None, help="seconds per level (no new requests after it)"),
+    request_rate: str | None = typer.Option(
+        None, help="requests/s (open loop); a list sweeps: 1,2,4", rich_help_panel=LOAD
+    ),
+    arrival: str = typer.Option(
+        "poisson", help="arrivals for --request-rate: poisson or constant", rich_help_panel=LOAD
+    ),
+    max_concurrency: int | None = typer.Option(
+        None, help="cap on requests in flight with --request-rate", rich_help_panel=LOAD
+    ),
+    num_requests: int | None = typer.Option(None, help="measured requests per level", rich_help_panel=LOAD),
+    duration: float | None = typer.Option(
+        None, help="seconds per level (no new requests after it)", rich_help_panel=LOAD
+    ),
     warmup_requests: int = typer.Option(
-        0, help="requests sent first at each level, left out of the statistics"
+        0, help="requests sent first at each level, left out of the statistics", rich_help_panel=LOAD
     ),
-    grace_period: float = typer.Option(30.0, help="seconds in-flight requests get after --duration"),
-    isl: int = typer.Option(512, help="input tokens per request (mean)"),
-    isl_std: float = typer.Option(0.0, help="input tokens standard deviation"),
-    osl: int = typer.Option(128, help="output tokens per request (mean)"),
-    osl_std: float = typer.Option(0.0, help="output tokens standard deviation"),
-    preset: str | None = typer.Option(None, help=PRESET_HELP),
-    prefix_groups: int = typer.Option(0, help="groups of requests that share a system prompt"),
-    prefix_tokens: int = typer.Option(0, help="tokens of each group's shared prompt"),
-    turns: int = typer.Option(1, help="turns per conversation; each turn resends the history"),
+    grace_period: float = typer.Option(
+        30.0, help="seconds in-flight requests get after --duration", rich_help_panel=LOAD
+    ),
+    isl: int = typer.Option(512, help="input tokens per request (mean)", rich_help_panel=PROMPTS),
+    isl_std: float = typer.Option(0.0, help="input tokens standard deviation", rich_help_panel=PROMPTS),
+    osl: int = typer.Option(128, help="output tokens per request (mean)", rich_help_panel=PROMPTS),
+    osl_std: float = typer.Option(0.0, help="output tokens standard deviation", rich_help_panel=PROMPTS),
+    preset: str | None = typer.Option(None, help=PRESET_HELP, rich_help_panel=PROMPTS),
+    prefix_groups: int = typer.Option(
+        0, help="groups of requests that share a system prompt", rich_help_panel=PROMPTS
+    ),
+    prefix_tokens: int = typer.Option(
+        0, help="tokens of each group's shared prompt", rich_help_panel=PROMPTS
+    ),
+    turns: int = typer.Option(
+        1, help="turns per conversation; each turn resends the history", rich_help_panel=PROMPTS
+    ),
     input_file: Path | None = typer.Option(
-        None, help="JSONL of prompts: {'prompt'|'text'|'messages', 'max_tokens'?}"
+        None, help="JSONL of prompts: {'prompt'|'text'|'messages', 'max_tokens'?}", rich_help_panel=PROMPTS
     ),
     tokenizer: str | None = typer.Option(
         None,
         help="to count tokens: catalog name, .gguf, HF dir or tokenizer.json; 'none' estimates from words",
+        rich_help_panel=PROMPTS,
     ),
-    fixed_osl: bool = typer.Option(True, help="ask for exactly the output length (ignore_eos, min_tokens)"),
-    extra_body: str | None = typer.Option(None, help="JSON object merged into every request body"),
+    fixed_osl: bool = typer.Option(
+        True, help="ask for exactly the output length (ignore_eos, min_tokens)", rich_help_panel=PROMPTS
+    ),
+    extra_body: str | None = typer.Option(
+        None, help="JSON object merged into every request body", rich_help_panel=PROMPTS
+    ),
     slo: str | None = typer.Option(
-        None, help="per-request SLOs for goodput, e.g. ttft=500ms,itl=50ms,e2e=5s"
+        None, help="per-request SLOs for goodput, e.g. ttft=500ms,itl=50ms,e2e=5s", rich_help_panel=GOODPUT
     ),
-    goodput_search: bool = typer.Option(False, help="search the highest request rate meeting the SLOs"),
-    target_attainment: float = typer.Option(0.9, help="share of requests that must meet the SLOs (search)"),
-    search_start_rate: float = typer.Option(1.0, help="first request rate the search tries"),
-    timeout: float = typer.Option(600.0, help="seconds before a request counts as timed out"),
-    seed: int = typer.Option(0),
-    output: Path | None = typer.Option(None, help="artifact folder (default artifacts/bench-<time>)"),
+    goodput_search: bool = typer.Option(
+        False, help="search the highest request rate meeting the SLOs", rich_help_panel=GOODPUT
+    ),
+    target_attainment: float = typer.Option(
+        0.9, help="share of requests that must meet the SLOs (search)", rich_help_panel=GOODPUT
+    ),
+    search_start_rate: float = typer.Option(
+        1.0, help="first request rate the search tries", rich_help_panel=GOODPUT
+    ),
+    timeout: float = typer.Option(
+        600.0, help="seconds before a request counts as timed out", rich_help_panel=RUN
+    ),
+    seed: int = typer.Option(0, rich_help_panel=RUN),
+    output: Path | None = typer.Option(
+        None, help="artifact folder (default artifacts/bench-<time>)", rich_help_panel=RUN
+    ),
 ) -> None:
     """Run a benchmark; results go to OUTPUT/summary.json, run.json, records.csv and plots."""
     if ctx.invoked_subcommand is not None:
