@@ -38,24 +38,34 @@ def _best_seconds(f: Callable[[], object], reps: int) -> float:
 
 
 def matmul_rate_gflops(arithmetic: str, reps: int = 5) -> float:
-    """GFLOP/s (int8: GOP/s) of a CUBE^3 matmul with the threads PyTorch uses: "bf16" or "int8"."""
+    """GFLOP/s (int8: GOP/s) of a CUBE^3 matmul with the threads PyTorch uses: "bf16", "float32" or "int8"
+    ("bf16" is float32's rate on a CPU without a bf16 matmul)."""
     gen = torch.Generator().manual_seed(0)
     if arithmetic == "bf16":
         x = torch.randn(CUBE, CUBE, generator=gen).to(torch.bfloat16)
         w = torch.randn(CUBE, CUBE, generator=gen).to(torch.bfloat16)
         if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            except RuntimeError:
+                # No bf16 matmul on this CPU (AVX2 only: neither AVX512-BF16 nor AVX-NE-CONVERT): every
+                # engine widens bf16 weights and multiplies in float32 there, so float32's rate is the limit.
+                return matmul_rate_gflops("float32", reps)
             secs = _best_seconds(
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), reps
             )
         else:
             secs = _best_seconds(lambda: x @ w.t(), reps)
+    elif arithmetic == "float32":
+        x = torch.randn(CUBE, CUBE, generator=gen)
+        w = torch.randn(CUBE, CUBE, generator=gen)
+        secs = _best_seconds(lambda: x @ w.t(), reps)
     elif arithmetic == "int8":
         a = torch.randint(-128, 128, (CUBE, CUBE), dtype=torch.int8, generator=gen)
         b = torch.randint(-128, 128, (CUBE, CUBE), dtype=torch.int8, generator=gen)
         secs = _best_seconds(lambda: torch._int_mm(a, b), reps)
     else:
-        raise ValueError(f"arithmetic must be bf16 or int8, got {arithmetic!r}")
+        raise ValueError(f"arithmetic must be bf16, float32 or int8, got {arithmetic!r}")
     return 2 * CUBE**3 / secs / 1e9
 
 
