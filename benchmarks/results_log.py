@@ -115,7 +115,9 @@ def git_commit() -> str | None:
         if head.returncode != 0:
             return None
         status = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            # The log's own files left out: a run earlier in a session must not mark the next one dirty.
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no",
+             "--", ".", ":!benchmarks/results"],
             capture_output=True, text=True, timeout=30, check=False,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):

@@ -149,7 +149,7 @@ def latest_per_cpu(goal: Goal, lines: list[dict[str, Any]]) -> dict[str, list[di
     for ln in lines:
         if ln.get("benchmark") != goal.benchmark or ln.get("metrics", {}).get(goal.metric) is None:
             continue
-        if goal.cpus == "avx2" and not is_avx2(ln):
+        if (goal.cpus == "avx2") != is_avx2(ln) and goal.cpus is not None:
             continue
         by_cpu.setdefault(cpu_name(ln), []).append(ln)
     out = {}
@@ -214,7 +214,9 @@ def summary(goals: list[Goal], lines: list[dict[str, Any]]) -> list[str]:
 def goal_section(goal: Goal, lines: list[dict[str, Any]]) -> list[str]:
     sign = "≥" if goal.comparison == ">=" else "≤"
     want = f"{sign} {fmt(goal.threshold, goal.unit)}"
-    scope = " On CPUs without AVX-512, or held to AVX2." if goal.cpus == "avx2" else ""
+    scope = {"avx2": " On CPUs without AVX-512, or held to AVX2.", "avx512": " On CPUs with AVX-512."}.get(
+        goal.cpus or "", ""
+    )
     out = [f"### {goal.title}", "", f"{goal.description}{scope} Goal: **{want}** (issue #{goal.issue}).", ""]
     latest = latest_per_cpu(goal, lines)
     if not latest:
