@@ -108,6 +108,17 @@ def hf_single_stream(model, n_tokens: int) -> float:
     return (n_tokens - 1) / (time.perf_counter() - t0 - first)
 
 
+def dense_weights(gguf_file: str) -> dict:
+    """transformers' arguments for plain dense weights of the file's tensors. From 5.x it keeps a GGUF
+    file's blocks packed by default and unpacks them in every matmul: a slower baseline than the dense
+    model users run, and not the one this benchmark's earlier figures were set against."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # before 5.x: dequantized at load, always
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=gguf_file, dequantize=True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=256)
@@ -140,7 +151,9 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         path = catalog.resolve(catalog.DEFAULT_MODEL)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=arithmetic)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=arithmetic, **dense_weights(path.name)
+        )
         model.eval()
         res["hf_single_stream_tok_s"] = hf_single_stream(model, 128)
         dt, toks = run_hf(model, reqs, args.hf_batch_size, pad_id=2)
