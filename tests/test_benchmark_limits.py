@@ -44,7 +44,7 @@ def test_a_token_costs_two_flops_a_weight_plus_attention() -> None:
 
 
 def test_unknown_arithmetic_is_refused() -> None:
-    with pytest.raises(ValueError, match="bf16 or int8"):
+    with pytest.raises(ValueError, match="bf16, float32 or int8"):
         matmul_rate_gflops("fp4")
 
 
