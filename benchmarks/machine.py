@@ -7,18 +7,30 @@ import os
 from pathlib import Path
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            out.setdefault(k.strip(), v.strip())
+    return out
+
+
 def cpu_description() -> str:
     """The CPU model with its family and model numbers (a virtual machine's model name may say only "AMD
     EPYC": family 25 is Zen 4, 26 Zen 5), whether it has AVX512-BF16, and whether it has AMX (tokenmill's
     bf16 matmuls use both)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = cpu_fields()
+    if not fields:
         return "unknown CPU"
-    fields = [ln.split(":", 1) for ln in text.splitlines() if ":" in ln]
 
     def first(key: str) -> str:
-        return next((v.strip() for k, v in fields if k.strip() == key), "?")
+        return fields.get(key, "?")
 
     flags = first("flags").split()
     amx = sorted(f for f in flags if f.startswith("amx"))

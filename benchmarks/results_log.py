@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # machine.py, beside this file
+from machine import cpu_fields  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,20 +36,6 @@ _KNOWN: dict[tuple[str, int, int | None], str] = {
     ("AuthenticAMD", 25, 17): "AMD Zen 4",
     ("AuthenticAMD", 26, None): "AMD Zen 5",
 }
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    out: dict[str, str] = {}
-    for line in text.split("\n\n", 1)[0].splitlines():
-        if ":" in line:
-            k, v = line.split(":", 1)
-            out.setdefault(k.strip(), v.strip())
-    return out
 
 
 def _lscpu_model_name() -> str | None:
@@ -78,7 +67,7 @@ def _int(s: str | None) -> int | None:
 def cpu_record() -> dict[str, Any]:
     """The CPU this run is on, and whether its kernels were held to AVX2 (TOKENMILL_MAX_ISA): an
     AVX-512 machine so held takes an AVX2-only CPU's paths, and its figures must say so."""
-    info = _cpuinfo()
+    info = cpu_fields()
     flags = set(info.get("flags", "").split())
     vendor, family, model = info.get("vendor_id"), _int(info.get("cpu family")), _int(info.get("model"))
     name = _lscpu_model_name() or info.get("model name")

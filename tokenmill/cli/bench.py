@@ -8,8 +8,7 @@ from pathlib import Path
 
 import typer
 
-from tokenmill.cli.common import Steps, console, fail
-from tokenmill.extras import missing
+from tokenmill.cli.common import Steps, console, fail, need_extra
 
 bench_app = typer.Typer(
     invoke_without_command=True,
@@ -123,8 +122,9 @@ def bench(
     """Run a benchmark; results go to OUTPUT/summary.json, run.json, records.csv and plots."""
     if ctx.invoked_subcommand is not None:
         return  # `bench compare` reads two summaries: no extra needed
-    if (no_extra := missing("bench", "tokenmill bench")) is not None:
-        fail(str(no_extra))  # said first: a run without it would end at its plots, minutes later
+    need_extra(
+        "bench", "tokenmill bench"
+    )  # said first: a run without it would end at its plots, minutes later
     from tokenmill.bench.client import ClientConfig, discover_model, normalize_base_url
     from tokenmill.bench.load import LoadConfig
     from tokenmill.bench.runner import GoodputSearch

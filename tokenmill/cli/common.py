@@ -42,6 +42,15 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def need_extra(extra: str, command: str) -> None:
+    """One line and exit 2 when `command` needs an extra that is not installed (tokenmill/extras.py).
+    Called by each command before its work, not by a group's callback, which runs even for --help."""
+    from tokenmill.extras import missing
+
+    if (no_extra := missing(extra, command)) is not None:
+        fail(str(no_extra))
+
+
 def _amount(completed: float, total: float | None) -> str:
     """Work done: a count, a count of a total, or a percentage when the total is 1 (a fraction)."""
     if total is None:

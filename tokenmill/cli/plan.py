@@ -19,8 +19,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tokenmill.cli.common import Steps, console, fail
-from tokenmill.cli.size import MODEL_HELP, _common, need_bench
+from tokenmill.cli.common import Steps, console, fail, need_extra
+from tokenmill.cli.size import MODEL_HELP, _common
 
 PEAK_RPS = 6.0  # the default: a fleet of several 70B workers at the peak (module docstring)
 DAY_S = 86400.0
@@ -99,7 +99,7 @@ def simulate_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Simulate a day: static provisioning for the peak against the planner (GPU-hours, SLO, decisions)."""
-    need_bench("tokenmill plan simulate")  # the sizing model (scipy) and the day's plot (matplotlib)
+    need_extra("bench", "tokenmill plan simulate")  # the sizing model (scipy) and the day's plot (matplotlib)
     from tokenmill.cluster.planner import baselines
     from tokenmill.cluster.planner import simulator as sim
     from tokenmill.cluster.planner import traffic as tr_mod

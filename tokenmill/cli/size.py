@@ -8,8 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tokenmill.cli.common import console, fail
-from tokenmill.extras import missing
+from tokenmill.cli.common import console, fail, need_extra
 
 size_app = typer.Typer(
     invoke_without_command=True,
@@ -56,14 +55,6 @@ def _common(
     return a, g, f
 
 
-def need_bench(command: str) -> None:
-    """The sizing model fits with scipy and plots with matplotlib (the bench extra): without them, one
-    line saying so. Called by each command, not by the group's callback, which runs even for a
-    sub-command's --help."""
-    if (no_extra := missing("bench", command)) is not None:
-        fail(str(no_extra))
-
-
 def _tokens(tokens: int | None, words: float | None, name: str) -> tuple[int, str | None]:
     from tokenmill.sizing.search import WORDS_PER_TOKEN, words_to_tokens
 
@@ -104,7 +95,7 @@ def size_cmd(
     """How many servers serve this use case inside the limits (and on which shape)."""
     if ctx.invoked_subcommand is not None:
         return
-    need_bench("tokenmill size")
+    need_extra("bench", "tokenmill size")  # the sizing model fits with scipy, plots with matplotlib
     from tokenmill.sizing.report import plot_frontier, sizing_summary
     from tokenmill.sizing.search import Limits, peak_rps, size
 
@@ -228,7 +219,7 @@ def predict_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Predict TTFT, ITL and throughput of one configuration (to hold against your measurements)."""
-    need_bench("tokenmill size predict")
+    need_extra("bench", "tokenmill size predict")
     from tokenmill.sizing.roofline import Deployment, predict
 
     a, g, f = _common(model, gpu, precision, factors, factor_profile, kv_cache_dtype)
@@ -285,7 +276,7 @@ def calibrate_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Fit the efficiency factors to benchmark results; report the fit error."""
-    need_bench("tokenmill size calibrate")
+    need_extra("bench", "tokenmill size calibrate")
     from tokenmill.sizing.calibrate import fit, measurements_from_summary, save_factors
     from tokenmill.sizing.roofline import Deployment
 
