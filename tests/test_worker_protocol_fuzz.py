@@ -716,7 +716,7 @@ def _kv_requests(remote: dict[str, Any], rng: random.Random) -> list[list[bytes]
     triples: list[Any] = [
         ["", [], ""],
         [triple[0], [*ids, ids[-1] + 1], grant],
-        [triple[0], ids, grant[:-1] + "0"],
+        [triple[0], ids, grant[:-1] + ("1" if grant.endswith("0") else "0")],  # a different last digit
     ]
     triples += [replaced(triple, p, v) for p in all_paths(triple) for v in WRONG_VALUES]
     triples += [[triple[0], ids, grant.replace(grant.split(".")[2], "9999999999", 1)]]  # a later expiry
