@@ -172,6 +172,11 @@ class ParallelConfig:
         1, help="rank processes that split each layer (heads, MLP, vocabulary)"
     )
     pipeline_parallel_size: int = setting(1, help="rank processes that each run a run of layers, in turn")
+    enable_expert_parallel: bool = setting(
+        False,
+        help="a mixture of experts' experts spread whole over the tensor-parallel ranks, rather than each "
+        "expert's columns split over them",
+    )
     executor: str = setting(
         "auto",
         help='"uni": one worker in the engine process; "mp": a process per rank; "auto": mp past 1 rank',

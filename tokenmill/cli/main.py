@@ -17,6 +17,7 @@ from tokenmill.cli.config_options import ENGINE_SECTIONS, SERVER_SECTIONS, confi
 from tokenmill.cli.plan import plan_app
 from tokenmill.cli.size import size_app
 from tokenmill.config import EngineConfig
+from tokenmill.models.architectures import ARCHITECTURES
 from tokenmill.server.config import ServerConfig
 from tokenmill.weights import catalog
 
@@ -31,16 +32,22 @@ app.add_typer(cache_app, name="cache")
 
 @models_app.callback()
 def models_list(ctx: typer.Context) -> None:
-    """List the catalog (names usable as --model) and whether each is installed."""
+    """List the catalog (names usable as --model) and whether each is installed, and the architectures
+    tokenmill runs from a Hugging Face directory or a GGUF file."""
     if ctx.invoked_subcommand is not None:
         return
-    table = Table("name", "description", "package", "installed")
+    table = Table("name", "description", "package", "installed", title="catalog")
     for e in catalog.CATALOG.values():
         path = catalog.installed_file(e)
         table.add_row(e.name, e.description, f"{e.package}=={e.version}", str(path) if path else "no")
     console.print(table)
+    archs = Table("architecture", "model_type", "for example", "GGUF", title="architectures")
+    for a in ARCHITECTURES:
+        archs.add_row(a.hf_name, a.model_type, a.examples, "yes" if a.gguf else "no")
+    console.print(archs)
     console.print(
-        "Any .gguf file or Hugging Face directory (config.json + *.safetensors) works as --model too."
+        "A Hugging Face directory (config.json + *.safetensors) of one of these architectures works as "
+        "--model too, and so does a .gguf file where the GGUF column says yes."
     )
 
 

@@ -25,7 +25,7 @@ from tokenmill.models.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
 from tokenmill.models.linear import GroupInt8Linear, Int8Linear, PackedLinear, QuantizedLinear
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from tokenmill.models.ops import (
     CpuFusedOps,
     F8Panels,
@@ -174,6 +174,9 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     linears = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        llama = type(attn) is Attention and type(mlp) is MLP and type(layer) is DecoderLayer
+        if not llama or attn.rope_dim != attn.head_dim or attn.window:
+            return None  # the C++ step is Llama's layer; other families' steps keep the Python loop
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             s = step_linear(lin, ops)
             if s is None:

@@ -594,11 +594,17 @@ def quantize_linears(
     sites = plain_linears(model, lambda _, child: quantized_kernels_available(child.weight))
     if small_for is not None and not small_copy_allowed(sites):
         small_for = None
+    done = 0
     for parent, name, full, child in sites:
         bits = bits_for.get(full, default_bits)
+        if bits == 4 and child.weight.shape[1] % GROUP:
+            # Groups of 32 along the input: a width that is no multiple (a tiny expert) keeps its weights.
+            log.warning("%s: %d inputs, not groups of %d; weights kept", full, child.weight.shape[1], GROUP)
+            continue
         given = (codes or {}).get(full)
         setattr(parent, name, QuantizedLinear(child, bits, max_rows, quant_for, small_for, given, wide_for))
-    return len(sites)
+        done += 1
+    return done
 
 
 def _plain_linear(m: nn.Module) -> bool:

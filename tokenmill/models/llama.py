@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives, layer: int = 0) -> None:
         super().__init__()
         # This rank's heads: all of them, or its tensor-parallel share (models/parallel.py).
         self.num_heads, self.num_kv, self.head_dim = len(shard.q_heads), len(shard.kv_heads), cfg.head_dim
@@ -48,7 +48,9 @@ class Attention(nn.Module):
             cfg.hidden_size, [Part(q_full, shard.q_heads, d), kv, kv], bias=cfg.attention_bias
         )
         self.o_proj = RowParallelLinear(shard.q_heads, d, q_full, cfg.hidden_size)
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_scale or self.head_dim**-0.5
+        self.rope_dim = cfg.rope_dim
+        self.window = cfg.window_of(layer)  # layer: its global index
         self.comm = comm
 
     def forward(
@@ -63,13 +65,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self._qkv(x)
-        # Rope on the q and k heads together, in place in the projection's output.
-        ops.rope_(qkv, self.num_heads + self.num_kv, self.head_dim, positions, rope.cos, rope.sin_signed)
+        self.rotate_(qkv, positions, rope, ops)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self._reduce(self._o(o.reshape(t, self.q_size)))
+
+    def rotate_(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ops: TorchOps
+    ) -> None:
+        """Rope on the q and k heads together, in place in the projection's output."""
+        heads = self.num_heads + self.num_kv
+        if self.rope_dim == self.head_dim:
+            ops.rope_(qkv, heads, self.head_dim, positions, rope.cos, rope.sin_signed)
+            return
+        # Partial rotary (Phi-4-mini): the first rope_dim of each head turn, the rest pass through. Plain
+        # PyTorch, the semantics of ops.rope_ on a strided view of those dimensions.
+        x = qkv[:, : heads * self.head_dim].view(qkv.shape[0], heads, self.head_dim)[..., : self.rope_dim]
+        c = rope.cos[positions].unsqueeze(1).to(x.dtype)
+        s = rope.sin_signed[positions].unsqueeze(1).to(x.dtype)
+        x.copy_(x * c + x.roll(self.rope_dim // 2, dims=-1) * s)
 
     def finalize(self) -> None:
         # Bound methods in the instance dict skip nn.Module's __getattr__ and __call__ machinery,
@@ -101,12 +117,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, comm)
+        self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, comm)
+        self.mlp = mlp
 
 
 class LayerLoop(Protocol):
@@ -133,7 +149,12 @@ class LlamaForCausalLM(nn.Module):
     Built whole, or as one rank's shard (models/parallel.py): a pipeline stage holds its layers (named
     from 0), the embedding only on the first stage, the final norm and head only on the last; a
     tensor-parallel rank holds its heads, MLP columns and vocabulary rows.
+
+    Other families are this decoder with their own attention or MLP (`attention_cls`, `make_mlp`): each
+    in a file of its own (models/qwen3.py, phi3.py, mixtral.py), listed in models/registry.py.
     """
+
+    attention_cls: type[Attention] = Attention
 
     def __init__(
         self,
@@ -148,7 +169,10 @@ class LlamaForCausalLM(nn.Module):
         self.comm: Collectives = comm or NoCollectives()
         if shard.first_stage:
             self.embed_tokens = nn.Embedding(len(shard.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, self.comm) for _ in shard.layers)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, shard) for i in shard.layers)
+        for layer in self.layers:
+            if layer.self_attn.window >= rope.cos.shape[0]:
+                layer.self_attn.window = 0  # no context this long: a window that never binds
         if shard.last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, len(shard.vocab), bias=False)
@@ -158,6 +182,15 @@ class LlamaForCausalLM(nn.Module):
         self.quant: QuantMethod | None = None
         # What runs the layers of the steps it takes instead of the Python loop, if the runner set one.
         self.layer_loop: LayerLoop | None = None
+
+    def make_layer(self, cfg: ModelConfig, layer: int, shard: Shard) -> DecoderLayer:
+        """Layer `layer` (global index)."""
+        attn = self.attention_cls(cfg, shard, self.comm, layer)
+        return DecoderLayer(cfg, attn, self.make_mlp(cfg, layer, shard))
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module:
+        """Layer `layer`'s (global index) feed-forward block."""
+        return MLP(cfg, shard, self.comm)
 
     @property
     def num_local_layers(self) -> int:
@@ -177,9 +210,34 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] in the model's dtype on the last stage; else [T, hidden] activations
-        ops, eps, rope = self.ops, self.config.rms_norm_eps, self.rope
-        plan = self._plan
+        ops, eps = self.ops, self.config.rms_norm_eps
         residual = self._embed(inputs) if self.shard.first_stage else inputs
+        residual = self.run_layers(residual, positions, kv_caches, meta, backend)
+        if not self.shard.last_stage:
+            return residual
+        h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
+        # In the model's dtype, as the head computed them: the sampler widens to float32 only what it edits
+        # (penalties, masks, draft rows). A float32 copy here cost a step ~50 MB of fresh pages at 256
+        # rows, the most page faults of an offline run (perf), for no precision the head had not already
+        # rounded away.
+        logits = self._lm_head(h)
+        if self.comm.tp_size > 1:  # the head is vocabulary-parallel
+            logits = self.comm.all_gather_last_dim(logits, self.shard.vocab_sizes(self.config))
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def run_layers(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """This stage's layers on the residual stream (in place), which it returns."""
+        ops, eps, rope, plan = self.ops, self.config.rms_norm_eps, self.rope, self._plan
         loop = self.layer_loop
         if loop is not None and loop.takes(residual.shape[0], meta, backend, kv_caches):
             m = loop.run(residual, positions, kv_caches, meta, backend)  # the loop below, in C++
@@ -192,18 +250,7 @@ class LlamaForCausalLM(nn.Module):
                 m = mlp(x, ops)
                 if next_norm_w is not None:
                     x = ops.add_rms_norm(m, residual, next_norm_w, eps)
-        residual.add_(m)
-        if not self.shard.last_stage:
-            return residual
-        h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
-        # In the model's dtype, as the head computed them: the sampler widens to float32 only what it edits
-        # (penalties, masks, draft rows). A float32 copy here cost a step ~50 MB of fresh pages at 256
-        # rows, the most page faults of an offline run (perf), for no precision the head had not already
-        # rounded away.
-        logits = self._lm_head(h)
-        if self.comm.tp_size > 1:  # the head is vocabulary-parallel
-            logits = self.comm.all_gather_last_dim(logits, self.shard.vocab_sizes(self.config))
-        return logits
+        return residual.add_(m)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.tp_size == 1:
@@ -242,37 +289,51 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
+# Hugging Face projections this module holds fused: each goes to (fused name, its place, of how many).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0, 3),
+    "k_proj": ("qkv_proj", 1, 3),
+    "v_proj": ("qkv_proj", 2, 3),
+    "gate_proj": ("gate_up_proj", 0, 2),
+    "up_proj": ("gate_up_proj", 1, 2),
+}
+
+
 def to_fused_state_dict(
-    hf_tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    cfg: ModelConfig,
+    rename: Callable[[str], str] | None = None,
+    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Map Hugging Face parameter names/tensors to this module's (fusing q/k/v and gate/up)."""
-    pending: dict[str, torch.Tensor] = {}
+    """Map Hugging Face parameter names/tensors to this module's (fusing q/k/v and gate/up wherever they
+    are: an MLP's or an expert's). `rename` first maps a family's own names to Llama's (models/mixtral.py);
+    a checkpoint that holds them fused already (Phi-3) passes through. `adjust(name, tensor)` changes a
+    family's tensors into the values the module holds (models/gemma3.py's norms)."""
+    parts: dict[str, list[torch.Tensor | None]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_tensors:
         name = name.removeprefix("model.")
+        name = rename(name) if rename is not None else name
         if name.startswith("lm_head.") and cfg.tie_word_embeddings:
-            continue
-        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            pending[name] = t
             continue
         if "rotary_emb" in name:
             continue
-        out[name] = t
-    for i in range(cfg.num_layers):
-        pre = f"layers.{i}."
-        for kind in ("weight", "bias"):
-            parts = [pending.pop(f"{pre}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
-            if all(p is not None for p in parts):
-                out[f"{pre}self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
-            elif any(p is not None for p in parts):
-                raise ValueError(f"layer {i}: q/k/v {kind} tensors are incomplete")
-        gate = pending.pop(f"{pre}mlp.gate_proj.weight", None)
-        up = pending.pop(f"{pre}mlp.up_proj.weight", None)
-        if gate is None or up is None:
-            raise ValueError(f"layer {i}: missing mlp gate/up weights")
-        out[f"{pre}mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
-    if pending:
-        raise ValueError(f"unexpected tensors: {sorted(pending)[:5]}")
+        if adjust is not None:
+            t = adjust(name, t)
+        owner, _, param = name.rpartition(".")
+        parent, _, leaf = owner.rpartition(".")
+        if leaf in _FUSED:
+            fused, i, n = _FUSED[leaf]
+            parts.setdefault(f"{parent}.{fused}.{param}", [None] * n)[i] = t
+        else:
+            out[name] = t
+    for key, ps in parts.items():
+        parent, fused, param = key.rsplit(".", 2)
+        if any(p is None for p in ps):
+            leaves = sorted((i, leaf) for leaf, (f, i, _) in _FUSED.items() if f == fused)
+            absent = next(leaf for (_, leaf), p in zip(leaves, ps, strict=True) if p is None)
+            raise ValueError(f"missing tensor: {parent}.{absent}.{param}")
+        out[key] = torch.cat(ps, dim=0)  # type: ignore[arg-type]
     return out
 
 
@@ -330,25 +391,28 @@ def build_model(
     quant: QuantConfig | None = None,
     shard: Shard | None = None,
     comm: Collectives | None = None,
+    model_cls: type[LlamaForCausalLM] | None = None,
 ) -> LlamaForCausalLM:
     """Create the module (whole, or one rank's shard) without initializing random weights, assign the
     given ones, cut to the shard, choose its ops (`ops`: "auto", "torch" or a kernel level; models/ops.py)
     and give its linears their quantization method (models/quant: `quant`, None for the checkpoint's own
-    weights in `dtype`)."""
+    weights in `dtype`). `model_cls`: the family's module (models/registry.py), Llama's by default."""
     rope = RotaryEmbedding(
-        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
+        cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.extra.get("rope_freq_factors")
     ).to(device)
     shard = shard or Shard.whole(cfg)
     with _skip_init(), torch.device("meta"):
-        model = LlamaForCausalLM(cfg, rope, shard, comm)
+        model = (model_cls or LlamaForCausalLM)(cfg, rope, shard, comm)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in shard_weights(model, state_dict).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = cfg.tie_word_embeddings and shard.first_stage
     missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not match the architecture: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"missing tensor: {missing[0]}{more}")
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(f"unexpected tensor: {unexpected[0]}{more} (not in a {cfg.architecture} model)")
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
     model.quant = quantize_model(model, dtype, quant or QuantConfig())

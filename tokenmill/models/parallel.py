@@ -8,6 +8,12 @@ of their outputs; row-parallel layers (o_proj, down) keep the matching input col
 outputs are summed over the ranks. Splits need not be even: SmolLM2-135M has 9 query and 3 key/value
 heads, so two ranks hold 2 and 1 groups. Pipeline parallelism gives each stage a run of layers; the
 first holds the embedding, the last the final norm and the head.
+
+A mixture of experts is cut one of two ways over the same tensor-parallel ranks: each expert's
+intermediate columns, as an MLP's (the default), or, with expert parallelism, whole experts, a run of them
+per rank. Either way every rank sees every token (attention leaves its output on all of them), computes
+its part of each token's chosen experts, and the layer's output is the sum over the ranks: one all-reduce,
+as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -39,13 +45,23 @@ class Shard:
     first_stage: bool
     last_stage: bool
     tp_size: int = 1
+    experts: range = range(0)  # the experts this rank holds (global indices)
+    expert_intermediate: range = range(0)  # and the columns of each it holds
 
     @classmethod
     def whole(cls, cfg: ModelConfig) -> Shard:
         return cls.of(cfg, 1, 0, 1, 0)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Shard:
+    def of(
+        cls,
+        cfg: ModelConfig,
+        tp_size: int,
+        tp_rank: int,
+        pp_size: int,
+        pp_rank: int,
+        expert_parallel: bool = False,
+    ) -> Shard:
         q_per_kv = cfg.num_heads // cfg.num_kv_heads
         if tp_size <= cfg.num_kv_heads:
             kv = split_range(cfg.num_kv_heads, tp_size, tp_rank)
@@ -65,6 +81,13 @@ class Shard:
             kv = range(head, head + 1)
         if pp_size > cfg.num_layers:
             raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the {cfg.num_layers} layers")
+        experts, expert_cols = range(cfg.num_experts), range(cfg.expert_intermediate_size)
+        if expert_parallel and cfg.num_experts:
+            if tp_size > cfg.num_experts:
+                raise ValueError(f"expert parallelism over {tp_size} ranks: only {cfg.num_experts} experts")
+            experts = split_range(cfg.num_experts, tp_size, tp_rank)
+        elif cfg.num_experts:
+            expert_cols = split_range(cfg.expert_intermediate_size, tp_size, tp_rank)
         return cls(
             q_heads=q,
             kv_heads=kv,
@@ -74,6 +97,8 @@ class Shard:
             first_stage=pp_rank == 0,
             last_stage=pp_rank == pp_size - 1,
             tp_size=tp_size,
+            experts=experts,
+            expert_intermediate=expert_cols,
         )
 
     def vocab_sizes(self, cfg: ModelConfig) -> list[int]:
@@ -140,6 +165,8 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, s: Shard) ->
             i = int(idx)
             if i not in s.layers:
                 continue
+            if rest.startswith("mlp.experts.") and int(rest.split(".")[2]) not in s.experts:
+                continue  # another rank's expert
             out[f"layers.{i - s.layers.start}.{rest}"] = t
         elif name == "embed_tokens.weight":
             if s.first_stage:

@@ -318,6 +318,9 @@ def why_not_smoothable(model: nn.Module) -> str | None:
     """Why `smooth_model` does not apply to this model, or None when it does."""
     if _dtype(model) not in (torch.bfloat16, torch.float32):
         return f"{_dtype(model)} cannot hold factors up to 2^{FACTOR_RANGE}"
+    if getattr(model.config, "num_experts", 0):
+        # A norm's factors would reach the router as well as the experts; folding them there is not done.
+        return "smoothing covers dense models, not mixtures of experts"
     return None
 
 

@@ -104,7 +104,7 @@ CATALOG: dict[str, Arch] = {
 
 
 def from_config_json(path: Path) -> Arch:
-    """Any Llama/Mistral/Qwen2/Mixtral-style Hugging Face config.json."""
+    """Any Hugging Face config.json of a family tokenmill runs (models/architectures.py)."""
     try:
         c = json.loads(path.read_text())
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -115,7 +115,8 @@ def from_config_json(path: Path) -> Arch:
             heads=heads,
             kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or hidden // heads),
-            ffn=int(c.get("intermediate_size") or 4 * hidden),
+            # A mixture's experts' width where the family names it apart (Qwen-MoE's moe_intermediate_size).
+            ffn=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden),
             vocab=int(c["vocab_size"]),
             tied=bool(c.get("tie_word_embeddings", False)),
             mlp_matrices=2 if str(c.get("hidden_act", "silu")).startswith("gelu") else 3,

@@ -83,7 +83,10 @@ class Worker:
         self.tokenizer = loaded.tokenizer
         self.source = path
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.shard = Shard.of(self.model_config, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank)
+        self.shard = Shard.of(
+            self.model_config, ps.tp_size, ps.tp_rank, ps.pp_size, ps.pp_rank,
+            expert_parallel=config.parallel.enable_expert_parallel,
+        )  # fmt: skip
         self.model = registry.build(
             self.model_config,
             loaded.state_dict,

@@ -28,18 +28,30 @@ class PrefillSegment:
     # The first block id when the block table is a run of consecutive ids (then the cached context is
     # a plain slice of the cache and needs no gather), else None.
     first_block: int | None = None
+    # Sliding windows' masks by window, built on first use as `mask` is.
+    window_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.q_len
 
-    def causal_mask(self) -> torch.Tensor:
-        """Query i sits at position start_pos + i and sees keys 0..start_pos + i."""
+    def causal_mask(self, window: int = 0) -> torch.Tensor:
+        """Query i sits at position start_pos + i and sees keys 0..start_pos + i; with a sliding `window`,
+        only the last `window` of them (itself included)."""
         if self.mask is None:
             dev = self.block_ids.device
             qpos = torch.arange(self.start_pos, self.context_len, device=dev)
             self.mask = torch.arange(self.context_len, device=dev)[None, :] <= qpos[:, None]
-        return self.mask
+        if not window:
+            return self.mask
+        if self.window_masks is None:
+            self.window_masks = {}
+        if window not in self.window_masks:
+            dev = self.block_ids.device
+            qpos = torch.arange(self.start_pos, self.context_len, device=dev)
+            recent = torch.arange(self.context_len, device=dev)[None, :] > qpos[:, None] - window
+            self.window_masks[window] = self.mask & recent
+        return self.window_masks[window]
 
 
 @dataclass
@@ -52,6 +64,7 @@ class AttentionMetadata:
     block_size: int
     # [num_decode, 1, 1, max_blocks * block_size] bool, built on first use (by backends that gather).
     _decode_mask: torch.Tensor | None = None
+    _decode_window_masks: dict[int, torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -83,15 +96,24 @@ class AttentionMetadata:
             seg.block_ids = seg.block_ids.to(device)
         return meta
 
-    def decode_mask(self) -> torch.Tensor:
-        """Which positions of the gathered, padded block tables each decode row may see."""
+    def decode_mask(self, window: int = 0) -> torch.Tensor:
+        """Which positions of the gathered, padded block tables each decode row may see (with a sliding
+        `window`, the last `window` of its context)."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None
+        b, nb = self.decode_block_tables.shape
+        width = nb * self.block_size
         if self._decode_mask is None:
-            assert self.decode_block_tables is not None and self.decode_context_lens is not None
-            b, nb = self.decode_block_tables.shape
-            width = nb * self.block_size
             pos = torch.arange(width, device=self.decode_context_lens.device)
             self._decode_mask = (pos[None, :] < self.decode_context_lens[:, None]).view(b, 1, 1, width)
-        return self._decode_mask
+        if not window:
+            return self._decode_mask
+        if self._decode_window_masks is None:
+            self._decode_window_masks = {}
+        if window not in self._decode_window_masks:
+            pos = torch.arange(width, device=self.decode_context_lens.device)
+            recent = (pos[None, :] >= self.decode_context_lens[:, None] - window).view(b, 1, 1, width)
+            self._decode_window_masks[window] = self._decode_mask & recent
+        return self._decode_window_masks[window]
 
 
 class AttentionBackend(ABC):
@@ -109,5 +131,6 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # a sliding window: each query sees the last `window` positions, itself included
     ) -> torch.Tensor:  # [T, H, D]
         ...

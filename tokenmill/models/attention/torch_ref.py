@@ -25,10 +25,15 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         # Write first: a request may read blocks that another request of this same step fills
         # (early reuse of a block the moment it is full).
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if window:
+            # A sliding-window layer (Gemma 3's local layers, Mistral's): this file's SDPA with the window
+            # in its masks, whatever the backend (the C++ kernels take no window yet).
+            return self._windowed(q, k, v, k_cache, v_cache, meta, scale, window)
 
         nd = meta.num_decode
         if nd == q.shape[0]:  # a pure decode step: no copy into a combined output
@@ -49,25 +54,30 @@ class TorchReferenceBackend(AttentionBackend):
         segments: list[PrefillSegment],
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """Each prefill segment's attention into its rows of `out`."""
         num_kv = k.shape[1]
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if seg.start_pos == 0:
+            if seg.start_pos == 0 and not (window and seg.q_len > window):
                 # Nothing cached before this chunk: its own K/V are the whole context.
                 ks = k[seg.q_start : seg.q_start + seg.q_len]
                 vs = v[seg.q_start : seg.q_start + seg.q_len]
                 mask, causal = None, True
             else:
-                if seg.first_block is not None:
+                if seg.start_pos == 0:  # a whole prompt longer than the window: its own K/V, masked
+                    ks = k[seg.q_start : seg.q_start + seg.q_len]
+                    vs = v[seg.q_start : seg.q_start + seg.q_len]
+                elif seg.first_block is not None:
                     blocks = slice(seg.first_block, seg.first_block + len(seg.block_ids))
                     ks, vs = k_cache[blocks], v_cache[blocks]
                 else:
                     ks, vs = k_cache[seg.block_ids], v_cache[seg.block_ids]
-                ks = self._values(ks.reshape(-1, num_kv, ks.shape[-1])[: seg.context_len], q.dtype)
-                vs = self._values(vs.reshape(-1, num_kv, vs.shape[-1])[: seg.context_len], q.dtype)
-                mask, causal = seg.causal_mask(), False
+                if seg.start_pos:
+                    ks = self._values(ks.reshape(-1, num_kv, ks.shape[-1])[: seg.context_len], q.dtype)
+                    vs = self._values(vs.reshape(-1, num_kv, vs.shape[-1])[: seg.context_len], q.dtype)
+                mask, causal = seg.causal_mask(window), False
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.transpose(0, 1).unsqueeze(0),
@@ -98,6 +108,24 @@ class TorchReferenceBackend(AttentionBackend):
         """Cache rows as values of `dtype` (8-bit rows dequantized; others as they are)."""
         return dequantize_rows(rows, self.kv_format, dtype) if self.kv_format else rows
 
+    def _windowed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        nd = meta.num_decode
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = TorchReferenceBackend._decode(self, q[:nd], k_cache, v_cache, meta, scale, window)
+        TorchReferenceBackend._prefill(self, q, k, v, k_cache, v_cache, meta.prefills, scale, out, window)
+        return out
+
     def _decode(
         self,
         q: torch.Tensor,
@@ -105,6 +133,7 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         assert meta.decode_block_tables is not None
         bt = meta.decode_block_tables
@@ -113,6 +142,6 @@ class TorchReferenceBackend(AttentionBackend):
         ks = self._values(k_cache[bt].view(b, nb * block_size, num_kv, width), q.dtype).transpose(1, 2)
         vs = self._values(v_cache[bt].view(b, nb * block_size, num_kv, width), q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask(), scale=scale, enable_gqa=True
+            q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask(window), scale=scale, enable_gqa=True
         )
         return o.squeeze(2)

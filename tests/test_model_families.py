@@ -1,0 +1,217 @@
+"""The families beyond Llama's (Qwen3, Phi-3, Gemma 3, Mixtral, Qwen3-MoE) and sliding windows, on tiny
+random models saved as Hugging Face directories, against transformers in float32: greedy tokens identical
+and logprobs within 1e-4, batched, in chunked prefill, under preemption and with prefix-cache hits; the
+mixtures of experts also split over two ranks, by columns (tensor parallelism) and by whole experts
+(expert parallelism), against one process. Each config exercises its family's twist: Qwen3's per-head q/k
+norms with a head_dim apart from hidden/heads, Phi-3's fused checkpoint tensors and partial rotary, Gemma
+3's interleaved local and global layers (a window shorter than the prompts), soft-capped logits and norms
+of offsets, Mistral's sliding window on every layer, Mixtral's experts, Qwen3-MoE's unrenormalized top-k
+and a dense layer among the mixtures."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from reference import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.registry import FAMILIES, HF_ARCHITECTURES
+
+transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152  # the SmolLM2 tokenizer is saved next to the random weights
+NEW = 10
+# float32 in both, the same math in another order: observed below 1e-5.
+LOGPROB_TOL = 1e-4
+
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+    initializer_range=0.2,  # large weights: decisive argmaxes, no near-ties between implementations
+)  # fmt: skip
+
+
+def _config(name: str):
+    common = _COMMON
+    if name == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32)
+    if name == "phi3":
+        return transformers.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0)
+    if name == "gemma3":
+        # A local layer (window 24, shorter than the prompts) and a global one with linearly scaled rope,
+        # and a soft cap on the logits.
+        return transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=32, sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )  # fmt: skip
+    if name == "mistral-window":
+        return transformers.MistralConfig(**common, sliding_window=20)
+    if name == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            mlp_only_layers=[1], norm_topk_prob=False,
+        )  # fmt: skip
+    raise AssertionError(name)
+
+
+FAMILY_NAMES = ["qwen3", "phi3", "gemma3", "mistral-window", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, llm_fp32: LLM
+) -> dict[str, tuple[Path, list, list]]:  # noqa: E501
+    """Each family's directory, the prompts, and transformers' greedy answers to them."""
+    out = {}
+    for name in FAMILY_NAMES:
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(_config(name), dtype=torch.float32).eval()
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path, safe_serialization=True)
+        llm_fp32.tokenizer.save(path)
+        g = torch.Generator().manual_seed(1)
+        shared = [int(t) for t in torch.randint(3, VOCAB, (48,), generator=g)]
+        prompts = [[int(t) for t in torch.randint(3, VOCAB, (n,), generator=g)] for n in (90, 40, 17)]
+        prompts += [shared + [int(t) for t in torch.randint(3, VOCAB, (12,), generator=g)] for _ in range(2)]
+        out[name] = (path, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+    return out
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+
+
+def _assert_matches(outs, reference) -> None:
+    for i, (out, (tokens, lps)) in enumerate(zip(outs, reference, strict=True)):
+        c = out.outputs[0]
+        assert c.token_ids == tokens, f"prompt {i} diverges from transformers"
+        for lp, ref in zip(c.logprobs, lps, strict=True):
+            assert abs(lp.logprob - float(ref[lp.token_id])) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_family_matches_transformers(name: str, checkpoints) -> None:
+    path, prompts, reference = checkpoints[name]
+    # 12 blocks of 16 tokens hold about half of the batch: preemption; 32-token steps: chunked prefill.
+    llm = LLM(
+        model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=32, num_blocks=12,
+        block_size=16,
+    )  # fmt: skip
+    assert llm.engine.info["model_config"]["architecture"] == _config(name).model_type
+    outs = llm.generate(prompts, _greedy())
+    _assert_matches(outs, reference)
+    assert llm.engine.scheduler.num_preemptions > 0
+    hits = llm.engine.kv.prefix_cache_hits
+    _assert_matches([llm.generate([p], _greedy())[0] for p in prompts[-2:]], reference[-2:])
+    assert llm.engine.kv.prefix_cache_hits > hits
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_mixture_over_two_ranks_answers_as_one_process(name: str, expert_parallel: bool, checkpoints) -> None:
+    path, prompts, reference = checkpoints[name]
+    llm = LLM(
+        model=str(path), dtype="float32", max_model_len=128, tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )  # fmt: skip
+    try:
+        _assert_matches(llm.generate(prompts[:3], _greedy()), reference[:3])
+    finally:
+        llm.engine.shutdown()
+
+
+def test_every_family_is_registered_by_its_hf_name() -> None:
+    assert set(HF_ARCHITECTURES.values()) == set(FAMILIES)
+    for arch in HF_ARCHITECTURES:
+        assert arch.endswith("ForCausalLM")
+
+
+def test_moe_config_reads_each_familys_fields() -> None:
+    mixtral = ModelConfig.from_hf(_config("mixtral").to_dict())
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_intermediate_size) == (4, 2, 128)
+    assert mixtral.renormalize_experts and mixtral.dense_layers == ()
+    qwen = ModelConfig.from_hf(_config("qwen3_moe").to_dict())
+    assert (qwen.expert_intermediate_size, qwen.renormalize_experts, qwen.dense_layers) == (48, False, (1,))
+    assert qwen.qk_norm and qwen.is_moe_layer(0) and not qwen.is_moe_layer(1)
+    assert ModelConfig.from_hf(_config("phi3").to_dict()).rope_dim == 8
+    assert ModelConfig.from_dict(qwen.to_dict()) == qwen  # crosses process boundaries as plain data
+
+
+def test_expert_parallelism_gives_each_rank_whole_experts() -> None:
+    cfg = ModelConfig.from_hf(_config("mixtral").to_dict())
+    from tokenmill.models.parallel import Shard
+
+    ep = [Shard.of(cfg, 2, r, 1, 0, expert_parallel=True) for r in range(2)]
+    assert [s.experts for s in ep] == [range(0, 2), range(2, 4)]
+    assert all(s.expert_intermediate == range(128) for s in ep)
+    tp = [Shard.of(cfg, 2, r, 1, 0) for r in range(2)]
+    assert all(s.experts == range(4) for s in tp)
+    assert [s.expert_intermediate for s in tp] == [range(0, 64), range(64, 128)]
+    with pytest.raises(ValueError, match="only 2 experts"):
+        Shard.of(dataclasses.replace(cfg, num_experts=2), 4, 0, 1, 0, expert_parallel=True)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_experts_quantize_as_a_dense_mlp_does(method: str, tmp_path: Path, llm_fp32: LLM) -> None:
+    """Each quantization method takes every expert's linears (not the router), and a mixture's output
+    strays from its bf16 output as far as a dense MLP's of the same shapes does under that method (the
+    methods' own bounds are stated on the embedded model: tests/test_quantization_accuracy.py). Qwen3-MoE
+    with a dense layer beside a mixture whose experts are as wide as that MLP; the same routing in both
+    models (the router stays bf16), so the two outputs differ only by the experts' rounding."""
+    from tokenmill.models import registry
+    from tokenmill.models.moe import Expert, FusedMoE
+    from tokenmill.models.quant import QuantConfig
+
+    torch.manual_seed(0)
+    common = {**_COMMON, "intermediate_size": 64, "initializer_range": 0.02}
+    hf_cfg = transformers.Qwen3MoeConfig(
+        **common, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        mlp_only_layers=[1],
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    llm_fp32.tokenizer.save(tmp_path)
+
+    def build(quant: str | None) -> torch.nn.Module:
+        loaded = registry.load_checkpoint(tmp_path, torch.bfloat16, tmp_path / "cache")
+        return registry.build(
+            loaded.config,
+            loaded.state_dict,
+            torch.bfloat16,
+            torch.device("cpu"),
+            128,
+            quant=QuantConfig(quant),
+        )
+
+    plain, quantized = build(None), build(method)
+    moe = quantized.layers[0].mlp
+    assert isinstance(moe, FusedMoE) and len(moe.experts) == 4
+    plain_types = {type(m) for m in plain.modules()}
+    expert_linears = [lin for e in moe.experts.values() if isinstance(e, Expert) for lin in e.children()]
+    if all(type(lin) in plain_types for lin in expert_linears):
+        pytest.skip(f"{method} keeps the bf16 weights on this CPU (its log says why)")
+    assert all(type(lin) not in plain_types for lin in expert_linears), [type(x) for x in expert_linears]
+    assert type(moe.router) is type(plain.layers[0].mlp.router)
+
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+    def stray(layer: int) -> float:
+        want = plain.layers[layer].mlp(x, plain.ops).float()
+        got = quantized.layers[layer].mlp(x, quantized.ops).float()
+        return float((got - want).norm() / want.norm())
+
+    mixture, dense = stray(0), stray(1)
+    assert 0 < dense < 0.2, (method, dense)
+    assert mixture < 2 * dense, (method, mixture, dense)
