@@ -215,3 +215,78 @@ def test_experts_quantize_as_a_dense_mlp_does(method: str, tmp_path: Path, llm_f
     mixture, dense = stray(0), stray(1)
     assert 0 < dense < 0.2, (method, dense)
     assert mixture < 2 * dense, (method, mixture, dense)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_served_family_answers_the_openai_client(name: str, checkpoints, llm_fp32: LLM) -> None:
+    """`tokenmill serve --model <dir>`: the completion of a prompt given as token ids is transformers'
+    greedy continuation, and a chat request is answered through the directory's chat template."""
+    import openai
+    from server_fixture import running_server
+
+    path, prompts, reference = checkpoints[name]
+    with running_server("--model", str(path), "--dtype", "float32") as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=prompts[0], max_tokens=NEW, temperature=0)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+        )
+    assert got.choices[0].text == llm_fp32.tokenizer.decode(reference[0][0])
+    assert got.usage.completion_tokens == NEW
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+
+
+def _broken(src: Path, dst: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of the checkpoint at `src` with config fields and tensors replaced (None: removed)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text()) | (config or {})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(dst / "model.safetensors")
+    for name, t in (tensors or {}).items():
+        if t is None:
+            del sd[name]
+        else:
+            sd[name] = t
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_broken_checkpoint_is_refused_in_one_line_naming_what(checkpoints, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = checkpoints["qwen3"][0]
+    cases = {
+        "unknown": ({"architectures": ["FooForCausalLM"], "model_type": "foo"}, None, "FooForCausalLM"),
+        "missing": (None, {"model.layers.1.self_attn.k_norm.weight": None}, "layers.1.self_attn.k_norm"),
+        "missing-part": (None, {"model.layers.0.self_attn.v_proj.weight": None}, "layers.0.self_attn.v_proj"),
+        "shape": (None, {"model.layers.0.input_layernorm.weight": torch.ones(65)}, "input_layernorm.weight"),
+        "config": ({"intermediate_size": 256}, None, "layers.0.mlp.down_proj.weight"),
+    }
+    for case, (config, tensors, named) in cases.items():
+        path = _broken(src, tmp_path / case, config, tensors)
+        cmd = [sys.executable, "-m", "tokenmill.cli.main", "generate", "--model", str(path), "hi"]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.strip()]
+        assert run.returncode != 0 and len(lines) == 1 and named in lines[0], (case, lines)
+        assert "Traceback" not in run.stderr
+
+
+def test_a_refused_load_leaves_nothing_in_memory(checkpoints, tmp_path: Path) -> None:
+    import gc
+
+    src = checkpoints["mixtral"][0]
+    path = _broken(src, tmp_path / "m", tensors={"model.layers.1.block_sparse_moe.gate.weight": None})
+    with pytest.raises(ValueError, match="missing tensor: layers.1.mlp.router.weight") as e:
+        LLM(model=str(path), dtype="float32", max_model_len=128)
+    del e
+    gc.collect()
+    # The embedding ([vocab, 64]) is the largest tensor of the model: no copy of it survives the failure.
+    left = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (VOCAB, 64)]
+    assert not left, len(left)

@@ -377,7 +377,10 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
     for key, t in sd.items():
         owner, _, param = key.rpartition(".")
         layer = linears.get(owner)
-        out[key] = layer.load(param, t) if layer is not None else t
+        try:
+            out[key] = layer.load(param, t) if layer is not None else t
+        except ValueError as e:  # a shape that disagrees with the config: say which tensor
+            raise ValueError(f"{key}: {e}") from None
     return out
 
 
@@ -404,6 +407,12 @@ def build_model(
     with _skip_init(), torch.device("meta"):
         model = (model_cls or LlamaForCausalLM)(cfg, rope, shard, comm)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in shard_weights(model, state_dict).items()}
+    expected = model.state_dict()
+    for key, t in sd.items():
+        if key in expected and expected[key].shape != t.shape:
+            raise ValueError(
+                f"{key}: shape {tuple(t.shape)}, but the config makes it {tuple(expected[key].shape)}"
+            )
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = cfg.tie_word_embeddings and shard.first_stage
     missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
