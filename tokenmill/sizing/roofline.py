@@ -9,7 +9,11 @@ Prefill of S tokens costs 2 * P_active_nonembedding * S + 2 * L * S^2 * heads * 
 attention) + the logits of the last token; a decode step of B sequences costs B * (2 * P_active +
 4 * L * ctx * heads * head_dim) and reads every weight once plus every sequence's KV cache. A
 mixture-of-experts step reads only the experts its tokens were routed to (expected count for a
-uniform router).
+uniform router). Split by tensor parallelism, each rank reads its share of every touched expert; split
+by expert parallelism (`ep`), a rank reads its own touched experts whole, and the step waits for the
+rank with the most: the expected maximum over the ranks, which at a few tokens is well above the mean
+(one token's two experts on one rank of two). Either way the layer's output is summed by the same
+all-reduce (tokenmill's expert parallelism: models/moe.py).
 
 Serving a closed loop of C requests per instance is modelled in "lockstep" (section 6.4), the regime
 of a concurrency benchmark with fixed lengths: the C prompts are prefilled together (TTFT), then
@@ -37,7 +41,7 @@ class Deployment:
     factors: Factors
     tp: int = 1
     pp: int = 1
-    ep: bool = False  # MoE: experts spread over the TP group (all-to-all instead of all-reduce in the MLP)
+    ep: bool = False  # MoE: whole experts spread over the TP group, rather than each expert's columns
     kv_cache_dtype: str = "auto"  # the KV cache's own dtype (KV_CACHE_DTYPES); "auto": the precision's
 
     @property
@@ -72,8 +76,8 @@ class Deployment:
     # --- one step ---------------------------------------------------------------------------------
 
     def _comm(self, tokens: int, layers: int) -> float:
-        """TP all-reduces (2 per layer; with EP the MLP's becomes an all-to-all of the same size) and
-        the pipeline's stage-to-stage hops, for `tokens` rows of activations."""
+        """TP all-reduces (2 per layer, with or without EP: the mixture's output is summed over the ranks
+        as a dense MLP's is) and the pipeline's stage-to-stage hops, for `tokens` rows of activations."""
         f, t = self.factors, 0.0
         link = max(self.gpu.link_gbs * f.link_efficiency, 1e-9) * 1e9
         msg = tokens * self.arch.hidden * ACT_BYTES
@@ -88,7 +92,11 @@ class Deployment:
         a = self.arch
         if not a.is_moe:
             return a.params_total * self.b_w
-        touched = a.experts * (1 - (1 - a.active_experts / a.experts) ** tokens)
+        hit = 1 - (1 - a.active_experts / a.experts) ** tokens  # the chance an expert is touched
+        touched = a.experts * hit
+        if self.ep and self.tp > 1:
+            # The busiest rank's touched experts, as if each rank read that many (the step waits for it).
+            touched = self.tp * expected_max_touched(a.experts // self.tp, hit, self.tp)
         dense = a.params_total - a.layers * a.experts * a.expert_params
         return (dense + a.layers * touched * a.expert_params) * self.b_w
 
@@ -125,6 +133,19 @@ class Deployment:
         # With PP, each of the PP micro-batches visits every stage once per step; stages work in parallel
         # on different micro-batches, so a step costs PP passes of one micro-batch through 1/PP of the model.
         return self._step(flops, self._weight_bytes(micro), kv, micro)
+
+
+def expected_max_touched(per_rank: int, hit: float, ranks: int) -> float:
+    """The expected largest count of touched experts on one of `ranks` ranks of `per_rank` experts each,
+    every expert touched with chance `hit` independently: sum over j of P(max >= j), with each rank's
+    count binomial."""
+    cdf, total, below = [], 0.0, 0.0
+    for j in range(per_rank + 1):
+        below += math.comb(per_rank, j) * hit**j * (1 - hit) ** (per_rank - j)
+        cdf.append(min(below, 1.0))
+    for j in range(1, per_rank + 1):
+        total += 1 - cdf[j - 1] ** ranks
+    return total
 
 
 @dataclass(frozen=True)
