@@ -113,6 +113,8 @@ class DecodeStep:
             if i + 1 < len(model.layers):
                 norms.append(model.layers[i + 1].input_layernorm.weight)
         attn = model.layers[0].self_attn
+        # The shortest sliding window of its layers (0: none): a step with a longer context is not taken.
+        self.window = min((w for layer in model.layers if (w := layer.self_attn.window)), default=0)
         self.scale = attn.scale
         self.rope = model.rope
         self.layers = self.kernels.DecodeLayers(
@@ -138,6 +140,7 @@ class DecodeStep:
             and type(backend) is CpuPagedBackend
             and backend.kernels is self.kernels
             and kv.is_contiguous()
+            and not (self.window and int(meta.decode_context_lens.max()) > self.window)  # type: ignore[union-attr]
         )
 
     def run(
@@ -175,7 +178,7 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         llama = type(attn) is Attention and type(mlp) is MLP and type(layer) is DecoderLayer
-        if not llama or attn.rope_dim != attn.head_dim or attn.window:
+        if not llama or attn.rope_dim != attn.head_dim:
             return None  # the C++ step is Llama's layer; other families' steps keep the Python loop
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             s = step_linear(lin, ops)

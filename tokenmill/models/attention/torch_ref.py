@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -30,18 +32,26 @@ class TorchReferenceBackend(AttentionBackend):
         # Write first: a request may read blocks that another request of this same step fills
         # (early reuse of a block the moment it is full).
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
-        if window:
-            # A sliding-window layer (Gemma 3's local layers, Mistral's): this file's SDPA with the window
-            # in its masks, whatever the backend (the C++ kernels take no window yet).
-            return self._windowed(q, k, v, k_cache, v_cache, meta, scale, window)
-
+        # A sliding window (Gemma 3's local layers, Mistral's) binds only on a context longer than it:
+        # those rows take this file's SDPA with the window in its masks, whatever the backend (the C++
+        # kernels take no window); the others the backend's own path.
         nd = meta.num_decode
+        decode = self._decode
+        if window and nd and int(meta.decode_context_lens.max()) > window:  # type: ignore[union-attr]
+            decode = functools.partial(TorchReferenceBackend._decode, self, window=window)
         if nd == q.shape[0]:  # a pure decode step: no copy into a combined output
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        self._prefill(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
+        far = [s for s in meta.prefills if s.context_len > window] if window else []
+        if far:
+            near = [s for s in meta.prefills if s.context_len <= window]
+            TorchReferenceBackend._prefill(self, q, k, v, k_cache, v_cache, far, scale, out, window)
+            if near:
+                self._prefill(q, k, v, k_cache, v_cache, near, scale, out)
+        else:
+            self._prefill(q, k, v, k_cache, v_cache, meta.prefills, scale, out)
         return out
 
     def _prefill(
@@ -107,24 +117,6 @@ class TorchReferenceBackend(AttentionBackend):
     def _values(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows as values of `dtype` (8-bit rows dequantized; others as they are)."""
         return dequantize_rows(rows, self.kv_format, dtype) if self.kv_format else rows
-
-    def _windowed(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int,
-    ) -> torch.Tensor:
-        nd = meta.num_decode
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = TorchReferenceBackend._decode(self, q[:nd], k_cache, v_cache, meta, scale, window)
-        TorchReferenceBackend._prefill(self, q, k, v, k_cache, v_cache, meta.prefills, scale, out, window)
-        return out
 
     def _decode(
         self,
