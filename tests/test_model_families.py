@@ -290,3 +290,79 @@ def test_a_refused_load_leaves_nothing_in_memory(checkpoints, tmp_path: Path) ->
     # The embedding ([vocab, 64]) is the largest tensor of the model: no copy of it survives the failure.
     left = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (VOCAB, 64)]
     assert not left, len(left)
+
+
+# Hugging Face names (after "model.") to llama.cpp's, per block and at the top: how its converter writes them.
+_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_TO_GGUF_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+
+
+def _qwen3_gguf(src: Path, dst: Path, tokenizer_gguf: Path) -> Path:
+    """The Hugging Face Qwen3 directory `src` as llama.cpp's converter writes it (float32 tensors, its
+    names and metadata keys), with the tokenizer of `tokenizer_gguf`."""
+    import json
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    w = GGUFWriter(str(dst), "qwen3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    for field in GGUFReader(tokenizer_gguf).fields.values():
+        if field.name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for name, t in load_file(src / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight":
+            gguf_name = "output.weight"
+        elif name in _TO_GGUF_TOP:
+            gguf_name = _TO_GGUF_TOP[name]
+        else:
+            _, i, rest = name.split(".", 2)
+            gguf_name = f"blk.{i}.{_TO_GGUF_BLOCK[rest.removesuffix('.weight')]}.weight"
+        w.add_tensor(gguf_name, np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_qwen3_gguf_matches_transformers(checkpoints, tmp_path: Path) -> None:
+    from tokenmill.weights import catalog
+
+    path, prompts, reference = checkpoints["qwen3"]
+    gguf_path = _qwen3_gguf(path, tmp_path / "qwen3.gguf", catalog.resolve("smollm2-135m"))
+    llm = LLM(model=str(gguf_path), dtype="float32", max_model_len=128, cache_dir=str(tmp_path / "cache"))
+    assert llm.engine.info["model_config"]["architecture"] == "qwen3"
+    _assert_matches(llm.generate(prompts[:3], _greedy()), reference[:3])
+
+
+def test_a_gguf_of_a_family_read_only_from_its_directory_is_refused(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF files of gemma3 are not read yet"):
+        LLM(model=str(tmp_path / "m.gguf"), max_model_len=128, cache_dir=str(tmp_path / "cache"))

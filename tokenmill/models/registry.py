@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.models.architectures import GGUF_MODEL_TYPES, HF_ARCHITECTURES
+from tokenmill.models.architectures import HF_ARCHITECTURES
 from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.gemma3 import Gemma3ForCausalLM, gemma_weights
 from tokenmill.models.llama import LlamaForCausalLM, build_model, to_fused_state_dict
@@ -86,8 +86,6 @@ def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> L
     """A checkpoint's config, weights (in its architecture's layout), tokenizer, and its quantized codes
     for the quantization methods to take (models/quant)."""
     arch = architecture_of(loader.read_hf_config(path, cache_dir))
-    if path.suffix == ".gguf" and arch not in GGUF_MODEL_TYPES:
-        raise ValueError(f"{path.name}: GGUF files of {arch} are not read yet; serve its HF directory")
     layout = _layout(FAMILIES[arch])
     ck = loader.load(path, dtype, cache_dir, layout)
     note_source(weights_cache_root(path, cache_dir), path)  # for `tokenmill cache`: in use, and when

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.models.architectures import GGUF_MODEL_TYPES
 from tokenmill.weights.gguf_file import GGUFFile
 
 
 def hf_config_from_gguf(gguf: GGUFFile, has_output_tensor: bool) -> dict[str, Any]:
     """config.json keys from GGUF metadata (a model without an output tensor ties it to the embedding)."""
     arch = gguf.architecture
+    if arch not in GGUF_MODEL_TYPES:  # before its fields: another family's are named otherwise
+        raise ValueError(f"{gguf.path.name}: GGUF files of {arch} are not read yet; serve its HF directory")
     hidden = int(gguf.arch_value("embedding_length"))
     num_heads = int(gguf.arch_value("attention.head_count"))
     num_kv = int(gguf.arch_value("attention.head_count_kv", num_heads))
