@@ -36,6 +36,7 @@ from tokenmill.weights.group_codes import (
 )
 from tokenmill.weights.requantize import requantize
 
+LLAMA = registry.layout("llama")  # the Llama family's layout of a checkpoint
 N, K = 8, 512
 
 
@@ -107,7 +108,7 @@ def test_embedded_files_codes_are_its_weights_fused_and_cached(model_path: Path,
     for name, g in codes.items():
         h = again[name]
         assert torch.equal(h.nibbles, g.nibbles) and torch.equal(h.scale, g.scale) and torch.equal(h.lo, g.lo)
-    assert loader.load_group_codes(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
+    assert loader.load_group_codes(tmp_path, LLAMA, tmp_path) is None  # an HF directory: none
 
 
 @pytest.mark.slow
@@ -143,7 +144,7 @@ def test_a_q8_0_files_codes_are_its_weights_fused(
     assert registry.checkpoint_codes(model_path, tmp_path).int8() is None  # a Q4_1 file has no Q8_0 linears
     done = sorted(p.read_text() for p in tmp_path.glob("*/int8-codes-*/*/codes-done"))
     assert done == ["codes\n", "none\n"]  # both remembered: a later start parses neither file
-    assert loader.load_int8_groups(tmp_path, registry.FUSED, tmp_path) is None  # an HF directory: none
+    assert loader.load_int8_groups(tmp_path, LLAMA, tmp_path) is None  # an HF directory: none
 
 
 @pytest.mark.parametrize("own", [True, False], ids=["Q8_0 head", "head of another type"])
@@ -162,7 +163,7 @@ def test_an_untied_heads_codes_are_output_weights(
         take = GGUFFile.int8_groups
         none_for_head = lambda g, n: take(g, n) if n != "output.weight" else None  # noqa: E731
         monkeypatch.setattr(GGUFFile, "int8_groups", none_for_head)
-    codes = loader.load_int8_groups(path, registry.FUSED, tmp_path)
+    codes = loader.load_int8_groups(path, LLAMA, tmp_path)
     assert codes is not None
     head = codes["lm_head"]
     assert np.array_equal(head.dequantize().numpy(), f.tensor("output.weight"))

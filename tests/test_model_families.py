@@ -43,6 +43,18 @@ def _config(name: str):
         return transformers.Qwen3Config(**common, head_dim=32)
     if name == "phi3":
         return transformers.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0)
+    if name == "phi3-longrope":
+        # Phi-4-mini's kind: partial rotary and LongRoPE (short factors within the pretrained context of 128
+        # positions, which the prompts stay inside; the context stretched 32x, so cos and sin are scaled).
+        half = 4  # rotary_dim / 2 (head_dim 16, half of it turning)
+        return transformers.Phi3Config(
+            **{**common, "max_position_embeddings": 4096}, partial_rotary_factor=0.5, pad_token_id=0,
+            original_max_position_embeddings=128,
+            rope_scaling={
+                "type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(half)],
+                "long_factor": [2.0 + i for i in range(half)],
+            },
+        )  # fmt: skip
     if name == "gemma3":
         # A local layer (window 24, shorter than the prompts) and a global one with linearly scaled rope,
         # and a soft cap on the logits.
@@ -67,7 +79,7 @@ def _config(name: str):
     raise AssertionError(name)
 
 
-FAMILY_NAMES = ["qwen3", "phi3", "gemma3", "mistral-window", "mixtral", "qwen3_moe"]
+FAMILY_NAMES = ["qwen3", "phi3", "phi3-longrope", "gemma3", "mistral-window", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +157,7 @@ def test_moe_config_reads_each_familys_fields() -> None:
     assert mixtral.renormalize_experts and mixtral.dense_layers == ()
     qwen = ModelConfig.from_hf(_config("qwen3_moe").to_dict())
     assert (qwen.expert_intermediate_size, qwen.renormalize_experts, qwen.dense_layers) == (48, False, (1,))
-    assert qwen.qk_norm and qwen.is_moe_layer(0) and not qwen.is_moe_layer(1)
+    assert qwen.is_moe_layer(0) and not qwen.is_moe_layer(1)
     assert ModelConfig.from_hf(_config("phi3").to_dict()).rope_dim == 8
     assert ModelConfig.from_dict(qwen.to_dict()) == qwen  # crosses process boundaries as plain data
 
@@ -366,3 +378,75 @@ def test_a_gguf_of_a_family_read_only_from_its_directory_is_refused(tmp_path: Pa
     w.close()
     with pytest.raises(ValueError, match="GGUF files of gemma3 are not read yet"):
         LLM(model=str(tmp_path / "m.gguf"), max_model_len=128, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"), [("qwen3", None), ("gemma3", "GemmaDecoderLayer"), ("mixtral", "FusedMoE")]
+)
+def test_int8_smoothing_is_offered_only_where_its_factors_fold(name: str, why: str | None, checkpoints):
+    """int8's smoothing folds its factors into the norm before qkv and the one before the MLP
+    (models/smoothing.py): right for Llama's arrangement (Qwen3's q/k norms come after the projection),
+    wrong for Gemma's (its MLP reads a norm of its own) and a mixture's (the router reads it too)."""
+    from tokenmill.models import registry
+    from tokenmill.models.smoothing import why_not_smoothable
+
+    loaded = registry.load_checkpoint(checkpoints[name][0], torch.float32, None)
+    model = registry.build(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"), 128)
+    reason = why_not_smoothable(model)
+    assert reason is None if why is None else why in reason
+
+
+# Released config.json files as transformers 4 wrote them (keys equal to their class's default left out),
+# trimmed to what tokenmill reads.
+RELEASED = {
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 256,
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "vocab_size": 262144,
+    },
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+        "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "rope_theta": 1000000.0, "sliding_window": None,
+        "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "Mixtral-8x7B-v0.1": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32000,
+    },
+    "Phi-3-mini-4k-instruct": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+        "intermediate_size": 8192, "max_position_embeddings": 4096, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+        "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False,
+        "vocab_size": 32064,
+    },
+}  # fmt: skip
+
+
+def test_released_configs_read_as_their_families_mean_them() -> None:
+    gemma = ModelConfig.from_hf(RELEASED["gemma-3-1b-it"])
+    assert gemma.tie_word_embeddings  # the class's default, left out of the file
+    assert gemma.window_layers == tuple(i for i in range(26) if (i + 1) % 6) and gemma.sliding_window == 512
+    assert (gemma.rope_theta, gemma.local_rope_theta, gemma.attention_scale) == (1e6, 1e4, 256**-0.5)
+    assert gemma.final_logit_softcap == 0 and gemma.window_of(5) == 0 and gemma.window_of(4) == 512
+    qwen = ModelConfig.from_hf(RELEASED["Qwen3-30B-A3B"])
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.expert_intermediate_size) == (128, 8, 768)
+    assert qwen.renormalize_experts and qwen.dense_layers == () and qwen.window_layers == ()
+    unsaid = {k: v for k, v in RELEASED["Qwen3-30B-A3B"].items() if k != "norm_topk_prob"}
+    assert not ModelConfig.from_hf(unsaid).renormalize_experts  # Qwen3MoeConfig's default
+    mixtral = ModelConfig.from_hf(RELEASED["Mixtral-8x7B-v0.1"])
+    assert (
+        mixtral.renormalize_experts
+        and mixtral.sliding_window == 0
+        and mixtral.expert_intermediate_size == 14336
+    )
+    phi = ModelConfig.from_hf(RELEASED["Phi-3-mini-4k-instruct"])
+    assert phi.sliding_window == 2047 and phi.window_layers == tuple(range(32)) and phi.rope_dim == 96

@@ -1,6 +1,7 @@
 """Architecture hyper-parameters of a decoder-only model, read from a Hugging Face config.json dict
 (weights/ translates GGUF metadata into one). The fields beyond Llama's are each one family's twist: per-head
-q/k norms (Qwen3), partial rotary (Phi), mixtures of experts (Mixtral, Qwen3-MoE)."""
+windows (Mistral, Gemma 3), partial rotary, mixtures of experts (Mixtral, Qwen3-MoE); a family's module
+(models/registry.py) holds what needs no field (Qwen3's q/k norms)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.models.architectures import ARCHITECTURES
+from tokenmill.models.architectures import ARCHITECTURES, HF_DEFAULTS
 
+# Rope scaling types models/rope.py computes.
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # HF `model_type` / GGUF `general.architecture` values a model file covers (models/registry.py).
 SUPPORTED_ARCHITECTURES = {a.model_type for a in ARCHITECTURES}
 
@@ -31,10 +34,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    # RMSNorm over each query and key head after the projection, before rope (Qwen3).
-    qk_norm: bool = False
-    # Rope on the first rotary_dim of each head's dimensions, the rest passed through (Phi-4-mini);
-    # 0: all of them.
+    # Rope on the first rotary_dim of each head's dimensions, the rest passed through (partial_rotary_factor:
+    # Phi-4-mini); 0: all of them.
     rotary_dim: int = 0
     # A mixture of experts in place of the MLP (0 experts: dense): each token's top `experts_per_token`
     # experts by the router's softmax, their outputs summed with those probabilities, renormalized to sum
@@ -66,6 +67,11 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:  # refused before any weight is read
+            raise ValueError(
+                f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+            )
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim}: not even, or above head_dim {self.head_dim}")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
@@ -82,7 +88,8 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.dense_layers
 
     def window_of(self, i: int) -> int:
-        """Layer i's sliding window (global index), 0 where it sees its whole context."""
+        """Layer i's sliding window (global index), 0 where it sees its whole context (a local layer of
+        a config whose sliding_window is null too)."""
         return self.sliding_window if i in self.window_layers else 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,8 +102,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face config.json dict."""
+        """From a Hugging Face config.json dict (a key it leaves out: its family's default)."""
         model_type = cfg.get("model_type", "llama")
+        cfg = {**HF_DEFAULTS.get(model_type, {}), **cfg}
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers < 5 writes rope_theta + rope_scaling; 5.x nests both in rope_parameters, by layer type
@@ -111,7 +119,16 @@ class ModelConfig:
             rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
         if rope_scaling is not None and rope_scaling.get("rope_type") == "default":
             rope_scaling = None
-        rope_theta = cfg.get("rope_theta") or params.get("rope_theta", 10000.0)
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "longrope":
+            # Phi-3's config keeps the pretrained context beside rope_scaling; the factor is how far the
+            # context was stretched from it.
+            original = (
+                rope_scaling.get("original_max_position_embeddings")
+                or cfg["original_max_position_embeddings"]
+            )
+            factor = rope_scaling.get("factor") or cfg["max_position_embeddings"] / original
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": original, "factor": factor}
+        rope_theta = params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or hidden // num_heads
         partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
         rotary_dim = int(head_dim * partial) if partial < 1.0 else 0
@@ -136,7 +153,6 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama exposes it as attention_bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             rotary_dim=rotary_dim,
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
@@ -145,7 +161,7 @@ class ModelConfig:
             if experts
             else 0,
             # Mixtral always renormalizes the chosen experts' probabilities; Qwen3-MoE says whether.
-            renormalize_experts=bool(cfg.get("norm_topk_prob", True)),
+            renormalize_experts=bool(cfg.get("norm_topk_prob", False)),
             dense_layers=_dense_layers(cfg, layers) if experts else (),
             sliding_window=window,
             window_layers=window_layers,
@@ -167,20 +183,24 @@ def _dense_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
 
 
 def _windows(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int, tuple[int, ...]]:
-    """The sliding window and the layers that use it: as `layer_types` lists them (transformers 5 writes it
-    for the families that mix them), else every layer of the families whose sliding_window applies to
-    all (Mistral, Phi-3, Mixtral: Qwen's needs use_sliding_window, which layer_types then spells out)."""
+    """The sliding window and the layers of the sliding kind (listed even when the window is null: Gemma's
+    local layers keep their own rope): as `layer_types` lists them (transformers 5 writes it for the
+    families that mix them), else as transformers 4 derived them: every layer of Mistral, Phi-3 and
+    Mixtral; Gemma 3's all but every sliding_window_pattern-th; Qwen's only with use_sliding_window (from
+    max_window_layers on for Qwen2/3, every layer for Qwen3-MoE)."""
     window = int(cfg.get("sliding_window") or 0)
-    if not window:
-        return 0, ()
     types = cfg.get("layer_types")
     if types is not None:
         chosen = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     elif model_type in ("mistral", "phi3", "mixtral"):
         chosen = tuple(range(layers))
-    elif model_type == "gemma3_text":  # transformers 4's: every sliding_window_pattern-th layer is global
+    elif model_type == "gemma3_text":
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         chosen = tuple(i for i in range(layers) if (i + 1) % pattern)
+    elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        chosen = tuple(range(int(cfg.get("max_window_layers") or 0), layers))
+    elif model_type == "qwen3_moe" and cfg.get("use_sliding_window"):
+        chosen = tuple(range(layers))
     else:
         chosen = ()
-    return (window, chosen) if chosen else (0, ())
+    return window, chosen

@@ -140,7 +140,7 @@ class DecodeStep:
             and type(backend) is CpuPagedBackend
             and backend.kernels is self.kernels
             and kv.is_contiguous()
-            and not (self.window and int(meta.decode_context_lens.max()) > self.window)  # type: ignore[union-attr]
+            and not (self.window and meta.longest_decode_context() > self.window)
         )
 
     def run(

@@ -26,7 +26,9 @@ from tokenmill.models.rope import RotaryEmbedding
 
 
 def gemma_weights(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A checkpoint tensor as the module holds it: norms' offsets as the weights themselves (1 + w)."""
+    """A checkpoint tensor as the module holds it: norms' offsets as the weights themselves (1 + w). In a
+    bf16 model 1 + w is rounded to bf16 once here, where transformers adds it in float32 at every call:
+    a relative difference up to 2^-9 in each norm's scale, none in float32."""
     return (1.0 + t.float()).to(t.dtype) if name.endswith("norm.weight") else t
 
 
@@ -43,8 +45,12 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class GemmaQKNormAttention(QKNormAttention):
+    weight_in_float32 = True  # its RMSNorm multiplies by (1 + w) in float32, then rounds
+
+
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    attention_cls = QKNormAttention
+    attention_cls = GemmaQKNormAttention
 
     def make_layer(self, cfg: ModelConfig, layer: int, shard: Shard) -> DecoderLayer:
         attn = self.attention_cls(cfg, shard, self.comm, layer)

@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     tensor-parallel rank holds its heads, MLP columns and vocabulary rows.
 
     Other families are this decoder with their own attention or MLP (`attention_cls`, `make_mlp`): each
-    in a file of its own (models/qwen3.py, phi3.py, mixtral.py), listed in models/registry.py.
+    in a file of its own (models/qwen3.py, gemma3.py, mixtures.py), listed in models/registry.py.
     """
 
     attention_cls: type[Attention] = Attention
@@ -306,7 +306,7 @@ def to_fused_state_dict(
     adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Map Hugging Face parameter names/tensors to this module's (fusing q/k/v and gate/up wherever they
-    are: an MLP's or an expert's). `rename` first maps a family's own names to Llama's (models/mixtral.py);
+    are: an MLP's or an expert's). `rename` first maps a family's own names to Llama's (models/mixtures.py);
     a checkpoint that holds them fused already (Phi-3) passes through. `adjust(name, tensor)` changes a
     family's tensors into the values the module holds (models/gemma3.py's norms)."""
     parts: dict[str, list[torch.Tensor | None]] = {}
@@ -380,8 +380,16 @@ def shard_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) 
         try:
             out[key] = layer.load(param, t) if layer is not None else t
         except ValueError as e:  # a shape that disagrees with the config: say which tensor
-            raise ValueError(f"{key}: {e}") from None
+            raise ValueError(f"{checkpoint_name(key, model.shard)}: {e}") from None
     return out
+
+
+def checkpoint_name(key: str, shard: Shard) -> str:
+    """A stage's parameter name as the checkpoint has it (its layers are numbered from 0 on each stage)."""
+    if key.startswith("layers."):
+        _, i, rest = key.split(".", 2)
+        return f"layers.{int(i) + shard.layers.start}.{rest}"
+    return key
 
 
 def build_model(
@@ -410,18 +418,20 @@ def build_model(
     expected = model.state_dict()
     for key, t in sd.items():
         if key in expected and expected[key].shape != t.shape:
+            want = tuple(expected[key].shape)
             raise ValueError(
-                f"{key}: shape {tuple(t.shape)}, but the config makes it {tuple(expected[key].shape)}"
+                f"{checkpoint_name(key, shard)}: shape {tuple(t.shape)}, but the config makes it {want}"
             )
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = cfg.tie_word_embeddings and shard.first_stage
     missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"missing tensor: {missing[0]}{more}")
+        raise ValueError(f"missing tensor: {checkpoint_name(missing[0], shard)}{more}")
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ValueError(f"unexpected tensor: {unexpected[0]}{more} (not in a {cfg.architecture} model)")
+        name = checkpoint_name(unexpected[0], shard)
+        raise ValueError(f"unexpected tensor: {name}{more} (not in a {cfg.architecture} model)")
     model.tie_weights()
     model.ops = get_ops(ops, device.type)
     model.quant = quantize_model(model, dtype, quant or QuantConfig())

@@ -52,22 +52,26 @@ class Expert(nn.Module):
         return lambda x, ops: down(ops.silu_mul(gate_up(x)))
 
 
-def route(
-    logits: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top-k experts by softmax probability (in float32), and their weights: those
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts by softmax probability, and their weights (float32): those
     probabilities, renormalized over the k where the family does (Mixtral always, Qwen3-MoE when
     norm_topk_prob)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
+    return weights, ids
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives) -> None:
+    def __init__(
+        self, cfg: ModelConfig, shard: Shard, comm: Collectives, float32_weights: bool = False
+    ) -> None:
+        """`float32_weights`: the experts' outputs are scaled by their routing weights in float32, then
+        rounded to the model's dtype (Mixtral, as transformers computes it); else the weights are rounded
+        first (Qwen3-MoE). The same in a float32 model."""
         super().__init__()
+        self.float32_weights = float32_weights
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.renormalize = cfg.renormalize_experts
         self.router = Router(cfg.hidden_size, cfg.num_experts)
@@ -77,7 +81,7 @@ class FusedMoE(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.router.weight), self.top_k, self.renormalize, x.dtype)
+        weights, ids = route(F.linear(x, self.router.weight), self.top_k, self.renormalize)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -96,7 +100,11 @@ class FusedMoE(nn.Module):
                 if n:
                     ys[start : start + n] = self._expert[e - self.local.start](xs[start : start + n], ops)
                     start += n
-            ys.mul_(weights.reshape(-1)[pairs].unsqueeze(1))
+            w = weights.reshape(-1)[pairs].unsqueeze(1)
+            if self.float32_weights and ys.dtype != torch.float32:
+                ys = (ys * w).to(x.dtype)  # bf16 rows times float32 weights: float32, then rounded once
+            else:
+                ys.mul_(w.to(ys.dtype))
             out.index_add_(0, rows, ys)
         return self._reduce(out)
 

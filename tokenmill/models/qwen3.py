@@ -1,5 +1,5 @@
 """Qwen3 (dense): Llama's decoder with an RMSNorm over each query and key head, after the projection and
-before rope. Its MoE sibling is models/mixtral.py's Qwen3MoeForCausalLM."""
+before rope. Its MoE sibling is models/mixtures.py's Qwen3MoeForCausalLM."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from tokenmill.models.rope import RotaryEmbedding
 
 
 class QKNormAttention(Attention):
+    weight_in_float32 = False
+
     def __init__(self, cfg: ModelConfig, shard: Shard, comm: Collectives, layer: int = 0) -> None:
         super().__init__(cfg, shard, comm, layer)
         # One weight of head_dim for all heads: the same on every tensor-parallel rank.
@@ -26,9 +28,13 @@ class QKNormAttention(Attention):
         t, d = qkv.shape[0], self.head_dim
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv, d)
-        # In float32 as Hugging Face's does it, whatever the model's dtype, then back in place.
+        # Normalized in float32 whatever the model's dtype, as transformers does; Qwen3 rounds to the model's
+        # dtype before the weight multiplies, Gemma after (`weight_in_float32`).
         for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-            x.copy_(F.rms_norm(x.float(), (d,), norm.weight.float(), norm.eps))
+            if self.weight_in_float32:
+                x.copy_(F.rms_norm(x.float(), (d,), norm.weight.float(), norm.eps))
+            else:
+                x.copy_(F.rms_norm(x.float(), (d,), None, norm.eps).to(x.dtype) * norm.weight)
         super().rotate_(qkv, positions, rope, ops)
 
 

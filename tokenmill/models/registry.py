@@ -14,7 +14,7 @@ from tokenmill.models.architectures import HF_ARCHITECTURES
 from tokenmill.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenmill.models.gemma3 import Gemma3ForCausalLM, gemma_weights
 from tokenmill.models.llama import LlamaForCausalLM, build_model, to_fused_state_dict
-from tokenmill.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM, mixtral_names, qwen_moe_names
+from tokenmill.models.mixtures import MixtralForCausalLM, Qwen3MoeForCausalLM, mixtral_names, qwen_moe_names
 from tokenmill.models.own_weights import own_remaining
 from tokenmill.models.qwen3 import Qwen3ForCausalLM
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -49,7 +49,9 @@ FAMILIES: dict[str, Family] = {
 assert set(FAMILIES) == SUPPORTED_ARCHITECTURES
 
 
-def _layout(family: Family) -> loader.Layout:
+def layout(model_type: str) -> loader.Layout:
+    """How a family's checkpoint tensors become its module's state dict (and are cached)."""
+    family = FAMILIES[model_type]
     return loader.Layout(
         "fused-qkv-gate-up",
         lambda tensors, cfg: to_fused_state_dict(
@@ -86,22 +88,22 @@ def load_checkpoint(path: Path, dtype: torch.dtype, cache_dir: Path | None) -> L
     """A checkpoint's config, weights (in its architecture's layout), tokenizer, and its quantized codes
     for the quantization methods to take (models/quant)."""
     arch = architecture_of(loader.read_hf_config(path, cache_dir))
-    layout = _layout(FAMILIES[arch])
-    ck = loader.load(path, dtype, cache_dir, layout)
+    lay = layout(arch)
+    ck = loader.load(path, dtype, cache_dir, lay)
     note_source(weights_cache_root(path, cache_dir), path)  # for `tokenmill cache`: in use, and when
     return LoadedModel(
         ModelConfig.from_hf(ck.hf_config),
         ck.state_dict,
         ck.tokenizer,
         ck.source,
-        loader.CheckpointCodes(path, layout, cache_dir),
+        loader.CheckpointCodes(path, lay, cache_dir),
     )
 
 
 def checkpoint_codes(path: Path, cache_dir: Path | None) -> loader.CheckpointCodes:
     """The quantized codes `path` holds (GGUF), named and fused in its architecture's layout."""
-    layout = _layout(FAMILIES[architecture_of(loader.read_hf_config(path, cache_dir))])
-    return loader.CheckpointCodes(path, layout, cache_dir)
+    lay = layout(architecture_of(loader.read_hf_config(path, cache_dir)))
+    return loader.CheckpointCodes(path, lay, cache_dir)
 
 
 def build(

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF "rotate half" layout), with Llama 3 and linear scaling."""
+"""Rotary position embeddings (HF "rotate half" layout), with Llama 3, linear and LongRoPE scaling."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tokenmill.models.config import ROPE_TYPES
 
 
 def rope_inv_freq(
@@ -28,9 +30,20 @@ def rope_inv_freq(
         position_scale = 1.0 / float(scaling["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
+    elif rope_type == "longrope":
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
     else:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     return inv_freq.float(), position_scale
+
+
+def longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    """LongRoPE's scale of cos and sin: given, or from how far the context was stretched."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -62,10 +75,23 @@ class RotaryEmbedding(nn.Module):
         inv_freq, pos_scale = rope_inv_freq(head_dim, theta, scaling, freq_factors)
         pos = torch.arange(max_positions, dtype=torch.float32) * pos_scale
         freqs = torch.outer(pos, inv_freq)
+        scale = 1.0
+        if (scaling or {}).get("rope_type") == "longrope":
+            assert scaling is not None
+            # LongRoPE (Phi-3.5, Phi-4-mini): positions within the pretrained context turn at the short
+            # factors' frequencies, those past it at the long ones'. Transformers switches a whole forward
+            # pass to the long factors once any position passes it; by position, a key's rotation never
+            # depends on what else is in the batch, so cached keys and prefix hits stay valid. Identical to
+            # transformers within original_max_position_embeddings.
+            original = int(scaling["original_max_position_embeddings"])
+            base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+            long = (1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float64) * base)).float()
+            freqs[original:] = torch.outer(pos[original:], long)
+            scale = longrope_attention_factor(scaling)
         emb = torch.cat([freqs, freqs], dim=-1)
         # Not parameters: rebuilt from the config, never saved with the weights.
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        sin = emb.sin()
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        sin = emb.sin() * scale
         half = head_dim // 2
         sin[:, :half] = -sin[:, :half]  # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1, +1]
         self.register_buffer("sin_signed", sin, persistent=False)

@@ -318,9 +318,15 @@ def why_not_smoothable(model: nn.Module) -> str | None:
     """Why `smooth_model` does not apply to this model, or None when it does."""
     if _dtype(model) not in (torch.bfloat16, torch.float32):
         return f"{_dtype(model)} cannot hold factors up to 2^{FACTOR_RANGE}"
-    if getattr(model.config, "num_experts", 0):
-        # A norm's factors would reach the router as well as the experts; folding them there is not done.
-        return "smoothing covers dense models, not mixtures of experts"
+    from tokenmill.models.llama import MLP, DecoderLayer  # here: llama.py imports quant, which imports this
+
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer:
+            # Gemma's MLP reads its own pre-feed-forward norm, not the post-attention one the factors go to.
+            return f"smoothing covers Llama's layer arrangement, not {type(layer).__name__}'s"
+        if type(layer.mlp) is not MLP:
+            # A norm's factors would reach the router as well as the experts; folding them there is not done.
+            return f"smoothing covers dense MLPs, not {type(layer.mlp).__name__}"
     return None
 
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tokenmill.models.architectures import HF_DEFAULTS
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -107,6 +109,7 @@ def from_config_json(path: Path) -> Arch:
     """Any Hugging Face config.json of a family tokenmill runs (models/architectures.py)."""
     try:
         c = json.loads(path.read_text())
+        c = {**HF_DEFAULTS.get(c.get("model_type", ""), {}), **c}  # keys transformers 4 left out
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         return Arch(
             name=path.parent.name or path.stem,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.models.architectures import GGUF_MODEL_TYPES
+from tokenmill.models.architectures import GGUF_MODEL_TYPES, HF_FAMILY_OF_GGUF
 from tokenmill.weights.gguf_file import GGUFFile
 
 
@@ -13,7 +13,15 @@ def hf_config_from_gguf(gguf: GGUFFile, has_output_tensor: bool) -> dict[str, An
     """config.json keys from GGUF metadata (a model without an output tensor ties it to the embedding)."""
     arch = gguf.architecture
     if arch not in GGUF_MODEL_TYPES:  # before its fields: another family's are named otherwise
-        raise ValueError(f"{gguf.path.name}: GGUF files of {arch} are not read yet; serve its HF directory")
+        if arch in HF_FAMILY_OF_GGUF:
+            raise ValueError(
+                f"{gguf.path.name}: GGUF files of {arch} are not read yet; serve its HF directory"
+            )
+        raise ValueError(f"{gguf.path.name}: unsupported architecture {arch} (tokenmill models)")
+    if gguf.arch_value("expert_count"):  # a Mixtral file says llama, with its experts' tensors merged
+        raise ValueError(
+            f"{gguf.path.name}: GGUF files of mixtures of experts are not read yet; serve its HF directory"
+        )
     hidden = int(gguf.arch_value("embedding_length"))
     num_heads = int(gguf.arch_value("attention.head_count"))
     num_kv = int(gguf.arch_value("attention.head_count_kv", num_heads))

@@ -65,6 +65,7 @@ class AttentionMetadata:
     # [num_decode, 1, 1, max_blocks * block_size] bool, built on first use (by backends that gather).
     _decode_mask: torch.Tensor | None = None
     _decode_window_masks: dict[int, torch.Tensor] | None = None
+    _longest_decode: int | None = None
 
     @classmethod
     def of(
@@ -95,6 +96,13 @@ class AttentionMetadata:
         for seg in prefills:
             seg.block_ids = seg.block_ids.to(device)
         return meta
+
+    def longest_decode_context(self) -> int:
+        """The longest context of the decode rows (0 without any), read once a step."""
+        if self._longest_decode is None:
+            lens = self.decode_context_lens
+            self._longest_decode = int(lens.max()) if lens is not None and len(lens) else 0
+        return self._longest_decode
 
     def decode_mask(self, window: int = 0) -> torch.Tensor:
         """Which positions of the gathered, padded block tables each decode row may see (with a sliding

@@ -37,8 +37,8 @@ class TorchReferenceBackend(AttentionBackend):
         # kernels take no window); the others the backend's own path.
         nd = meta.num_decode
         decode = self._decode
-        if window and nd and int(meta.decode_context_lens.max()) > window:  # type: ignore[union-attr]
-            decode = functools.partial(TorchReferenceBackend._decode, self, window=window)
+        if window and nd and meta.longest_decode_context() > window:
+            decode = functools.partial(self._sdpa_decode, window=window)
         if nd == q.shape[0]:  # a pure decode step: no copy into a combined output
             return decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
@@ -47,7 +47,7 @@ class TorchReferenceBackend(AttentionBackend):
         far = [s for s in meta.prefills if s.context_len > window] if window else []
         if far:
             near = [s for s in meta.prefills if s.context_len <= window]
-            TorchReferenceBackend._prefill(self, q, k, v, k_cache, v_cache, far, scale, out, window)
+            self._sdpa_prefill(q, k, v, k_cache, v_cache, far, scale, out, window)
             if near:
                 self._prefill(q, k, v, k_cache, v_cache, near, scale, out)
         else:
@@ -64,9 +64,24 @@ class TorchReferenceBackend(AttentionBackend):
         segments: list[PrefillSegment],
         scale: float,
         out: torch.Tensor,
+    ) -> None:
+        """Each prefill segment's attention into its rows of `out` (faster backends override it)."""
+        self._sdpa_prefill(q, k, v, k_cache, v_cache, segments, scale, out)
+
+    def _sdpa_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        segments: list[PrefillSegment],
+        scale: float,
+        out: torch.Tensor,
         window: int = 0,
     ) -> None:
-        """Each prefill segment's attention into its rows of `out`."""
+        """Each prefill segment's attention into its rows of `out`, by SDPA (the semantics), within a
+        sliding `window` where one is given."""
         num_kv = k.shape[1]
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -125,8 +140,20 @@ class TorchReferenceBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+    ) -> torch.Tensor:
+        """The decode rows' attention (faster backends override it)."""
+        return self._sdpa_decode(q, k_cache, v_cache, meta, scale)
+
+    def _sdpa_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
         window: int = 0,
     ) -> torch.Tensor:
+        """The decode rows' attention by SDPA over their gathered blocks, within a sliding `window`."""
         assert meta.decode_block_tables is not None
         bt = meta.decode_block_tables
         b, nb = bt.shape

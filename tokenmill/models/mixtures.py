@@ -5,6 +5,7 @@ set by decoder_sparse_step and mlp_only_layers, the others a dense MLP). The blo
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from torch import nn
 
@@ -23,7 +24,7 @@ _MIXTRAL_NAMES = [
 _QWEN_MOE_NAMES = [(re.compile(r"\.mlp\.gate\.weight$"), ".mlp.router.weight")]
 
 
-def _renamer(rules: list[tuple[re.Pattern[str], str]]):
+def _renamer(rules: list[tuple[re.Pattern[str], str]]) -> Callable[[str], str]:
     def rename(name: str) -> str:
         for pattern, to in rules:
             name = pattern.sub(to, name)
@@ -37,11 +38,14 @@ qwen_moe_names = _renamer(_QWEN_MOE_NAMES)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    float32_routing = True  # its experts' outputs scaled by float32 weights (models/moe.py)
+
     def make_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module:
         if cfg.is_moe_layer(layer):
-            return FusedMoE(cfg, shard, self.comm)
+            return FusedMoE(cfg, shard, self.comm, self.float32_routing)
         return super().make_mlp(cfg, layer, shard)
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):
     attention_cls = QKNormAttention
+    float32_routing = False
