@@ -410,3 +410,29 @@ def test_manager_usage():
     assert kv.usage == 3 / 8
     kv.free(a)
     assert kv.usage == 0.0
+
+
+def test_blocks_behind_a_sliding_window_go_back_to_the_pool():
+    """A model whose every layer sees the last 6 positions: a request's blocks wholly behind its window
+    return to the pool as it moves on, stay named for others' prefix hits, and are freed once."""
+    kv = KVCacheManager(16, BS, window=6)
+    req = make_request("a", list(range(30)))
+    run_prefill(kv, req, 10)  # positions 0-9, the first query at 0: nothing behind it
+    assert kv.released.get("a", 0) == 0 and kv.pool.num_free == 13
+    run_prefill(kv, req, 10)  # this step's first query (10) sees 5 on: block 0 (0-3) is behind
+    assert kv.released["a"] == 1 and kv.pool.num_free == 16 - 5 + 1
+    run_prefill(kv, req, 10)  # first query 20 sees 15 on: blocks 1 and 2 (4-11) too
+    assert kv.released["a"] == 3 and kv.pool.num_free == 16 - 8 + 3
+    assert len(kv.block_ids("a")) == 8  # the table keeps its length: positions and blocks still line up
+    hits, n = kv.get_computed_blocks(make_request("b", list(range(12)) + [99]))
+    assert n == 12 and hits == kv.req_blocks["a"][:3]  # released blocks are still found by their prefix
+    kv.free(req)
+    assert kv.pool.num_free == 16 and "a" not in kv.released
+
+
+def test_no_block_is_released_without_a_window():
+    kv = KVCacheManager(16, BS)
+    req = make_request("a", list(range(30)))
+    for _ in range(3):
+        run_prefill(kv, req, 10)
+    assert not kv.released and kv.pool.num_free == 8

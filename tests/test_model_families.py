@@ -117,9 +117,11 @@ def _assert_matches(outs, reference) -> None:
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_family_matches_transformers(name: str, checkpoints) -> None:
     path, prompts, reference = checkpoints[name]
-    # 12 blocks of 16 tokens hold about half of the batch: preemption; 32-token steps: chunked prefill.
+    # 12 blocks of 16 tokens hold about half of the batch: preemption (8 where a window on every layer
+    # returns blocks behind it); 32-token steps: chunked prefill.
+    blocks = 8 if name == "mistral-window" else 12
     llm = LLM(
-        model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=32, num_blocks=12,
+        model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=32, num_blocks=blocks,
         block_size=16,
     )  # fmt: skip
     assert llm.engine.info["model_config"]["architecture"] == _config(name).model_type
@@ -450,3 +452,28 @@ def test_released_configs_read_as_their_families_mean_them() -> None:
     )
     phi = ModelConfig.from_hf(RELEASED["Phi-3-mini-4k-instruct"])
     assert phi.sliding_window == 2047 and phi.window_layers == tuple(range(32)) and phi.rope_dim == 96
+
+
+def test_a_window_on_every_layer_returns_blocks_behind_it(checkpoints) -> None:
+    """Mistral's window (20 positions here) on every layer: a 90-token prompt decoded to 100 tokens holds
+    at most the blocks its window and step cover, not the 7 of its whole context, and answers as
+    transformers does."""
+    path, prompts, reference = checkpoints["mistral-window"]
+    llm = LLM(
+        model=str(path), dtype="float32", max_model_len=128, block_size=16, num_blocks=16,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    kv = llm.engine.kv
+    assert kv.window == 20
+    in_use: list[int] = []
+    allocate = kv.allocate_slots
+
+    def watched(*args, **kwargs) -> bool:
+        done = allocate(*args, **kwargs)
+        in_use.append(16 - kv.pool.num_free)
+        return done
+
+    kv.allocate_slots = watched  # type: ignore[method-assign]
+    _assert_matches(llm.generate(prompts[:1], _greedy()), reference[:1])
+    assert max(in_use) <= 5 and in_use[-1] <= 3, in_use
+    assert kv.pool.num_free == 16  # every block back, none twice

@@ -62,6 +62,14 @@ class EngineCore:
             self.kv.pool.num_blocks,
         )  # fmt: skip
 
+    def _window_on_every_layer(self) -> int:
+        """The model's sliding window where every layer has it and it is shorter than the context (Mistral
+        7B v0.1, Phi-3-mini-4k): then no layer reads a request's blocks behind it. 0 otherwise (Gemma 3's
+        global layers read the whole context)."""
+        m = self.model_config
+        every = set(m.window_layers) >= set(range(m.num_layers))
+        return m.sliding_window if every and 0 < m.sliding_window < self.max_model_len else 0
+
     def _init_after_workers(self, config: EngineConfig) -> None:
         self.info = self.executor.describe()
         self.model_config = ModelConfig.from_dict(self.info["model_config"])
@@ -96,8 +104,9 @@ class EngineCore:
             self.max_model_len = fits
         self.executor.allocate_kv_cache(num_blocks, cc.block_size)
         self.kv = KVCacheManager(
-            num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events
-        )
+            num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events,
+            window=self._window_on_every_layer(),
+        )  # fmt: skip
         if config.offload.kv_offload:
             self._attach_offload(config, specs[0])
         if config.kv_transfer.kv_role:

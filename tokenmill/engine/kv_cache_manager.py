@@ -16,8 +16,15 @@ if TYPE_CHECKING:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, kv_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_events: bool = False,
+        window: int = 0,
     ) -> None:
+        """`window`: the sliding window of a model whose every layer has one (0: none). A request's
+        blocks that fall wholly before its window are then returned to the pool as it moves on."""
         # Events only mean something with prefix caching: without it no block is ever named.
         self.events: list[KVEvent] | None = [] if kv_events and enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self._removed if self.events is not None else None)
@@ -25,6 +32,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.window = window
+        # How many of a request's first blocks went back to the pool behind its window. They stay in its
+        # list (and in the workers' block tables, which read them only under a mask that hides them),
+        # so that positions and block indices keep lining up.
+        self.released: dict[str, int] = {}
         # Counters in tokens, as vLLM reports them: hit rate = hits / queries. The scheduler counts a
         # request once, when it is admitted (not at every lookup while it waits).
         self.prefix_cache_queries = 0
@@ -129,7 +141,20 @@ class KVCacheManager:
             ]
             if named and self.events is not None:
                 self._stored(req, blocks, named)
+        if self.window and self.connector is None:
+            self._release_behind_window(req.request_id, blocks, start)
         return True
+
+    def _release_behind_window(self, rid: str, blocks: list[KVBlock], start: int) -> None:
+        """Return the blocks no query of the request reads again: this step's first query sits at
+        `start` and sees positions start - window + 1 on, and later ones only later positions. Each is
+        computed, so it stays named for other requests' prefix hits. Not with a KV connector, which may
+        hand a finished request's blocks on (offload, disaggregation)."""
+        behind = max(0, start - self.window + 1) // self.block_size
+        done = self.released.get(rid, 0)
+        if behind > done:
+            self.pool.free(reversed(blocks[done:behind]))
+            self.released[rid] = behind
 
     def _stored(self, req: Request, blocks: list[KVBlock], named: list[int]) -> None:
         """BlockStored events for newly named blocks, one per run of consecutive blocks; each block
@@ -177,6 +202,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
+        released = self.released.pop(req.request_id, 0)
         # A block named at scheduling time whose step never ran (the request was preempted while
         # being scheduled) must not be found by later lookups: its content was never written.
         full_computed = req.num_computed_tokens // self.block_size
@@ -184,7 +210,7 @@ class KVCacheManager:
             if b.block_hash is not None and b.ref_cnt == 1:
                 self.pool.uncache(b)
         # Tail blocks first: they hold the longest, least shared prefixes, so they go first.
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed(blocks[released:]))
 
     @property
     def usage(self) -> float:
