@@ -231,7 +231,7 @@ def test_experts_quantize_as_a_dense_mlp_does(method: str, tmp_path: Path, llm_f
     assert mixture < 2 * dense, (method, mixture, dense)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_served_family_answers_the_openai_client(name: str, checkpoints, llm_fp32: LLM) -> None:
     """`tokenmill serve --model <dir>`: the completion of a prompt given as token ids is transformers'
     greedy continuation, and a chat request is answered through the directory's chat template."""
