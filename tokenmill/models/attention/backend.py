@@ -10,7 +10,7 @@ semantics; faster backends are tested against it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,13 +23,12 @@ class PrefillSegment:
     q_len: int
     start_pos: int
     block_ids: torch.Tensor  # [num_blocks] long: the request's block table, up to this chunk's end
-    # [q_len, context_len] bool, built on first use and shared by all layers of the step.
-    mask: torch.Tensor | None = None
+    # [q_len, context_len] bool by sliding window (0: none), each built on first use and shared by all
+    # layers of the step.
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # The first block id when the block table is a run of consecutive ids (then the cached context is
     # a plain slice of the cache and needs no gather), else None.
     first_block: int | None = None
-    # Sliding windows' masks by window, built on first use as `mask` is.
-    window_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def context_len(self) -> int:
@@ -38,20 +37,13 @@ class PrefillSegment:
     def causal_mask(self, window: int = 0) -> torch.Tensor:
         """Query i sits at position start_pos + i and sees keys 0..start_pos + i; with a sliding `window`,
         only the last `window` of them (itself included)."""
-        if self.mask is None:
+        if window not in self.masks:
             dev = self.block_ids.device
-            qpos = torch.arange(self.start_pos, self.context_len, device=dev)
-            self.mask = torch.arange(self.context_len, device=dev)[None, :] <= qpos[:, None]
-        if not window:
-            return self.mask
-        if self.window_masks is None:
-            self.window_masks = {}
-        if window not in self.window_masks:
-            dev = self.block_ids.device
-            qpos = torch.arange(self.start_pos, self.context_len, device=dev)
-            recent = torch.arange(self.context_len, device=dev)[None, :] > qpos[:, None] - window
-            self.window_masks[window] = self.mask & recent
-        return self.window_masks[window]
+            qpos = torch.arange(self.start_pos, self.context_len, device=dev)[:, None]
+            kpos = torch.arange(self.context_len, device=dev)[None, :]
+            mask = kpos <= qpos
+            self.masks[window] = mask & (kpos > qpos - window) if window else mask
+        return self.masks[window]
 
 
 @dataclass
@@ -62,9 +54,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decode] long: tokens in context incl. the new one
     prefills: list[PrefillSegment]
     block_size: int
-    # [num_decode, 1, 1, max_blocks * block_size] bool, built on first use (by backends that gather).
-    _decode_mask: torch.Tensor | None = None
-    _decode_window_masks: dict[int, torch.Tensor] | None = None
+    # [num_decode, 1, 1, max_blocks * block_size] bool by sliding window (0: none), built on first use (by
+    # backends that gather).
+    _decode_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _longest_decode: int | None = None
 
     @classmethod
@@ -107,21 +99,17 @@ class AttentionMetadata:
     def decode_mask(self, window: int = 0) -> torch.Tensor:
         """Which positions of the gathered, padded block tables each decode row may see (with a sliding
         `window`, the last `window` of its context)."""
-        assert self.decode_block_tables is not None and self.decode_context_lens is not None
-        b, nb = self.decode_block_tables.shape
-        width = nb * self.block_size
-        if self._decode_mask is None:
-            pos = torch.arange(width, device=self.decode_context_lens.device)
-            self._decode_mask = (pos[None, :] < self.decode_context_lens[:, None]).view(b, 1, 1, width)
-        if not window:
-            return self._decode_mask
-        if self._decode_window_masks is None:
-            self._decode_window_masks = {}
-        if window not in self._decode_window_masks:
-            pos = torch.arange(width, device=self.decode_context_lens.device)
-            recent = (pos[None, :] >= self.decode_context_lens[:, None] - window).view(b, 1, 1, width)
-            self._decode_window_masks[window] = self._decode_mask & recent
-        return self._decode_window_masks[window]
+        if window not in self._decode_masks:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            b, nb = self.decode_block_tables.shape
+            width = nb * self.block_size
+            pos = torch.arange(width, device=self.decode_context_lens.device)[None, :]
+            lens = self.decode_context_lens[:, None]
+            mask = pos < lens
+            self._decode_masks[window] = (mask & (pos >= lens - window) if window else mask).view(
+                b, 1, 1, width
+            )
+        return self._decode_masks[window]
 
 
 class AttentionBackend(ABC):

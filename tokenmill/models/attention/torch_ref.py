@@ -85,24 +85,23 @@ class TorchReferenceBackend(AttentionBackend):
         num_kv = k.shape[1]
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if seg.start_pos == 0 and not (window and seg.q_len > window):
+            if seg.start_pos == 0:
                 # Nothing cached before this chunk: its own K/V are the whole context.
                 ks = k[seg.q_start : seg.q_start + seg.q_len]
                 vs = v[seg.q_start : seg.q_start + seg.q_len]
-                mask, causal = None, True
             else:
-                if seg.start_pos == 0:  # a whole prompt longer than the window: its own K/V, masked
-                    ks = k[seg.q_start : seg.q_start + seg.q_len]
-                    vs = v[seg.q_start : seg.q_start + seg.q_len]
-                elif seg.first_block is not None:
+                if seg.first_block is not None:
                     blocks = slice(seg.first_block, seg.first_block + len(seg.block_ids))
                     ks, vs = k_cache[blocks], v_cache[blocks]
                 else:
                     ks, vs = k_cache[seg.block_ids], v_cache[seg.block_ids]
-                if seg.start_pos:
-                    ks = self._values(ks.reshape(-1, num_kv, ks.shape[-1])[: seg.context_len], q.dtype)
-                    vs = self._values(vs.reshape(-1, num_kv, vs.shape[-1])[: seg.context_len], q.dtype)
-                mask, causal = seg.causal_mask(window), False
+                ks = self._values(ks.reshape(-1, num_kv, ks.shape[-1])[: seg.context_len], q.dtype)
+                vs = self._values(vs.reshape(-1, num_kv, vs.shape[-1])[: seg.context_len], q.dtype)
+            binds = window if window and seg.context_len > window else 0
+            if seg.start_pos == 0 and not binds:
+                mask, causal = None, True
+            else:
+                mask, causal = seg.causal_mask(binds), False
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.transpose(0, 1).unsqueeze(0),
