@@ -17,9 +17,16 @@ from starlette.exceptions import HTTPException
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.server.admission import Admission, Ticket
+from tokenmill.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_response,
+    is_anthropic_path,
+)
+from tokenmill.server.anthropic_serving import MessagesServing
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, engine_unavailable, error_response
-from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware
+from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware, presented_key
 from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.openai_protocol import (
@@ -32,6 +39,9 @@ from tokenmill.server.openai_protocol import (
 )
 from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
 from tokenmill.server.openapi import install as install_openapi
+from tokenmill.server.response_store import ResponseStore, owner_of
+from tokenmill.server.responses_protocol import ResponsesRequest
+from tokenmill.server.responses_serving import ResponsesServing
 from tokenmill.server.tool_calls import plan_tools, template_messages
 
 if TYPE_CHECKING:
@@ -60,6 +70,11 @@ class ServerState:
             config.engine.scheduler.max_num_seqs + config.max_queued_requests, config.max_pending_tokens
         )
         self.serving = OpenAIServing(llm, config.model_name, self.admission)
+        self.store = ResponseStore(
+            config.responses_store_max, int(config.responses_store_mb * 2**20), config.responses_store_ttl_s
+        )
+        self.responses = ResponsesServing(self.serving, self.store, self.admission)
+        self.messages = MessagesServing(self.serving, self.admission)
         self.metrics = Metrics(llm.client, config.model_name)
         llm.on_finished = self.metrics.observe
         llm.on_aborted = self.metrics.observe_aborted
@@ -78,12 +93,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         repository.metrics = TritonMetrics(state.metrics.registry)
         app.include_router(build_router(repository, int(config.max_request_body_mb * 2**20)))
 
+    # Errors in the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's
+    # elsewhere (KServe's /v2 answers its own).
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        if is_anthropic_path(request.url.path):
+            return anthropic_error_response(e.status, e.message, e.headers)
         return error_response(e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        if is_anthropic_path(request.url.path):
+            return anthropic_error_response(400, _describe(e.errors()))
         return error_response(400, _describe(e.errors()), _param(e.errors()))
 
     @app.exception_handler(HTTPException)
@@ -97,6 +118,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         if path == "/v2" or path.startswith("/v2/"):
             message = _http_message(request, e) + ("" if repository else " (no --model-repository is served)")
             return JSONResponse({"error": message}, status_code=e.status_code, headers=e.headers)
+        if is_anthropic_path(path):
+            return anthropic_error_response(e.status_code, _http_message(request, e), e.headers)
         return error_response(e.status_code, _http_message(request, e), headers=e.headers)
 
     if config.api_key:
@@ -152,16 +175,25 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             **({} if config.api_key else {"engine_pid": llm.client.engine_pid}),
         }
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def model_card() -> dict:
+        return {
             "id": config.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "tokenmill",
             "max_model_len": llm.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != config.model_name:
+            served = config.model_name
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves `{served}`.")
+        return model_card()
 
     # -- generation ---------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -175,6 +207,53 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         body = await _json_model(request, ChatCompletionRequest)
         _session_header(request, body)
         return await _generate(request, state, lambda t: state.serving.chat(body, t))
+
+    # -- the Responses API -------------------------------------------------------------------------
+    def owner(request: Request) -> str:
+        return owner_of(presented_key(dict(request.headers.raw)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await _json_model(request, ResponsesRequest)
+        if body.background:
+            return await _background(state, body, owner(request))
+        return await _generate(request, state, lambda t: state.responses.create(body, t, owner(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> dict:
+        return _stored(state, response_id, owner(request)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict:
+        if not state.store.delete(response_id, owner(request)):
+            raise APIError(404, f"response {response_id!r} not found", "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> dict:
+        return await state.responses.cancel(response_id, owner(request))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        request: Request, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict:
+        items = list(_stored(state, response_id, owner(request)).input_items)
+        return _page(items, order, limit, after)
+
+    # -- the Anthropic Messages API ----------------------------------------------------------------
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await _json_model(request, MessagesRequest)
+        return await _generate(request, state, lambda t: state.messages.create(body, t))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        body = await _json_model(request, CountTokensRequest)
+        ticket = state.admission.admit()  # the template and tokenizer are the work here
+        try:
+            return {"input_tokens": await state.messages.count_tokens(body)}
+        finally:
+            state.admission.release(ticket)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -199,10 +278,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         {
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/v1/messages": MessagesRequest,
+            "/v1/messages/count_tokens": CountTokensRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
         },
-        streaming={"/v1/completions", "/v1/chat/completions"},
+        streaming={"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"},
     )
     return app
 
@@ -251,18 +333,66 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
 
 
-async def _generate(
-    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]]
-) -> Response:
+def _admit(state: ServerState) -> Ticket:
+    """A ticket for a generation, or 503 (draining, no engine) or 429 (full)."""
     if state.draining:
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
     if not state.llm.client.healthy:
         raise APIError(503, engine_unavailable(state.llm.client.dead_reason or "not ready"))
     try:
-        ticket = state.admission.admit()
+        return state.admission.admit()
     except APIError:
         state.metrics.observe_failure("rejected_overload")
         raise
+
+
+async def _background(state: ServerState, body: ResponsesRequest, owner: str) -> Response:
+    """A background response: admitted like any generation, answered at once (queued); its task
+    gives the ticket back when it ends."""
+    ticket = _admit(state)
+    try:
+        run = await state.responses.prepare(body, owner)
+        state.admission.add_work(ticket, 1, len(run.prep.ids))
+        return JSONResponse(state.responses.start_background(run, ticket))
+    except BaseException:
+        state.admission.release(ticket)
+        raise
+
+
+def _stored(state: ServerState, response_id: str, owner: str):  # noqa: ANN202
+    entry = state.store.get(response_id, owner)
+    if entry is None:
+        raise APIError(404, f"response {response_id!r} not found", "response_id")
+    return entry
+
+
+def _page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
+    """A list page in OpenAI's shape (input_items): `order` asc or desc, up to `limit` after an id."""
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be asc or desc", "order")
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be between 1 and 100", "limit")
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        if after not in ids:
+            raise APIError(400, f"no item {after!r} in this list", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+async def _generate(
+    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]]
+) -> Response:
+    ticket = _admit(state)
     try:
         result = await _cancel_on_disconnect(request, make(ticket))
     except BaseException as e:

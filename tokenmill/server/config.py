@@ -79,13 +79,19 @@ class ServerConfig:
     host: str = setting("127.0.0.1", help="address to listen on")
     port: int = setting(8000, help="HTTP port")
     served_model_name: str | None = setting(None, help="the model name clients use (default: --model)")
-    api_key: str | None = setting(None, envvar="TOKENMILL_API_KEY", help="require this bearer token")
+    api_key: str | None = setting(
+        None, envvar="TOKENMILL_API_KEY", help="require this API key (several: comma-separated)"
+    )
     # Admission: requests beyond max_num_seqs that may wait in the engine; more get 429.
     max_queued_requests: int = setting(256, help="requests that may wait beyond max-num-seqs (then 429)")
     max_pending_tokens: int = setting(1_000_000, help="prompt tokens in flight before new requests get 429")
     drain_timeout_s: float = setting(
         30.0, flag="drain-timeout", help="seconds requests get to finish on SIGTERM"
     )
+    # The Responses API's store (`store: true`): in memory, bounded by count, bytes and age.
+    responses_store_max: int = setting(10_000, help="stored Responses kept at most (then the oldest go)")
+    responses_store_mb: float = setting(256.0, help="memory the stored Responses may take")
+    responses_store_ttl_s: float = setting(3600.0, help="how long a stored Response is kept")
     # Request bodies, compressed or after decompression (KServe's gzip/deflate), are capped at this.
     max_request_body_mb: float = setting(64.0, help="largest request body, compressed or inflated")
     # KServe v2 model repository (Triton's flags); None: the OpenAI API only.

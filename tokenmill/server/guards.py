@@ -13,6 +13,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.server.anthropic_protocol import anthropic_error_response, is_anthropic_path
 from tokenmill.server.errors import error_response
 
 OPEN_PATHS = {
@@ -30,20 +31,36 @@ OPEN_PATHS = {
 def protocol_error(path: str, status: int, message: str) -> JSONResponse:
     if path.startswith("/v2"):
         return JSONResponse({"error": message}, status_code=status)
+    if is_anthropic_path(path):
+        return anthropic_error_response(status, message)
     return error_response(status, message)
 
 
+def presented_key(headers: dict[bytes, bytes]) -> str | None:
+    """The API key a request carries: OpenAI clients send `Authorization: Bearer`, Anthropic's
+    `x-api-key`."""
+    auth = headers.get(b"authorization", b"")
+    if auth[:7].lower() == b"bearer ":
+        return auth[7:].decode("latin-1").strip()
+    key = headers.get(b"x-api-key")
+    return key.decode("latin-1").strip() if key is not None else None
+
+
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every path but health, metrics and version."""
+    """An API key on every path but health, metrics and version: one of `keys` (comma-separated), as
+    `Authorization: Bearer <key>` or `x-api-key: <key>`."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app = app
+        self.keys = [k.strip().encode() for k in key.split(",") if k.strip()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                msg = "invalid or missing API key: send `Authorization: Bearer <key>`"
+            key = (presented_key(dict(scope["headers"])) or "").encode("latin-1", "replace")
+            # Every key compared, in constant time each: which one matched does not show in the timing.
+            matched = [hmac.compare_digest(key, k) for k in self.keys]
+            if not any(matched):
+                msg = "invalid or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
                 await protocol_error(scope["path"], 401, msg)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

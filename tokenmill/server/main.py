@@ -168,13 +168,14 @@ async def _say_loading(config: ServerConfig, sock: socket.socket, after_s: float
 
 def _announce(config: ServerConfig, llm: AsyncLLM, port: int) -> None:
     base = f"http://{config.host}:{port}"
+    key = (config.api_key or "none").split(",")[0]
     print(
         f"tokenmill serving {config.model_name!r} on {base} "
         f"(max_model_len {llm.max_model_len}, engine loaded in {llm.client.info['load_seconds']:.2f}s)\n"
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{config.model_name}", "messages": """
         f"""[{{"role": "user", "content": "Hello!"}}]}}'\n"""
-        f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{config.api_key or 'none'}')",
+        f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{key}')",
         file=sys.stderr,
         flush=True,
     )

@@ -49,6 +49,16 @@ class RequestFieldError(ValueError):
         self.param = param
 
 
+def first_error(e: ValueError) -> str:
+    """A validation error in one line: the first problem pydantic found, with where it is."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return f"{loc}: {first.get('msg')}" if loc else str(first.get("msg"))
+    return str(e)
+
+
 # OpenAI's rule for names the model writes back (json_schema names, function names).
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -295,6 +305,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the final assistant message is the start of the reply, which goes on from its text.
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -10,6 +10,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.client import (
@@ -335,14 +336,8 @@ class OpenAIServing:
                 rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
             ):
                 last = ro
-        except RequestRejectedError as e:
-            raise APIError(400, str(e)) from e
-        except EngineDeadError as e:
-            raise APIError(503, engine_unavailable(e)) from e
-        except RequestInvalidError as e:  # its grammar gave out while it ran
-            raise APIError(400, str(e)) from e
-        except RequestFailedError as e:
-            raise APIError(500, str(e)) from e
+        except (RequestRejectedError, EngineDeadError, RequestFailedError) as e:
+            raise generation_error(e) from e
         assert last is not None
         return last
 
@@ -362,7 +357,10 @@ class OpenAIServing:
         }
 
     # -- chat -----------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
+    async def prepare_chat(self, req: ChatCompletionRequest, param: str = "messages") -> PreparedChat:
+        """A chat request made ready to run: its tool plan, prompt ids and sampling parameters. The
+        Responses and Messages APIs translate their requests to a chat request and come through here,
+        so that every check (model, tools, constraints, template, context length) is the same."""
         self.check_model(req.model)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice
@@ -374,14 +372,24 @@ class OpenAIServing:
             raise APIError(400, str(e), e.param) from e
         structured = await self.output_constraint(req, plan)
         tok = self.llm.tokenizer
-        messages, prompt_tools = template_messages(
-            [chat_message_dict(m) for m in req.messages], plan, tok.supports_tools
-        )
+        dicts = [chat_message_dict(m) for m in req.messages]
+        prefill = ""
+        if req.continue_final_message:
+            if dicts[-1].get("role") != "assistant" or dicts[-1].get("tool_calls"):
+                raise APIError(400, "continuing the final message needs it to be an assistant's text", param)
+            prefill = str(dicts.pop()["content"])
+        messages, prompt_tools = template_messages(dicts, plan, tok.supports_tools)
         extra = {"tools": prompt_tools} if prompt_tools else {}
-        ids = await self.encode_chat(messages, req.add_generation_prompt, extra)
+        ids = await self.encode_chat(messages, req.add_generation_prompt or bool(prefill), extra, param)
+        if prefill:  # the reply goes on from the text the assistant turn already holds
+            ids += (await self.encode([prefill], param, add_special_tokens=False))[0]
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        p = self.params(req, len(ids), max_tokens, logprobs, structured)
+        return PreparedChat(ids, self.params(req, len(ids), max_tokens, logprobs, structured), plan)
+
+    async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
+        prep = await self.prepare_chat(req)
+        ids, p, plan = prep.ids, prep.params, prep.plan
         self.admission.add_work(ticket, p.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -397,6 +405,30 @@ class OpenAIServing:
             "choices": choices,
             "usage": usage(len(ids), completion, ro.num_cached_tokens),
         }
+
+    async def turn(self, rid: str, req: ChatCompletionRequest, prep: PreparedChat) -> AsyncIterator[TurnStep]:
+        """One reply (n = 1) as it is generated, its text already split into content and tool-call
+        fragments: what the Responses and Messages APIs shape into their own events. Engine errors come
+        out as APIError."""
+        parser = prep.plan.parser() if prep.plan is not None else None
+        try:
+            async for ro in self.llm.generate(
+                rid, prep.ids, prep.params, priority=req.priority, cache_salt=req.cache_salt,
+                routing_key=req.user,
+            ):
+                o = ro.outputs[0]
+                if parser is None:
+                    parsed = ParsedDelta(content=o.delta_text)
+                else:
+                    parsed = parser.feed(o.delta_text) if o.delta_text else ParsedDelta()
+                    if o.finished:
+                        parsed.extend(parser.finish())
+                calls = parser.calls_made if parser is not None else 0
+                yield TurnStep(o, parsed, ro.num_cached_tokens, calls)
+        except APIError:
+            raise
+        except Exception as e:
+            raise generation_error(e) from e
 
     def _chat_choice(self, o: CompletionOutput, plan: ToolPlan | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
@@ -526,18 +558,38 @@ def chat_message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def stream_error(e: Exception) -> dict:
-    if isinstance(e, APIError):
-        return error_body(e.status, e.message, e.param)
-    if isinstance(e, RequestRejectedError):
-        return error_body(400, str(e))
+@dataclass
+class PreparedChat:
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan | None
+
+
+@dataclass
+class TurnStep:
+    """One step of a reply: the engine's output so far, the step's text split into content and call
+    fragments, the prompt tokens found cached, and how many calls the reply has begun."""
+
+    output: CompletionOutput
+    parsed: ParsedDelta
+    cached_tokens: int
+    calls_made: int
+
+
+def generation_error(e: Exception) -> APIError:
+    """The client's error for an engine error while generating."""
     if isinstance(e, EngineDeadError):  # its reason may name the engine's ipc:// socket: not for clients
-        return error_body(503, engine_unavailable(e))
-    if isinstance(e, RequestInvalidError):
-        return error_body(400, str(e))
+        return APIError(503, engine_unavailable(e))
+    if isinstance(e, RequestRejectedError | RequestInvalidError):  # invalid: its grammar gave out
+        return APIError(400, str(e))
     if isinstance(e, RequestFailedError):
-        return error_body(500, str(e))
-    return error_body(500, f"internal error: {type(e).__name__}")
+        return APIError(500, str(e))
+    return APIError(500, f"internal error: {type(e).__name__}")
+
+
+def stream_error(e: Exception) -> dict:
+    err = e if isinstance(e, APIError) else generation_error(e)
+    return error_body(err.status, err.message, err.param)
 
 
 def _offsets(tokens: list[str]) -> list[int]:

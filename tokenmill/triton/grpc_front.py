@@ -210,7 +210,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     sends with `headers={"authorization": ...}`), as the HTTP front requires the same header."""
 
     def __init__(self, key: str) -> None:
-        self.expected = f"Bearer {key}".encode()
+        # Several keys, comma-separated, as on HTTP.
+        self.expected = [f"Bearer {k.strip()}".encode() for k in key.split(",") if k.strip()]
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
             msg = "invalid or missing API key: send `authorization: Bearer <key>`"
@@ -222,7 +223,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
             return await continuation(details)
         auth = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(auth.encode() if isinstance(auth, str) else auth, self.expected):
+        presented = auth.encode() if isinstance(auth, str) else auth
+        if any([hmac.compare_digest(presented, k) for k in self.expected]):
             return await continuation(details)
         return self._deny
 
