@@ -85,6 +85,19 @@ _V2_BODIES: dict[str, tuple[bool, dict[str, Any]]] = {  # path suffix -> (requir
     "/load": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
     "/unload": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
 }
+# Anthropic's error shape, for /v1/messages (anthropic_protocol.py).
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
 _REF = "#/components/schemas/{model}"
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 
@@ -98,13 +111,20 @@ def install(app: FastAPI, bodies: dict[str, type[BaseModel]], streaming: set[str
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         _add_model(schemas, ErrorResponse)
-        error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
+        openai_error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 if path.startswith("/v2"):
                     _document_v2(path, op, responses)
                     continue
+                anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+                error = {"application/json": {"schema": _ANTHROPIC_ERROR}} if anthropic else openai_error
+                if "422" in responses:  # parameter errors are answered 400 (app.py), as body errors
+                    del responses["422"]
+                    responses["400"] = {"description": "invalid parameter", "content": error}
+                if "{" in path:  # an id in the path that names nothing
+                    responses.setdefault("404", {"description": "not found", "content": error})
                 for code, text in _COMMON_ERRORS.items():
                     responses.setdefault(code, {"description": text, "content": error})
                 if method != "post" or path not in bodies:
