@@ -17,7 +17,8 @@ from tokenmill.engine.client import RequestRejectedError
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.inproc_client import InprocEngineClient
 from tokenmill.frontend.async_llm import AsyncLLM, Submitted
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling import finish, model_pooling
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -104,6 +105,31 @@ class LLM:
             for c in convs
         ]
         return self.generate(prompts, sampling_params, **kwargs)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding of each prompt (text or token ids): the model's final hidden states pooled as
+        its folder says (pooling.py; by default the last token's, normalized), computed by the same
+        scheduler as generation (the prompt is read, nothing is sampled)."""
+        default = model_pooling(self.config.model)
+        params = SamplingParams(max_tokens=1, pooling=pooling or default.type)
+        unit = default.normalize if normalize is None else normalize
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                o.request_id,
+                o.prompt_token_ids,
+                EmbeddingOutput(finish(o.outputs[0].embedding or [], unit, dimensions)),
+            )
+            for o in outs
+        ]
 
     async def _generate(
         self,

@@ -34,6 +34,8 @@ class CompletionOutput:
     delta_text: str = ""  # new since the previous RequestOutput of this request
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    # An embedding request's pooled final hidden state, as the engine made it (not normalized).
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,3 +57,17 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed hands back for each prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -33,6 +33,9 @@ class StructuredOutputs:
         return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
 
 
+POOLING_TYPES = (None, "last", "mean", "cls")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy."""
@@ -57,6 +60,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # constrain the output to a schema, regex, choice, grammar
     speculative: bool = True  # False: this request opts out of speculative decoding
+    # An embedding request: its prompt is read and its final hidden states pooled ("last" token,
+    # "mean" of all, "cls": the first), in place of any token being sampled.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +107,10 @@ class SamplingParams:
                 f"logprobs must be in [0, 20], got {self.logprobs}",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                self.pooling in POOLING_TYPES,
+                f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}, got {self.pooling!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

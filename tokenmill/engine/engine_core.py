@@ -254,6 +254,9 @@ class EngineCore:
             lp = lps.get(req.request_id)
             new = req.output_token_ids[-k:]
             outputs.append(self._output(req, new, None if lp is None else lp[:k], req.token_times[-k:]))
+        if result.pooled:  # embedding requests: their prompt is read, their vector is the answer
+            done = self.scheduler.finish_requests(sorted(result.pooled), FinishReason.STOP)
+            outputs.extend(self._output(r, [], None, [], pooled=result.pooled[r.request_id]) for r in done)
         if errors:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
             outputs.extend(
@@ -283,6 +286,7 @@ class EngineCore:
         lps: list[TokenLogprobs] | None,
         times: list[float],
         error: str | None = None,
+        pooled: bytes | None = None,
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id,
@@ -300,6 +304,7 @@ class EngineCore:
             new_token_times=times,
             kv_transfer=req.kv_transfer_out if req.finish_reason is not None else None,
             error=error,
+            pooled=pooled,
         )
 
     def stats(self) -> EngineStats:

@@ -109,7 +109,9 @@ class Scheduler:
                 break
             req = self.waiting.peek()
             computed, hit, ext, background = [], 0, 0, False
-            if req.num_computed_tokens == 0:
+            # Mean and first-token pooling read the hidden state of every prompt token (or the first):
+            # cached blocks hold keys and values, not those, so such requests compute their prompt whole.
+            if req.num_computed_tokens == 0 and req.params.pooling not in ("mean", "cls"):
                 computed, hit = self.kv.get_computed_blocks(req)
                 if connector is not None and self.kv.enable_prefix_caching and not req.kv_loaded:
                     ext, background = connector.num_external_blocks(req, len(computed))

@@ -7,6 +7,8 @@ engine loop only ever deals with token ids.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from array import array
 
 from tokenmill.engine.protocol import EngineCoreOutput, FinishReason
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -33,6 +35,7 @@ class SequenceState:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.num_cached_tokens = 0
+        self.embedding: list[float] | None = None
         # Stop strings do not apply to constrained output: it ends where its grammar is complete (or at
         # max_tokens), never cut in the middle of a document by a string that occurs inside it.
         self.stops = [] if params.structured is not None else params.stop
@@ -51,6 +54,11 @@ class SequenceState:
         m.token_times.extend(out.new_token_times)
         m.num_preemptions = out.num_preemptions
         self.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:  # float32 little-endian bytes; array, not numpy: the frontend stays light
+            vector = array("f", out.pooled)
+            if sys.byteorder == "big":
+                vector.byteswap()
+            self.embedding = vector.tolist()
         prev_len = len(self.text)
         shown = out.new_token_ids
         if out.stop_token is not None and not self.params.include_stop_str_in_output:
@@ -100,6 +108,7 @@ class SequenceState:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             metrics=self.metrics,
+            embedding=self.embedding,
         )
 
 

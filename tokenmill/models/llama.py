@@ -209,13 +209,25 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S]: rows whose next-token logits are wanted
-    ) -> torch.Tensor:  # [S, vocab] in the model's dtype on the last stage; else [T, hidden] activations
+        pool_indices: torch.Tensor | None = None,  # [P]: rows whose final hidden states are wanted
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[S, vocab] logits in the model's dtype on the last stage, and with `pool_indices` also the
+        [P, hidden] final-norm hidden states of those rows (what embeddings pool); on other stages the
+        [T, hidden] activations for the next."""
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self._embed(inputs) if self.shard.first_stage else inputs
         residual = self.run_layers(residual, positions, kv_caches, meta, backend)
         if not self.shard.last_stage:
             return residual
-        h = ops.rms_norm(residual[logits_indices], self.norm.weight, eps)
+        logits = self.logits(residual[logits_indices])
+        if pool_indices is None:
+            return logits
+        return logits, ops.rms_norm(residual[pool_indices], self.norm.weight, eps)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of residual-stream rows: the final norm, the head, the softcap."""
+        ops, eps = self.ops, self.config.rms_norm_eps
+        h = ops.rms_norm(rows, self.norm.weight, eps)
         # In the model's dtype, as the head computed them: the sampler widens to float32 only what it edits
         # (penalties, masks, draft rows). A float32 copy here cost a step ~50 MB of fresh pages at 256
         # rows, the most page faults of an offline run (perf), for no precision the head had not already

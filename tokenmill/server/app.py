@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.pooling import model_pooling
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.anthropic_protocol import (
     CountTokensRequest,
@@ -25,6 +26,7 @@ from tokenmill.server.anthropic_protocol import (
 )
 from tokenmill.server.anthropic_serving import MessagesServing
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.embeddings import EmbeddingRequest, PoolingServing, RerankRequest, ScoreRequest
 from tokenmill.server.errors import APIError, engine_unavailable, error_response
 from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware, presented_key
 from tokenmill.server.json_body import BodyError, parse_json
@@ -75,6 +77,7 @@ class ServerState:
         )
         self.responses = ResponsesServing(self.serving, self.store, self.admission)
         self.messages = MessagesServing(self.serving, self.admission)
+        self.pooling = PoolingServing(self.serving, self.admission, model_pooling(config.engine.model))
         self.metrics = Metrics(llm.client, config.model_name)
         llm.on_finished = self.metrics.observe
         llm.on_aborted = self.metrics.observe_aborted
@@ -240,6 +243,22 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         items = list(_stored(state, response_id, owner(request)).input_items)
         return _page(items, order, limit, after)
 
+    # -- embeddings, and scores from them ------------------------------------------------------------
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await _json_model(request, EmbeddingRequest)
+        return await _generate(request, state, lambda t: state.pooling.embeddings(body, t))
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        body = await _json_model(request, ScoreRequest)
+        return await _generate(request, state, lambda t: state.pooling.score(body, t))
+
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        body = await _json_model(request, RerankRequest)
+        return await _generate(request, state, lambda t: state.pooling.rerank(body, t))
+
     # -- the Anthropic Messages API ----------------------------------------------------------------
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -281,6 +300,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             "/v1/responses": ResponsesRequest,
             "/v1/messages": MessagesRequest,
             "/v1/messages/count_tokens": CountTokensRequest,
+            "/v1/embeddings": EmbeddingRequest,
+            "/v1/score": ScoreRequest,
+            "/v1/rerank": RerankRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
         },

@@ -118,6 +118,9 @@ class ModelRunner:
         segments: list[PrefillSegment] = []
         tables: list[list[int]] = []
         ctx_lens: list[int] = []
+        pool_rows: list[int] = []  # rows whose hidden states embedding requests pool
+        pool_owners: list[CachedRequestState] = []  # the request of each of those rows
+        pooled: list[CachedRequestState] = []  # embedding requests whose prompt this step ends
         for st, start, n in decodes + prefills:
             end = start + n
             block_ids = st.block_ids
@@ -137,7 +140,13 @@ class ModelRunner:
                 if ids == list(range(ids[0], ids[0] + len(ids))):  # a run: the context is a cache slice
                     seg.first_block = ids[0]
                 segments.append(seg)
-            if end - len(draft) == st.num_tokens:  # the step completes its known tokens: sample
+            if st.params.pooling is not None:  # an embedding request: pooled, never sampled
+                rows = _pooled_rows(st.params.pooling, q_start, start, end, st.num_tokens)
+                pool_rows.extend(rows)
+                pool_owners.extend([st] * len(rows))
+                if end == st.num_tokens:
+                    pooled.append(st)
+            elif end - len(draft) == st.num_tokens:  # the step completes its known tokens: sample
                 logits_rows.extend(range(len(token_ids) - len(draft) - 1, len(token_ids)))
                 sampled.append(st)
                 drafts.append(draft)
@@ -157,12 +166,17 @@ class ModelRunner:
             meta,
             self.backend,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(pool_rows, dtype=torch.long, device=dev) if pool_rows else None,
         )
         if not ps.is_last_stage:
             ps.send_activations(result)
             return ModelRunnerOutput()
+        pooled_out: dict[str, bytes] = {}
+        if pool_rows:
+            result, hidden = result
+            pooled_out = _pool(hidden, pool_owners, pooled)
         if not ps.samples or not sampled:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(pooled=pooled_out if ps.samples else {})
         bitmask = self.grammars.bitmask(sampled, drafts, result.shape[-1]) if self.grammars else None
         res = self.sampler(result.cpu(), sampled, drafts, bitmask)
         errors = {sampled[i].request_id: msg for i, msg in res.errors.items()}
@@ -177,6 +191,7 @@ class ModelRunner:
             logprobs=res.logprobs,
             errors=errors,
             client_errors=client_errors,
+            pooled=pooled_out,
         )
         if self.speculator is not None:
             # A step that also read prompts says nothing about what decoding with or without drafts
@@ -185,3 +200,34 @@ class ModelRunner:
             output.spec_token_ids = self.speculator.propose(sampled, output, drafts, step_seconds)
         output.execute_seconds = time.perf_counter() - t0
         return output
+
+
+def _pooled_rows(pooling: str, q_start: int, start: int, end: int, num_tokens: int) -> list[int]:
+    """The step rows (from q_start, for positions start..end-1) an embedding request pools."""
+    if pooling == "mean":
+        return list(range(q_start, q_start + end - start))
+    if pooling == "cls":
+        return [q_start] if start == 0 else []
+    return [q_start + end - start - 1] if end == num_tokens else []  # "last"
+
+
+def _pool(
+    hidden: torch.Tensor, owners: list[CachedRequestState], done: list[CachedRequestState]
+) -> dict[str, bytes]:
+    """Add this step's pooled rows to their requests; the vectors of those whose prompt ended, as
+    float32 bytes. Sums are float32 whatever the model's dtype, as a mean over a long prompt needs."""
+    rows = hidden.float().cpu()
+    start = 0
+    while start < len(owners):
+        st, stop = owners[start], start + 1
+        while stop < len(owners) and owners[stop] is st:
+            stop += 1
+        part = rows[start:stop].sum(0)
+        st.pool_sum = part if st.pool_sum is None else st.pool_sum + part
+        st.pool_rows += stop - start
+        start = stop
+    out = {}
+    for st in done:
+        vector = st.pool_sum / max(st.pool_rows, 1)
+        out[st.request_id] = vector.numpy().astype("<f4").tobytes()
+    return out

@@ -3,6 +3,8 @@ draws need nothing more: they are a function of its seed and output position, wo
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.step import NewRequestData
 
@@ -15,6 +17,10 @@ class CachedRequestState:
         self.params: SamplingParams = new.sampling_params
         self.eos_token_ids = frozenset(new.eos_token_ids)
         self.block_ids: list[int] = list(new.block_ids)
+        # An embedding request's pooled rows so far (float32 sum, row count): "mean" pooling sums the
+        # hidden states of every chunk of its prompt.
+        self.pool_sum: Any = None
+        self.pool_rows = 0
 
     @property
     def num_tokens(self) -> int:

@@ -84,6 +84,9 @@ class ModelRunnerOutput:
     # The drafts a request had verified that were accepted, then one token of the target's own.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Embedding requests whose prompt this step finished: request id -> the pooled hidden state
+    # (float32 bytes). They sample nothing and are done.
+    pooled: dict[str, bytes] = field(default_factory=dict)
     # Request id -> what went wrong, for requests that could not be sampled (they fail alone).
     errors: dict[str, str] = field(default_factory=dict)
     # Of those, the requests that failed by their own doing (a grammar with no continuation): why, for
