@@ -243,6 +243,14 @@ def serve(config: ServerConfig) -> None:
         fail("--load-model applies to --model-control-mode explicit")
     if engine.parallel.tensor_parallel_size < 1 or engine.parallel.pipeline_parallel_size < 1:
         fail("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    from tokenmill.server.reasoning import reasoning_parser
+    from tokenmill.server.tool_parsers import tool_format
+
+    try:  # checked before the engine loads: a misspelt name is a one-line error, not a minute's wait
+        tool_format(config.tool_call_parser, None)
+        reasoning_parser(config.reasoning_parser)
+    except ValueError as e:
+        fail(f"{e}")
     from tokenmill.engine.client import EngineDeadError
 
     try:

@@ -46,6 +46,12 @@ class BlockBuilder:
 
     def step(self, step: TurnStep) -> list[dict[str, Any]]:
         o, parsed, events = step.output, step.parsed, []
+        if parsed.reasoning:  # with --reasoning-parser: a thinking block (unsigned: nothing to verify)
+            if not (self.open and self.blocks[-1]["type"] == "thinking"):
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.blocks[-1]["thinking"] += parsed.reasoning
+            delta = {"type": "thinking_delta", "thinking": parsed.reasoning}
+            events.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
         if parsed.content:
             if not (self.open and self.blocks[-1]["type"] == "text"):
                 events += self._start({"type": "text", "text": ""})

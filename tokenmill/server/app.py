@@ -71,7 +71,9 @@ class ServerState:
         self.admission = Admission(
             config.engine.scheduler.max_num_seqs + config.max_queued_requests, config.max_pending_tokens
         )
-        self.serving = OpenAIServing(llm, config.model_name, self.admission)
+        self.serving = OpenAIServing(
+            llm, config.model_name, self.admission, config.tool_call_parser, config.reasoning_parser
+        )
         self.store = ResponseStore(
             config.responses_store_max, int(config.responses_store_mb * 2**20), config.responses_store_ttl_s
         )

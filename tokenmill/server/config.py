@@ -88,6 +88,14 @@ class ServerConfig:
     drain_timeout_s: float = setting(
         30.0, flag="drain-timeout", help="seconds requests get to finish on SIGTERM"
     )
+    tool_call_parser: str = setting(
+        "auto",
+        help="how the model writes tool calls: auto (from its chat template), hermes, qwen3, llama3_json, "
+        "mistral or pythonic",
+    )
+    reasoning_parser: str | None = setting(
+        None, help="split <think> reasoning from the answer: deepseek_r1 or qwen3 (default: none)"
+    )
     # The Responses API's store (`store: true`): in memory, bounded by count, bytes and age.
     responses_store_max: int = setting(10_000, help="stored Responses kept at most (then the oldest go)")
     responses_store_mb: float = setting(256.0, help="memory the stored Responses may take")

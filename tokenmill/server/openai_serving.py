@@ -32,15 +32,17 @@ from tokenmill.server.openai_protocol import (
     RequestFieldError,
     now,
 )
+from tokenmill.server.reasoning import reasoning_parser, reply_parser
 from tokenmill.server.tool_calls import (
     ParsedDelta,
     ToolCallParser,
     ToolPlan,
     finish_reason,
-    parse_complete,
+    parse_reply,
     plan_tools,
     template_messages,
 )
+from tokenmill.server.tool_parsers import NEEDS_SPECIAL_TOKENS, tool_format
 from tokenmill.tokenizer.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -52,10 +54,20 @@ def sse(obj: Any) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, admission: Admission) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        admission: Admission,
+        tool_parser: str = "auto",
+        reasoning: str | None = None,
+    ) -> None:
         self.llm = llm
         self.model_name = model_name
         self.admission = admission
+        # How the model writes the calls it chooses to make, and how it marks its reasoning.
+        self.tool_format = tool_format(tool_parser, llm.tokenizer.chat_template)
+        self.reasoning = reasoning_parser(reasoning)
         # Built on the first constrained request (it reads the whole vocabulary, ~0.2 s).
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = asyncio.Lock()
@@ -366,12 +378,14 @@ class OpenAIServing:
         choice = req.tool_choice
         if isinstance(choice, NamedToolChoice):
             choice = choice.model_dump()
+        tok = self.llm.tokenizer
+        # A template that does not list tools gets this server's tool prompt, which asks for Hermes'.
+        fmt = self.tool_format if tok.supports_tools else "hermes"
         try:
-            plan = plan_tools(tools, choice, req.parallel_tool_calls)
+            plan = plan_tools(tools, choice, req.parallel_tool_calls, fmt)
         except RequestFieldError as e:
             raise APIError(400, str(e), e.param) from e
         structured = await self.output_constraint(req, plan)
-        tok = self.llm.tokenizer
         dicts = [chat_message_dict(m) for m in req.messages]
         prefill = ""
         if req.continue_final_message:
@@ -385,17 +399,27 @@ class OpenAIServing:
             ids += (await self.encode([prefill], param, add_special_tokens=False))[0]
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return PreparedChat(ids, self.params(req, len(ids), max_tokens, logprobs, structured), plan)
+        params = self.params(req, len(ids), max_tokens, logprobs, structured)
+        if plan is not None and plan.mode == "auto" and plan.format in NEEDS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False  # the format's tags are special tokens
+        return PreparedChat(ids, params, plan)
+
+    def reply_parser(self, prep: PreparedChat) -> ToolCallParser | None:
+        """What splits a reply: reasoning from the answer (with a reasoning parser; not for constrained
+        output, which is constrained from its first token and holds no reasoning), calls from text."""
+        tools = prep.plan.parser() if prep.plan is not None else None
+        reasoning = self.reasoning if prep.params.structured is None else None
+        return reply_parser(reasoning, tools)
 
     async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         prep = await self.prepare_chat(req)
-        ids, p, plan = prep.ids, prep.params, prep.plan
+        ids, p = prep.ids, prep.params
         self.admission.add_work(ticket, p.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return self._stream_chat(rid, req, ids, p, plan)
+            return self._stream_chat(rid, req, prep)
         ro = await self._final(rid, ids, p, req)
-        choices = [self._chat_choice(o, plan) for o in ro.outputs]
+        choices = [self._chat_choice(o, self.reply_parser(prep)) for o in ro.outputs]
         completion = sum(len(o.token_ids) for o in ro.outputs)
         return {
             "id": rid,
@@ -410,7 +434,7 @@ class OpenAIServing:
         """One reply (n = 1) as it is generated, its text already split into content and tool-call
         fragments: what the Responses and Messages APIs shape into their own events. Engine errors come
         out as APIError."""
-        parser = prep.plan.parser() if prep.plan is not None else None
+        parser = self.reply_parser(prep)
         try:
             async for ro in self.llm.generate(
                 rid, prep.ids, prep.params, priority=req.priority, cache_salt=req.cache_salt,
@@ -430,13 +454,14 @@ class OpenAIServing:
         except Exception as e:
             raise generation_error(e) from e
 
-    def _chat_choice(self, o: CompletionOutput, plan: ToolPlan | None) -> dict[str, Any]:
+    def _chat_choice(self, o: CompletionOutput, parser: ToolCallParser | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         reason = o.finish_reason
-        parser = plan.parser() if plan is not None else None
         if parser is not None:
-            content, calls = parse_complete(parser, o.text)
+            reasoning, content, calls = parse_reply(parser, o.text)
             message["content"] = content
+            if self.reasoning is not None:
+                message["reasoning_content"] = message["reasoning"] = reasoning or None
             if calls:
                 message["tool_calls"] = calls
             reason = finish_reason(reason, len(calls))
@@ -449,8 +474,9 @@ class OpenAIServing:
         }
 
     async def _stream_chat(
-        self, rid: str, req: ChatCompletionRequest, ids: list[int], p: SamplingParams, plan: ToolPlan | None
+        self, rid: str, req: ChatCompletionRequest, prep: PreparedChat
     ) -> AsyncIterator[str]:
+        ids, p = prep.ids, prep.params
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
@@ -469,10 +495,9 @@ class OpenAIServing:
                 }
             )
         last: RequestOutput | None = None
-        parsers: dict[int, ToolCallParser] = {}  # one per choice when the output may hold tool calls
-        if plan is not None:
-            made = [plan.parser() for _ in range(p.n)]
-            parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
+        # One per choice when the output may hold tool calls or reasoning.
+        made = [self.reply_parser(prep) for _ in range(p.n)]
+        parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
         try:
             async for ro in self.llm.generate(
                 rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user

@@ -54,6 +54,8 @@ class OutputBuilder:
         o, parsed, events = step.output, step.parsed, []
         if self.logprobs is not None and o.logprobs is not None and o.delta_token_ids:
             self.pending_logprobs += o.logprobs[-len(o.delta_token_ids) :]
+        if parsed.reasoning:
+            events += self._reasoning(parsed.reasoning)
         if parsed.content:
             events += self._text(parsed.content)
         for fragment in parsed.calls:
@@ -93,6 +95,19 @@ class OutputBuilder:
             {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}
         ]
 
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """The model's reasoning (with --reasoning-parser): a reasoning item, its text as
+        reasoning_text content, as open models' reasoning is given in this API."""
+        events = []
+        if self.current is None or self.current["type"] != "reasoning":
+            events += self._close("completed")
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress"}
+            events += self._open({**item, "content": [{"type": "reasoning_text", "text": ""}]})
+        assert self.current is not None
+        self.current["content"][0]["text"] += text
+        events.append({**self._where(self.current), "type": "response.reasoning_text.delta", "delta": text})
+        return events
+
     def _text(self, text: str) -> list[dict[str, Any]]:
         events = []
         if self.current is None or self.current["type"] != "message":
@@ -126,7 +141,10 @@ class OutputBuilder:
         if item is None:
             return []
         events: list[dict[str, Any]] = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append({**self._where(item), "type": "response.reasoning_text.done", "text": text})
+        elif item["type"] == "message":
             part = item["content"][0]
             done = {**self._where(item), "type": "response.output_text.done", "text": part["text"]}
             if self.logprobs is not None:

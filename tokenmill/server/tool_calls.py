@@ -72,6 +72,7 @@ class ToolPlan:
     mode: ChoiceMode
     name: str | None = None  # the function tool_choice names (mode "named")
     parallel: bool = True
+    format: str = "hermes"  # how the model writes calls it chooses to make (tool_parsers.py)
 
     @property
     def names(self) -> list[str]:
@@ -112,7 +113,9 @@ class ToolPlan:
 
     def parser(self) -> ToolCallParser | None:
         if self.mode == "auto":
-            return HermesParser(set(self.names), self.parallel)
+            from tokenmill.server.tool_parsers import make_parser  # it builds on this module
+
+            return make_parser(self.format, set(self.names), self.parallel)
         if self.mode == "required":
             return ArrayParser(set(self.names))
         if self.mode == "named":
@@ -125,6 +128,7 @@ def plan_tools(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: str | Mapping[str, Any] | None,
     parallel_tool_calls: bool = True,
+    fmt: str = "hermes",
 ) -> ToolPlan | None:
     """The plan for a request's `tools`, `tool_choice` and `parallel_tool_calls` (already shape-checked);
     None when it has no tools. RequestFieldError for choices that cannot be honoured."""
@@ -147,9 +151,9 @@ def plan_tools(
                 f"tool_choice names function {named!r}, which is not among the tools ({', '.join(names)})",
                 "tool_choice",
             )
-        return ToolPlan(normal, "named", named, parallel_tool_calls)
+        return ToolPlan(normal, "named", named, parallel_tool_calls, fmt)
     mode: ChoiceMode = "auto" if tool_choice is None else tool_choice  # type: ignore[assignment]
-    return ToolPlan(normal, mode, None, parallel_tool_calls)
+    return ToolPlan(normal, mode, None, parallel_tool_calls, fmt)
 
 
 def _tool_dict(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,14 +294,21 @@ class CallFragment:
 class ParsedDelta:
     content: str = ""
     calls: list[CallFragment] = field(default_factory=list)
+    reasoning: str = ""  # text of the model's reasoning (reasoning.py), apart from its answer
 
     def extend(self, other: ParsedDelta) -> None:
+        self.reasoning += other.reasoning
         self.content += other.content
         self.calls += other.calls
 
     def deltas(self) -> list[dict[str, Any]]:
-        """As chat.completion.chunk deltas: the content, then one delta per call fragment."""
-        out: list[dict[str, Any]] = [{"content": self.content}] if self.content else []
+        """As chat.completion.chunk deltas: reasoning (under vLLM's present name and its former one,
+        which DeepSeek's API and many clients read), content, then one delta per call fragment."""
+        out: list[dict[str, Any]] = []
+        if self.reasoning:
+            out.append({"reasoning_content": self.reasoning, "reasoning": self.reasoning})
+        if self.content:
+            out.append({"content": self.content})
         return out + [{"tool_calls": [c.to_openai()]} for c in self.calls]
 
 
@@ -321,6 +332,13 @@ class ToolCallParser(ABC):
 
 def parse_complete(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole output as a message's content (None when it only made calls) and its tool_calls."""
+    _, content, calls = parse_reply(parser, text)
+    return content, calls
+
+
+def parse_reply(parser: ToolCallParser, text: str) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """A whole output as its reasoning, a message's content (None when it only made calls) and its
+    tool_calls."""
     parsed = parser.feed(text)
     parsed.extend(parser.finish())
     calls: list[dict[str, Any]] = []
@@ -333,7 +351,7 @@ def parse_complete(parser: ToolCallParser, text: str) -> tuple[str | None, list[
     content: str | None = parsed.content
     if calls and not parsed.content.strip():
         content = None
-    return content, calls
+    return parsed.reasoning, content, calls
 
 
 class HermesParser(ToolCallParser):
