@@ -257,12 +257,13 @@ def openapi_document() -> dict[str, Any]:
 
     build_app only wires routes at this point: the frontend is read when a request arrives, so a stand-in
     whose `client` is an empty object is enough for ServerState (the metrics keep the client for later
-    scrapes). A stand-in repository likewise adds the KServe v2 routes a `--model-repository` brings.
+    scrapes), with a tokenizer that has no chat template (the tool-call format is read from it). A
+    stand-in repository likewise adds the KServe v2 routes a `--model-repository` brings.
     """
     from tokenmill.server.app import build_app
     from tokenmill.server.config import ServerConfig
 
-    stand_in = SimpleNamespace(client=SimpleNamespace())
+    stand_in = SimpleNamespace(client=SimpleNamespace(), tokenizer=SimpleNamespace(chat_template=None))
     app = build_app(stand_in, ServerConfig(), repository=SimpleNamespace())  # type: ignore[arg-type]
     return app.openapi()
 
