@@ -53,6 +53,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: each prompt token's logprob given those before it; None for
+    # the first, which nothing predicts (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

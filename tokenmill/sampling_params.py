@@ -52,10 +52,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: read the prompt, sample nothing
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token's logprob
+    # The prompt's own tokens' logprobs (each given the tokens before it), with this many alternatives.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # constrain the output to a schema, regex, choice, grammar
@@ -94,8 +96,8 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
-                self.max_tokens is None or self.max_tokens >= 1,
-                f"max_tokens must be >= 1, got {self.max_tokens}",
+                self.max_tokens is None or self.max_tokens >= 0,
+                f"max_tokens must be >= 0, got {self.max_tokens}",
             ),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (
@@ -106,6 +108,10 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
             ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (
                 self.pooling in POOLING_TYPES,
@@ -115,6 +121,16 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def prompt_only(self) -> bool:
+        """Read the prompt and sample nothing: an embedding, or max_tokens 0 (prompt scoring)."""
+        return self.pooling is not None or self.max_tokens == 0
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Whether the request needs a computed row for each prompt token (not K/V from the cache)."""
+        return self.pooling in ("mean", "cls") or self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:

@@ -249,7 +249,12 @@ class EngineCore:
         lps = dict(zip(result.req_ids, result.logprobs, strict=True))
         if out.spec_token_ids:
             self._count_acceptance(out.spec_token_ids, sampled)
-        outputs = []
+        outputs: list[EngineCoreOutput] = []
+        # Before the update, which may finish (and forget) a request whose prompt this step ended.
+        for rid, prompt_lps in result.prompt_logprobs.items():
+            held = self.scheduler.requests.get(rid)
+            if held is not None and not held.prompt_logprobs_sent:
+                held.prompt_logprobs.extend(prompt_lps)
         for req, k in self.scheduler.update(out, sampled, result.spec_token_ids):
             lp = lps.get(req.request_id)
             new = req.output_token_ids[-k:]
@@ -257,6 +262,9 @@ class EngineCore:
         if result.pooled:  # embedding requests: their prompt is read, their vector is the answer
             done = self.scheduler.finish_requests(sorted(result.pooled), FinishReason.STOP)
             outputs.extend(self._output(r, [], None, [], pooled=result.pooled[r.request_id]) for r in done)
+        if result.prompt_done:  # max_tokens 0: the prompt is read (and scored), nothing more
+            done = self.scheduler.finish_requests(sorted(result.prompt_done), FinishReason.LENGTH)
+            outputs.extend(self._output(r, [], None, []) for r in done)
         if errors:
             failed = self.scheduler.finish_requests(sorted(errors), FinishReason.ERROR)
             outputs.extend(
@@ -288,8 +296,12 @@ class EngineCore:
         error: str | None = None,
         pooled: bytes | None = None,
     ) -> EngineCoreOutput:
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lps, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, [], True
         return EngineCoreOutput(
             request_id=req.request_id,
+            prompt_logprobs=prompt_lps,
             new_token_ids=new,
             new_logprobs=lps,
             finish_reason=req.finish_reason,

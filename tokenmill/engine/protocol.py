@@ -67,6 +67,8 @@ class EngineCoreOutput:
     # A request that ended with ERROR by its own doing (its grammar allows no continuation): why, in
     # words for its client. None for the engine's own faults (its log has those).
     error: str | None = None
+    # The prompt's tokens' logprobs (from its second token on), with the request's first output.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # An embedding request's pooled final hidden state: float32, little-endian (compact over msgpack).
     pooled: bytes | None = None
 

@@ -46,6 +46,9 @@ class Request:
         self.kv_loaded = False  # a KV connector loaded blocks for it once (it is not asked again)
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
+        # Prompt logprobs gathered chunk by chunk, sent with the request's first output.
+        self.prompt_logprobs: list = []
+        self.prompt_logprobs_sent = False
         self.max_tokens = self._max_tokens(max_model_len)
         # Timestamps (time.monotonic()), turned into metrics by the frontend.
         self.first_scheduled_time: float | None = None

@@ -109,9 +109,9 @@ class Scheduler:
                 break
             req = self.waiting.peek()
             computed, hit, ext, background = [], 0, 0, False
-            # Mean and first-token pooling read the hidden state of every prompt token (or the first):
-            # cached blocks hold keys and values, not those, so such requests compute their prompt whole.
-            if req.num_computed_tokens == 0 and req.params.pooling not in ("mean", "cls"):
+            # Mean and first-token pooling and prompt logprobs read a row of every prompt token (or the
+            # first): cached blocks hold keys and values, not those, so such requests compute it whole.
+            if req.num_computed_tokens == 0 and not req.params.reads_every_prompt_row:
                 computed, hit = self.kv.get_computed_blocks(req)
                 if connector is not None and self.kv.enable_prefix_caching and not req.kv_loaded:
                     ext, background = connector.num_external_blocks(req, len(computed))
@@ -255,6 +255,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_sent_tokens = victim.num_sent_blocks = 0  # the workers drop it: it comes back whole
         victim.spec_token_ids = []
+        if not victim.prompt_logprobs_sent:
+            victim.prompt_logprobs = []  # its prompt is read again, and its logprobs with it
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1

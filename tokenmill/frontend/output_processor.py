@@ -36,6 +36,7 @@ class SequenceState:
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.num_cached_tokens = 0
         self.embedding: list[float] | None = None
+        self.prompt_logprobs: list | None = None
         # Stop strings do not apply to constrained output: it ends where its grammar is complete (or at
         # max_tokens), never cut in the middle of a document by a string that occurs inside it.
         self.stops = [] if params.structured is not None else params.stop
@@ -54,6 +55,8 @@ class SequenceState:
         m.token_times.extend(out.new_token_times)
         m.num_preemptions = out.num_preemptions
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs]
         if out.pooled is not None:  # float32 little-endian bytes; array, not numpy: the frontend stays light
             vector = array("f", out.pooled)
             if sys.byteorder == "big":
@@ -131,6 +134,7 @@ class RequestState:
             prompt_token_ids=self.prompt_ids,
             outputs=[s.to_output() for s in self.sequences],
             num_cached_tokens=min((s.num_cached_tokens for s in self.sequences), default=0),
+            prompt_logprobs=next((s.prompt_logprobs for s in self.sequences if s.prompt_logprobs), None),
         )
 
 

@@ -133,6 +133,7 @@ class _SamplingFields(BaseModel):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     cache_salt: str | None = None
     speculative: bool = True  # false: this request is never given draft tokens (--speculative)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # the prompt tokens' logprobs
     # Output constraints (at most one per request).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -199,6 +200,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
             speculative=self.speculative,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -237,13 +239,23 @@ def _structured_field(f: StructuredOutputsField) -> StructuredOutputs:
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # 0 reads the prompt and writes nothing: with echo and logprobs, the prompt's scores (lm-eval's way).
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=16)
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix (fill in the middle) is not supported by this server's models")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise ValueError("best_of cannot be streamed: the best are known only at the end")
         return self
 
 

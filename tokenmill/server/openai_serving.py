@@ -233,7 +233,13 @@ class OpenAIServing:
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             self.vocab_check(ids)
-            jobs.append((text, ids, self.params(req, len(ids), max_tokens, req.logprobs, structured)))
+            p = self.params(req, len(ids), max_tokens, req.logprobs, structured)
+            if req.echo and req.logprobs is not None and p.prompt_logprobs is None:
+                p.prompt_logprobs = req.logprobs  # the echoed prompt's tokens come with theirs
+            if req.best_of is not None and req.best_of > req.n:
+                p.n = req.best_of  # the best n of them go back, by their total logprob
+                p.logprobs = p.logprobs if p.logprobs is not None else 0
+            jobs.append((text, ids, p))
         self.admission.add_work(ticket, sum(p.n for _, _, p in jobs), sum(len(ids) for _, ids, _ in jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -245,21 +251,28 @@ class OpenAIServing:
             *(self._final(f"{rid}-{i}", ids, p, req) for i, (_, ids, p) in enumerate(jobs))
         )
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
-        for i, ((text, ids, p), ro) in enumerate(zip(jobs, results, strict=True)):
+        for i, ((text, ids, _), ro) in enumerate(zip(jobs, results, strict=True)):
             prompt_tokens += len(ids)
             cached += ro.num_cached_tokens
-            for o in ro.outputs:
-                completion_tokens += len(o.token_ids)
-                body = (text or self.llm.tokenizer.decode(ids)) + o.text if req.echo else o.text
-                choices.append(
-                    {
-                        "index": i * p.n + o.index,
-                        "text": body,
-                        "logprobs": self._completion_logprobs(o) if p.logprobs is not None else None,
-                        "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason,
-                    }
-                )
+            completion_tokens += sum(len(o.token_ids) for o in ro.outputs)  # best_of: all were made
+            outputs = ro.outputs
+            if len(outputs) > req.n:  # best_of
+                outputs = sorted(outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: req.n]
+            for rank, o in enumerate(outputs):
+                echo = self._echo(text, ids, ro) if req.echo else None
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(o, prompt=echo)
+                choice: dict[str, Any] = {
+                    "index": i * req.n + rank,
+                    "text": (echo[0] if echo else "") + o.text,
+                    "logprobs": logprobs,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(ro)
+                choices.append(choice)
         return {
             "id": rid,
             "object": "text_completion",
@@ -269,19 +282,64 @@ class OpenAIServing:
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
 
+    def _echo(
+        self, text: str | None, ids: list[int], ro: RequestOutput
+    ) -> tuple[str, list[int], list | None]:
+        """The echoed prompt: its text, its token ids, and their logprobs (None first) when asked for."""
+        return (text if text is not None else self.llm.tokenizer.decode(ids), ids, ro.prompt_logprobs)
+
+    def _prompt_logprobs(self, ro: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token (None for the first) its logprob and the top
+        alternatives', keyed by token id, with the decoded token."""
+        if ro.prompt_logprobs is None:
+            return None
+        tok = self.llm.tokenizer
+        out: list[dict | None] = []
+        for lp in ro.prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            entries = {lp.token_id: lp.logprob, **dict(lp.top)}
+            out.append(
+                {
+                    str(t): {"logprob": v, "decoded_token": tok.decode([t], skip_special_tokens=False)}
+                    for t, v in entries.items()
+                }
+            )
+        return out
+
     async def _stream_completion(self, rid: str, req: CompletionRequest, jobs) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
         prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
-        completion_tokens, cached = 0, 0
+        cached = 0
+        made: dict[tuple[int, int], int] = {}  # tokens so far per (prompt, sequence)
+        echoed: set[tuple[int, int]] = set()
         try:
             async for i, n, ro in self._merged(rid, req, jobs):
                 cached = max(cached, ro.num_cached_tokens)
                 for o in ro.outputs:
                     if not (o.delta_text or o.delta_token_ids or o.finished):
                         continue
-                    if o.finished:
-                        completion_tokens += len(o.token_ids)
+                    made[(i, o.index)] = len(o.token_ids)
+                    chunks: list[dict[str, Any]] = []
+                    if req.echo and (i, o.index) not in echoed:  # the prompt first, as OpenAI echoes it
+                        echoed.add((i, o.index))
+                        text, ids, _ = jobs[i]
+                        echo = self._echo(text, ids, ro)
+                        logprobs = (
+                            self._completion_logprobs(None, prompt=echo) if req.logprobs is not None else None
+                        )
+                        chunks.append(
+                            {
+                                "index": i * n + o.index,
+                                "text": echo[0],
+                                "logprobs": logprobs,
+                                "finish_reason": None,
+                                "stop_reason": None,
+                            }
+                        )
                     choice = {
                         "index": i * n + o.index,
                         "text": o.delta_text,
@@ -291,12 +349,17 @@ class OpenAIServing:
                     }
                     if o.logprobs is not None and o.delta_token_ids:
                         choice["logprobs"] = self._completion_logprobs(o, len(o.delta_token_ids))
-                    yield sse({**head, "choices": [choice]})
+                    chunks.append(choice)
+                    for chunk in chunks:
+                        body: dict[str, Any] = {**head, "choices": [chunk]}
+                        if continuous:
+                            body["usage"] = usage(prompt_tokens, sum(made.values()), cached)
+                        yield sse(body)
         except Exception as e:  # the status line is sent: report the error in the stream
             yield sse(stream_error(e))
         else:
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(made.values()), cached)})
         yield "data: [DONE]\n\n"
 
     async def _merged(self, rid: str, req, jobs) -> AsyncIterator[tuple[int, int, RequestOutput]]:
@@ -353,17 +416,30 @@ class OpenAIServing:
         assert last is not None
         return last
 
-    def _completion_logprobs(self, o: CompletionOutput, last_n: int | None = None) -> dict:
-        lps = o.logprobs or []
+    def _completion_logprobs(
+        self, o: CompletionOutput | None, last_n: int | None = None, prompt: tuple | None = None
+    ) -> dict:
+        """The completions API's logprobs of a sequence's tokens (its last `last_n`), after those of the
+        echoed prompt when given ((text, ids, logprobs with None first)); offsets count from the start
+        of the choice's text."""
+        tok = self.llm.tokenizer
+        entries: list[tuple[int, float | None, list]] = []
+        if prompt is not None:
+            _, ids, plps = prompt
+            for k, t in enumerate(ids):
+                lp = plps[k] if plps is not None and k < len(plps) else None
+                entries.append((t, None if lp is None else lp.logprob, [] if lp is None else lp.top))
+        lps = (o.logprobs or []) if o is not None else []
         if last_n is not None:
             lps = lps[-last_n:]
-        tok = self.llm.tokenizer
-        tokens = [tok.decode([lp.token_id], skip_special_tokens=False) for lp in lps]
+        entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps]
+        tokens = [tok.decode([t], skip_special_tokens=False) for t, _, _ in entries]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
+            "token_logprobs": [v for _, v, _ in entries],
             "top_logprobs": [
-                {tok.decode([t], skip_special_tokens=False): v for t, v in lp.top} for lp in lps
+                None if v is None else {tok.decode([t], skip_special_tokens=False): x for t, x in top}
+                for _, v, top in entries
             ],
             "text_offset": _offsets(tokens),
         }
@@ -437,7 +513,11 @@ class OpenAIServing:
         parser = self.reply_parser(prep)
         try:
             async for ro in self.llm.generate(
-                rid, prep.ids, prep.params, priority=req.priority, cache_salt=req.cache_salt,
+                rid,
+                prep.ids,
+                prep.params,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
                 routing_key=req.user,
             ):
                 o = ro.outputs[0]
@@ -478,6 +558,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         ids, p = prep.ids, prep.params
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         created = now()
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         for i in range(p.n):
@@ -503,6 +584,9 @@ class OpenAIServing:
                 rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
             ):
                 last = ro
+                if continuous:  # vLLM's: the usage so far in every chunk
+                    so_far = sum(len(o.token_ids) for o in ro.outputs)
+                    head["usage"] = usage(len(ids), so_far, ro.num_cached_tokens)
                 for o in ro.outputs:
                     if not (o.delta_text or o.finished):
                         continue

@@ -21,7 +21,7 @@ from tokenmill.worker.parallel_state import ParallelState
 from tokenmill.worker.request_state import CachedRequestState
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.spec_decode.speculator import Speculator
-from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
 class ModelRunner:
@@ -121,6 +121,9 @@ class ModelRunner:
         pool_rows: list[int] = []  # rows whose hidden states embedding requests pool
         pool_owners: list[CachedRequestState] = []  # the request of each of those rows
         pooled: list[CachedRequestState] = []  # embedding requests whose prompt this step ends
+        prompt_done: list[str] = []  # max_tokens 0 requests whose prompt this step ends
+        prompt_lp_rows: list[int] = []  # rows whose logits give prompt logprobs, after the sampled ones
+        prompt_lp: list[tuple[CachedRequestState, int, int]] = []  # (request, first position, rows)
         for st, start, n in decodes + prefills:
             end = start + n
             block_ids = st.block_ids
@@ -140,12 +143,19 @@ class ModelRunner:
                 if ids == list(range(ids[0], ids[0] + len(ids))):  # a run: the context is a cache slice
                     seg.first_block = ids[0]
                 segments.append(seg)
+            if st.params.prompt_logprobs is not None:  # rows predicting the prompt's next tokens
+                last = min(end, len(st.prompt_token_ids) - 1)  # position p predicts token p + 1
+                prompt_lp_rows.extend(range(q_start, q_start + max(last - start, 0)))
+                prompt_lp.append((st, start, max(last - start, 0)))
             if st.params.pooling is not None:  # an embedding request: pooled, never sampled
                 rows = _pooled_rows(st.params.pooling, q_start, start, end, st.num_tokens)
                 pool_rows.extend(rows)
                 pool_owners.extend([st] * len(rows))
                 if end == st.num_tokens:
                     pooled.append(st)
+            elif st.params.max_tokens == 0:  # prompt scoring: read it, sample nothing
+                if end == st.num_tokens:
+                    prompt_done.append(st.request_id)
             elif end - len(draft) == st.num_tokens:  # the step completes its known tokens: sample
                 logits_rows.extend(range(len(token_ids) - len(draft) - 1, len(token_ids)))
                 sampled.append(st)
@@ -165,18 +175,23 @@ class ModelRunner:
             self.kv_caches,
             meta,
             self.backend,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(logits_rows + prompt_lp_rows, dtype=torch.long, device=dev),
             torch.tensor(pool_rows, dtype=torch.long, device=dev) if pool_rows else None,
         )
         if not ps.is_last_stage:
             ps.send_activations(result)
             return ModelRunnerOutput()
-        pooled_out: dict[str, bytes] = {}
+        prompt_only = ModelRunnerOutput(prompt_done=prompt_done)
         if pool_rows:
             result, hidden = result
-            pooled_out = _pool(hidden, pool_owners, pooled)
-        if not ps.samples or not sampled:
-            return ModelRunnerOutput(pooled=pooled_out if ps.samples else {})
+            prompt_only.pooled = _pool(hidden, pool_owners, pooled)
+        if prompt_lp_rows:
+            prompt_only.prompt_logprobs = _prompt_logprobs(result[len(logits_rows) :], prompt_lp)
+            result = result[: len(logits_rows)]
+        if not ps.samples:
+            return ModelRunnerOutput()
+        if not sampled:
+            return prompt_only
         bitmask = self.grammars.bitmask(sampled, drafts, result.shape[-1]) if self.grammars else None
         res = self.sampler(result.cpu(), sampled, drafts, bitmask)
         errors = {sampled[i].request_id: msg for i, msg in res.errors.items()}
@@ -191,7 +206,9 @@ class ModelRunner:
             logprobs=res.logprobs,
             errors=errors,
             client_errors=client_errors,
-            pooled=pooled_out,
+            pooled=prompt_only.pooled,
+            prompt_logprobs=prompt_only.prompt_logprobs,
+            prompt_done=prompt_done,
         )
         if self.speculator is not None:
             # A step that also read prompts says nothing about what decoding with or without drafts
@@ -200,6 +217,27 @@ class ModelRunner:
             output.spec_token_ids = self.speculator.propose(sampled, output, drafts, step_seconds)
         output.execute_seconds = time.perf_counter() - t0
         return output
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, requests: list[tuple[CachedRequestState, int, int]]
+) -> dict[str, list[TokenLogprobs]]:
+    """Each request's logprobs of the prompt tokens its rows predict (row p: token p + 1), with its
+    top alternatives, from the model's raw logits, as the sampler gives generated tokens theirs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out: dict[str, list[TokenLogprobs]] = {}
+    row = 0
+    for st, start, n in requests:
+        k = st.params.prompt_logprobs or 0
+        targets = st.prompt_token_ids[start + 1 : start + 1 + n]
+        chosen = lp[row : row + n].gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1))[:, 0]
+        top_v, top_i = lp[row : row + n].topk(k, dim=-1) if k else (None, None)
+        entries = out.setdefault(st.request_id, [])
+        for j, t in enumerate(targets):
+            top = list(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)) if k else []  # type: ignore[index]
+            entries.append(TokenLogprobs(t, float(chosen[j]), top))
+        row += n
+    return out
 
 
 def _pooled_rows(pooling: str, q_start: int, start: int, end: int, num_tokens: int) -> list[int]:

@@ -84,6 +84,10 @@ class ModelRunnerOutput:
     # The drafts a request had verified that were accepted, then one token of the target's own.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Prompt logprobs of the rows this step computed, per request (the prompt tokens they predict).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests with max_tokens 0 whose prompt this step finished: they sample nothing and are done.
+    prompt_done: list[str] = field(default_factory=list)
     # Embedding requests whose prompt this step finished: request id -> the pooled hidden state
     # (float32 bytes). They sample nothing and are done.
     pooled: dict[str, bytes] = field(default_factory=dict)
