@@ -34,7 +34,8 @@ def test_process_engine_matches_offline_llm(llm_bf16) -> None:
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 
     async def main():
-        llm = await AsyncLLM.start(EngineConfig(max_model_len=1024))
+        # The reference's dtype, not "auto": on a CPU without BF16 instructions auto computes in float32.
+        llm = await AsyncLLM.start(EngineConfig(max_model_len=1024, dtype="bfloat16"))
         try:
             ids = [llm.tokenizer.encode(p) for p in prompts]
             outs = await asyncio.gather(*(collect(llm, f"r{i}", x, GREEDY) for i, x in enumerate(ids)))

@@ -202,7 +202,7 @@ def test_bad_prompts(llm_bf16: LLM, prompt, message: str) -> None:
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is valid: the prompt is read (and scored), nothing made
         ({"n": 0}, "n"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 50}, "logprobs"),
