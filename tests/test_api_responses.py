@@ -345,3 +345,21 @@ def test_model_retrieve(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
+
+
+def test_expired_and_over_the_cap_in_a_small_store() -> None:
+    # A store of 64 kB (16 kB per response) whose responses live 2 s.
+    with running_server("--responses-store-ttl-s", "2", "--responses-store-mb", "0.0625") as proc:
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0)
+        r = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=2)
+        assert client.responses.retrieve(r.id).id == r.id
+        with pytest.raises(openai.BadRequestError, match="over the response store's cap") as e:
+            client.responses.create(model=MODEL, input="word " * 4000, max_output_tokens=2)
+        assert e.value.body["param"] == "store"
+        # Not stored, the same request runs.
+        client.responses.create(model=MODEL, input="word " * 400, max_output_tokens=2, store=False)
+        time.sleep(2.5)
+        with pytest.raises(openai.NotFoundError, match="expired"):
+            client.responses.create(model=MODEL, input="Again", previous_response_id=r.id, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(r.id)

@@ -245,28 +245,20 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         items = list(_stored(state, response_id, owner(request)).input_items)
         return _page(items, order, limit, after)
 
-    # -- embeddings, and scores from them ------------------------------------------------------------
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        body = await _json_model(request, EmbeddingRequest)
-        return await _generate(request, state, lambda t: state.pooling.embeddings(body, t))
+    # -- embeddings, and scores from them: a body, then generation under admission -------------------
+    def generation_route(path: str, summary: str, model: type[BaseModel], run: Callable) -> None:
+        async def handler(request: Request) -> Response:
+            body = await _json_model(request, model)
+            return await _generate(request, state, lambda t: run(body, t))
 
-    @app.post("/v1/score")
-    async def score(request: Request) -> Response:
-        body = await _json_model(request, ScoreRequest)
-        return await _generate(request, state, lambda t: state.pooling.score(body, t))
+        app.post(path, summary=summary)(handler)
 
-    @app.post("/v1/rerank")
-    async def rerank(request: Request) -> Response:
-        body = await _json_model(request, RerankRequest)
-        return await _generate(request, state, lambda t: state.pooling.rerank(body, t))
+    generation_route("/v1/embeddings", "Embeddings", EmbeddingRequest, state.pooling.embeddings)
+    generation_route("/v1/score", "Score", ScoreRequest, state.pooling.score)
+    generation_route("/v1/rerank", "Rerank", RerankRequest, state.pooling.rerank)
+    generation_route("/v1/messages", "Messages", MessagesRequest, state.messages.create)
 
     # -- the Anthropic Messages API ----------------------------------------------------------------
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        body = await _json_model(request, MessagesRequest)
-        return await _generate(request, state, lambda t: state.messages.create(body, t))
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:
         body = await _json_model(request, CountTokensRequest)

@@ -181,15 +181,18 @@ class ModelRunner:
         if not ps.is_last_stage:
             ps.send_activations(result)
             return ModelRunnerOutput()
-        prompt_only = ModelRunnerOutput(prompt_done=prompt_done)
         if pool_rows:
             result, hidden = result
+        if not ps.samples:
+            return ModelRunnerOutput()
+        # Requests that read their prompt without sampling it (embeddings, max_tokens 0), and prompt
+        # logprobs: from the rows after the sampled ones.
+        prompt_only = ModelRunnerOutput(prompt_done=prompt_done)
+        if pool_rows:
             prompt_only.pooled = _pool(hidden, pool_owners, pooled)
         if prompt_lp_rows:
             prompt_only.prompt_logprobs = _prompt_logprobs(result[len(logits_rows) :], prompt_lp)
             result = result[: len(logits_rows)]
-        if not ps.samples:
-            return ModelRunnerOutput()
         if not sampled:
             return prompt_only
         bitmask = self.grammars.bitmask(sampled, drafts, result.shape[-1]) if self.grammars else None
