@@ -4,7 +4,8 @@ and interleaved (absolute times on a shared 2-core machine drift; ratios much le
 store's memory per stored response (the Responses API's `store: true`).
 
 - tokenmill: `LLM(dtype="auto")` (the engine's default); batch 1 is one `embed` call per text, batch 64
-  one call with 64 texts (the scheduler batches and chunks them).
+  one call with 64 texts (the scheduler batches and chunks them). Each round's passages are new, so
+  no prefix-cache hit shortens them.
 - transformers: `AutoModel` on the same GGUF weights, in the arithmetic tokenmill picked (float32 on a CPU
   without BF16 instructions); batch 1 one forward per text, batch 64 one right-padded forward with an
   attention mask, the last real token of each row pooled.
@@ -67,9 +68,9 @@ def hf_embed(model, tok, texts: list[str], batch: int) -> list[np.ndarray]:
     return out
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn, *args) -> tuple[float, object]:
     t0 = time.perf_counter()
-    result = fn()
+    result = fn(*args)
     return time.perf_counter() - t0, result
 
 
@@ -100,14 +101,13 @@ def store_bytes_per_response(n: int = 1000) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", type=int, default=64)
-    ap.add_argument("--words", type=int, default=96, help="words per passage (~1.2 tokens each)")
+    ap.add_argument("--words", type=int, default=96, help="words per passage (about a token each)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a smoke test: few texts, one repeat, not recorded")
     add_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.texts, args.repeats, args.no_record = 8, 1, True
-    texts = passages(args.texts, args.words)
     llm = LLM(dtype="auto", max_model_len=1024)
     arithmetic = llm.engine.executor.worker.dtype  # type: ignore[attr-defined]
     path = catalog.installed_file(catalog.CATALOG[catalog.DEFAULT_MODEL])
@@ -116,21 +116,25 @@ def main() -> None:
         str(path.parent), gguf_file=path.name, dtype=arithmetic
     ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    one = texts[: max(8, args.texts // 8)]  # batch 1: fewer texts, one request each
-    print(f"{cpu_description()}; {len(texts)} passages of {args.words} words; arithmetic {arithmetic}")
+    print(f"{cpu_description()}; {args.texts} passages of {args.words} words; arithmetic {arithmetic}")
 
-    llm.embed(one[:2])  # warm both (kernels built, pages touched)
-    hf_embed(hf, tok, one[:2], 1)
+    warm = passages(2, args.words, seed=-1)
+    llm.embed(warm)  # warm both (kernels built, pages touched)
+    hf_embed(hf, tok, warm, 1)
     times: dict[str, list[float]] = {k: [] for k in ("tm1", "hf1", "tm64", "hf64")}
     ours = theirs = None
-    for _ in range(args.repeats):
-        t, _ = timed(lambda: [llm.embed(t) for t in one])
+    for rep in range(args.repeats):
+        # Passages never seen before in each round: a repeated one would be a prefix-cache hit (last-token
+        # pooling takes them), which would measure the cache, not the model.
+        texts = passages(args.texts, args.words, seed=2 * rep)
+        one = passages(max(8, args.texts // 8), args.words, seed=2 * rep + 1)  # batch 1: one each
+        t, _ = timed(lambda batch: [llm.embed(x) for x in batch], one)
         times["tm1"].append(len(one) / t)
-        t, _ = timed(lambda: hf_embed(hf, tok, one, 1))
+        t, _ = timed(hf_embed, hf, tok, one, 1)
         times["hf1"].append(len(one) / t)
-        t, ours = timed(lambda: llm.embed(texts))
+        t, ours = timed(llm.embed, texts)
         times["tm64"].append(len(texts) / t)
-        t, theirs = timed(lambda: hf_embed(hf, tok, texts, len(texts)))
+        t, theirs = timed(hf_embed, hf, tok, texts, len(texts))
         times["hf64"].append(len(texts) / t)
     worst = min(
         float(np.dot(np.asarray(a.outputs.embedding), b))
@@ -140,7 +144,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {
         "arithmetic": str(arithmetic).removeprefix("torch."),
-        "texts": len(texts),
+        "texts": args.texts,
         "tokenmill_b1_per_s": round(med["tm1"], 2),
         "hf_b1_per_s": round(med["hf1"], 2),
         "ratio_b1": round(med["tm1"] / med["hf1"], 3),
