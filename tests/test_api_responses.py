@@ -360,6 +360,8 @@ def test_expired_and_over_the_cap_in_a_small_store() -> None:
         client.responses.create(model=MODEL, input="word " * 400, max_output_tokens=2, store=False)
         time.sleep(2.5)
         with pytest.raises(openai.NotFoundError, match="expired"):
-            client.responses.create(model=MODEL, input="Again", previous_response_id=r.id, max_output_tokens=2)
+            client.responses.create(
+                model=MODEL, input="Again", previous_response_id=r.id, max_output_tokens=1
+            )
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(r.id)

@@ -5,7 +5,9 @@ and test_api_messages.py)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -217,3 +219,54 @@ def test_anthropic_request_maps_to_chat_fields() -> None:
     )
     with pytest.raises(RequestFieldError, match="toolu_1"):
         anthropic_to_chat(stale)
+
+
+def test_running_background_responses_are_not_evicted_and_age_from_their_end() -> None:
+    store = ResponseStore(max_responses=2, max_bytes=10_000, ttl_s=60)
+    running = entry()
+    running.response["status"] = "in_progress"
+    store.put("bg", running)
+    for i in range(5):  # another client fills the store
+        store.put(f"r{i}", entry(owner="b"))
+    assert store.get("bg", "a") is running and running.expires == math.inf
+    store.update("bg", {**running.response, "status": "completed"})
+    assert running.expires < math.inf and list(store._entries)[-1] == "bg"  # its time starts now
+
+
+def test_a_background_task_cancelled_before_it_starts_gives_its_ticket_back() -> None:
+    from tokenmill.server.admission import Admission
+
+    async def main() -> None:
+        admission = Admission(10, 10_000)
+        ticket = admission.admit()
+        store = ResponseStore(10, 100_000, 60)
+        serving = ResponsesServing(SimpleNamespace(model_name="m"), store, admission)  # type: ignore[arg-type]
+        req = ResponsesRequest(input="hi", background=True)
+        chat, conversation = to_chat_request(req, [], [{"role": "user", "content": "hi"}])
+        from tokenmill.server.responses_serving import ResponseRun
+
+        run = ResponseRun("resp_x", req, chat, None, owner_of(None), conversation, [])  # type: ignore[arg-type]
+        serving.start_background(run, ticket)
+        store.get("resp_x", owner_of(None)).task.cancel()  # before its first step
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert ticket.released and admission.sequences == 0
+        assert store.get("resp_x", owner_of(None)).response["status"] == "cancelled"
+
+    asyncio.run(main())
+
+
+def test_stream_events_are_snapshots_of_their_moment() -> None:
+    from tokenmill.outputs import CompletionOutput
+    from tokenmill.server.openai_serving import TurnStep
+    from tokenmill.server.responses_serving import OutputBuilder
+    from tokenmill.server.tool_calls import ParsedDelta
+
+    builder = OutputBuilder(None)
+    out = CompletionOutput(0, "Hello", [1], delta_text="Hello", delta_token_ids=[1])
+    events = builder.step(TurnStep(out, ParsedDelta(content="Hello", reasoning="think"), 0, 0))
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert added[0]["item"]["content"] == [{"type": "reasoning_text", "text": ""}]
+    assert added[1]["item"]["content"] == []
+    part = next(e for e in events if e["type"] == "response.content_part.added")["part"]
+    assert part["text"] == ""

@@ -121,8 +121,24 @@ def test_streamed_echo_starts_with_the_prompt(client: openai.OpenAI) -> None:
         ({"best_of": 2, "stream": True}, "cannot be streamed"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": 1, "stream": True}, "do not stream"),
     ],
 )
 def test_refused_by_name(server, body: dict, needle: str) -> None:
     r = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_chat_prompt_logprobs_are_the_rendered_prompts(client: openai.OpenAI, server, hf_model) -> None:
+    messages = [{"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    plps = r.model_extra["prompt_logprobs"]
+    ref = hf_logprobs(hf_model, ids)
+    assert plps[0] is None and len(plps) == len(ids)
+    assert (
+        max(abs(plps[k][str(ids[k])]["logprob"] - ref[k - 1, ids[k]].item()) for k in range(1, len(ids)))
+        <= TOL
+    )

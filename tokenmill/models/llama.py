@@ -226,8 +226,11 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """Next-token logits of residual-stream rows: the final norm, the head, the softcap."""
-        ops, eps = self.ops, self.config.rms_norm_eps
-        h = ops.rms_norm(rows, self.norm.weight, eps)
+        return self.head(self.ops.rms_norm(rows, self.norm.weight, self.config.rms_norm_eps))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of final-norm hidden states (a collective under tensor parallelism: every
+        rank of the last stage calls it with the same rows)."""
         # In the model's dtype, as the head computed them: the sampler widens to float32 only what it edits
         # (penalties, masks, draft rows). A float32 copy here cost a step ~50 MB of fresh pages at 256
         # rows, the most page faults of an offline run (perf), for no precision the head had not already

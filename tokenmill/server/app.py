@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
-from tokenmill.pooling import model_pooling
+from tokenmill.pooling import Pooling, model_pooling
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.anthropic_protocol import (
     CountTokensRequest,
@@ -79,7 +79,11 @@ class ServerState:
         )
         self.responses = ResponsesServing(self.serving, self.store, self.admission)
         self.messages = MessagesServing(self.serving, self.admission)
-        self.pooling = PoolingServing(self.serving, self.admission, model_pooling(config.engine.model))
+        try:
+            pooling: Pooling | str = model_pooling(config.engine.model)
+        except ValueError as e:  # a pooling this engine does not run: generation is served all the same
+            pooling = str(e)
+        self.pooling = PoolingServing(self.serving, self.admission, pooling)
         self.metrics = Metrics(llm.client, config.model_name)
         llm.on_finished = self.metrics.observe
         llm.on_aborted = self.metrics.observe_aborted

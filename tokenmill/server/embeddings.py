@@ -24,6 +24,9 @@ from tokenmill.server.openai_protocol import INT32_MAX, TokenId, now
 from tokenmill.server.openai_serving import OpenAIServing, generation_error
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
+# Inputs of one request in the engine at once: a request of 2,048 (langchain sends 1,000) runs as many
+# at a time, and counts as that many sequences in admission, not as 2,048 that could never be admitted.
+IN_FLIGHT = 64
 
 Inputs = str | list[str] | list[TokenId] | list[list[TokenId]]
 
@@ -89,8 +92,15 @@ def base64_floats(vector: list[float]) -> str:
 
 
 class PoolingServing:
-    def __init__(self, serving: OpenAIServing, admission: Admission, pooling: Pooling) -> None:
-        self.serving, self.admission, self.pooling = serving, admission, pooling
+    def __init__(self, serving: OpenAIServing, admission: Admission, pooling: Pooling | str) -> None:
+        """`pooling`: how the model pools, or why it cannot (the routes then answer 400 saying so)."""
+        self.serving, self.admission, self._pooling = serving, admission, pooling
+
+    @property
+    def pooling(self) -> Pooling:
+        if isinstance(self._pooling, str):
+            raise APIError(400, f"this model gives no embeddings: {self._pooling}")
+        return self._pooling
 
     async def _prompts(
         self, items: list[str | list[int]], req: _PoolingFields, param: str
@@ -121,12 +131,17 @@ class PoolingServing:
     async def _embed(
         self, prompts: list[list[int]], req: _PoolingFields, ticket: Ticket
     ) -> list[list[float]]:
-        """The raw pooled vectors of the prompts, run concurrently through the engine."""
-        self.admission.add_work(ticket, len(prompts), sum(map(len, prompts)))
+        """The raw pooled vectors of the prompts, run through the engine IN_FLIGHT at a time."""
         params = SamplingParams(max_tokens=1, pooling=self.pooling.type)
+        self.admission.add_work(ticket, min(len(prompts), IN_FLIGHT), sum(map(len, prompts)))
         rid = uuid.uuid4().hex
+        slots = asyncio.Semaphore(IN_FLIGHT)
 
         async def one(i: int, ids: list[int]) -> list[float]:
+            async with slots:
+                return await run(i, ids)
+
+        async def run(i: int, ids: list[int]) -> list[float]:
             last = None
             try:
                 async for ro in self.serving.llm.generate(

@@ -142,6 +142,12 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> _SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are returned by requests that do not stream")
+        return self
+
     def output_constraint(self) -> tuple[StructuredOutputs, str] | None:
         """The request's constraint on its output and the field it came from; None if unconstrained.
         RequestFieldError when more than one field constrains it."""

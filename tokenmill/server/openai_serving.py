@@ -497,7 +497,7 @@ class OpenAIServing:
         ro = await self._final(rid, ids, p, req)
         choices = [self._chat_choice(o, self.reply_parser(prep)) for o in ro.outputs]
         completion = sum(len(o.token_ids) for o in ro.outputs)
-        return {
+        reply = {
             "id": rid,
             "object": "chat.completion",
             "created": now(),
@@ -505,6 +505,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": usage(len(ids), completion, ro.num_cached_tokens),
         }
+        if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, beside the choices
+            reply["prompt_logprobs"] = self._prompt_logprobs(ro)
+        return reply
 
     async def turn(self, rid: str, req: ChatCompletionRequest, prep: PreparedChat) -> AsyncIterator[TurnStep]:
         """One reply (n = 1) as it is generated, its text already split into content and tool-call

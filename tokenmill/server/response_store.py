@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -57,17 +58,20 @@ class ResponseStore:
         return self.max_bytes // 4
 
     def put(self, rid: str, entry: StoredResponse) -> bool:
-        """Keep (or replace) a response; False if it alone is over the per-response cap."""
+        """Keep (or replace) a response; False if it alone is over the per-response cap. The oldest
+        finished responses make room; a background one still running is never evicted (admission
+        bounds how many there are), so no client can cancel another's work by filling the store."""
         self.drop(rid)
         entry.size = _size(entry)
         if entry.size > self.max_entry_bytes:
             return False
         self._expire()
-        while self._entries and (
-            len(self._entries) >= self.max_responses or self.bytes + entry.size > self.max_bytes
-        ):
-            old_id = next(iter(self._entries))
+        for old_id in [i for i, e in self._entries.items() if e.terminal]:  # oldest first
+            if len(self._entries) < self.max_responses and self.bytes + entry.size <= self.max_bytes:
+                break
             self.drop(old_id)
+        if not entry.terminal:
+            entry.expires = math.inf  # a background response's time starts when it ends
         self._entries[rid] = entry
         self.bytes += entry.size
         return True
@@ -82,6 +86,9 @@ class ResponseStore:
         entry.response = response
         if messages is not None:
             entry.messages = messages
+        if entry.terminal and entry.expires == math.inf:  # it has ended: its time to live starts now
+            entry.expires = self.expiry()
+            self._entries.move_to_end(rid)
         self.bytes -= entry.size
         entry.size = _size(entry)
         self.bytes += entry.size
@@ -110,9 +117,13 @@ class ResponseStore:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        # Entries go in in time order and all live equally long: the expired ones are at the front.
-        while self._entries:
-            rid, entry = next(iter(self._entries.items()))
-            if entry.expires > now:
-                return
+        # Finished entries are in the order they ended and all live equally long: the expired ones are
+        # at the front, among the running background ones (which never expire while they run).
+        expired = []
+        for rid, entry in self._entries.items():
+            if entry.expires > now and entry.terminal:
+                break
+            if entry.expires <= now:
+                expired.append(rid)
+        for rid in expired:
             self.drop(rid)

@@ -175,7 +175,7 @@ def _text_of(content: Any, where: str) -> str:
 def input_items(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's input as items (a string is one user message)."""
     if isinstance(input, str):
-        return [{"type": "message", "role": "user", "content": input}]
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": input}]}]
     return list(input)
 
 

@@ -6,6 +6,7 @@ polling. The streamed events and the returned object come from one builder, so t
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -91,9 +92,9 @@ class OutputBuilder:
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.items.append(item)
         self.current = item
-        return [
-            {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}
-        ]
+        # A copy as it is now: the event goes out after the rest of the step has written into the item.
+        added = copy.deepcopy(item)
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": added}]
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         """The model's reasoning (with --reasoning-parser): a reasoning item, its text as
@@ -106,6 +107,7 @@ class OutputBuilder:
         assert self.current is not None
         self.current["content"][0]["text"] += text
         events.append({**self._where(self.current), "type": "response.reasoning_text.delta", "delta": text})
+        self.pending_logprobs = []  # the reasoning's own tokens: not the answer text's
         return events
 
     def _text(self, text: str) -> list[dict[str, Any]]:
@@ -119,7 +121,11 @@ class OutputBuilder:
                 part["logprobs"] = []
             self.current["content"].append(part)
             events.append(
-                {**self._where(self.current), "type": "response.content_part.added", "part": dict(part)}
+                {
+                    **self._where(self.current),
+                    "type": "response.content_part.added",
+                    "part": copy.deepcopy(part),
+                }
             )
         part = self.current["content"][0]
         part["text"] += text
@@ -225,7 +231,7 @@ class ResponsesServing:
             if not previous.terminal:
                 raise APIError(400, "the previous response has not finished yet", "previous_response_id")
             history = previous.messages
-        items = [{"id": item.get("id") or _id("msg"), **item} for item in input_items(req.input)]
+        items = [{**item, "id": item.get("id") or _id("msg")} for item in input_items(req.input)]
         try:
             chat, conversation = to_chat_request(req, history, items)
         except RequestFieldError as e:
@@ -341,10 +347,19 @@ class ResponsesServing:
         if not self.store.put(run.id, entry):
             self.admission.release(ticket)
             raise APIError(400, "the request is over the response store's cap per response", "store")
-        entry.task = asyncio.create_task(self._background(run, entry, ticket))
+        entry.task = asyncio.create_task(self._background(run))
+        entry.task.add_done_callback(lambda _: self._ended(run, ticket))
         return response
 
-    async def _background(self, run: ResponseRun, entry: StoredResponse, ticket: Ticket) -> None:
+    def _ended(self, run: ResponseRun, ticket: Ticket) -> None:
+        """A background task ended, however: its ticket goes back, and a response cancelled before
+        its task's first step (which never ran its own handlers) says it was cancelled."""
+        self.admission.release(ticket)
+        entry = self.store.get(run.id, run.owner)
+        if entry is not None and not entry.terminal:
+            self.store.update(run.id, self.response(run, "cancelled"))
+
+    async def _background(self, run: ResponseRun) -> None:
         builder = self._builder(run)
         try:
             self.store.update(run.id, self.response(run, "in_progress"))
@@ -363,8 +378,6 @@ class ResponsesServing:
             log.exception("background response %s failed", run.id)
             error = {"code": "server_error", "message": f"internal error: {type(e).__name__}"}
             self.store.update(run.id, self.response(run, "failed", builder, error))
-        finally:
-            self.admission.release(ticket)
 
     async def cancel(self, rid: str, owner: str) -> dict[str, Any]:
         entry = self.store.get(rid, owner)

@@ -163,6 +163,7 @@ class ModelRunner:
 
         dev = self.device
         meta = AttentionMetadata.of(slots, tables, ctx_lens, segments, bs, dev)
+        hidden_rows = bool(pool_rows or prompt_lp_rows)
 
         ps = self.parallel
         if ps.is_first_stage:
@@ -175,24 +176,25 @@ class ModelRunner:
             self.kv_caches,
             meta,
             self.backend,
-            torch.tensor(logits_rows + prompt_lp_rows, dtype=torch.long, device=dev),
-            torch.tensor(pool_rows, dtype=torch.long, device=dev) if pool_rows else None,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            # The final hidden states of pooled rows, then of rows whose logits give prompt logprobs.
+            torch.tensor(pool_rows + prompt_lp_rows, dtype=torch.long, device=dev) if hidden_rows else None,
         )
         if not ps.is_last_stage:
             ps.send_activations(result)
             return ModelRunnerOutput()
-        if pool_rows:
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
+        if hidden_rows:
             result, hidden = result
+            if prompt_lp_rows:  # on every rank of the stage: the head is a collective under TP
+                prompt_lps = _prompt_logprobs(self.model, hidden[len(pool_rows) :], prompt_lp)
         if not ps.samples:
             return ModelRunnerOutput()
         # Requests that read their prompt without sampling it (embeddings, max_tokens 0), and prompt
-        # logprobs: from the rows after the sampled ones.
-        prompt_only = ModelRunnerOutput(prompt_done=prompt_done)
+        # logprobs.
+        prompt_only = ModelRunnerOutput(prompt_done=prompt_done, prompt_logprobs=prompt_lps)
         if pool_rows:
-            prompt_only.pooled = _pool(hidden, pool_owners, pooled)
-        if prompt_lp_rows:
-            prompt_only.prompt_logprobs = _prompt_logprobs(result[len(logits_rows) :], prompt_lp)
-            result = result[: len(logits_rows)]
+            prompt_only.pooled = _pool(hidden[: len(pool_rows)], pool_owners, pooled)
         if not sampled:
             return prompt_only
         bitmask = self.grammars.bitmask(sampled, drafts, result.shape[-1]) if self.grammars else None
@@ -222,23 +224,45 @@ class ModelRunner:
         return output
 
 
+# Rows of prompt logprobs computed at once: a row's logits are the vocabulary wide (128k floats for Llama
+# 3), so a long prompt's are made a slice at a time rather than all in one tensor.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@torch.inference_mode()  # as the forward pass: its hidden states are inference tensors
 def _prompt_logprobs(
-    logits: torch.Tensor, requests: list[tuple[CachedRequestState, int, int]]
+    model: LlamaForCausalLM, hidden: torch.Tensor, requests: list[tuple[CachedRequestState, int, int]]
 ) -> dict[str, list[TokenLogprobs]]:
-    """Each request's logprobs of the prompt tokens its rows predict (row p: token p + 1), with its
-    top alternatives, from the model's raw logits, as the sampler gives generated tokens theirs."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    """Each request's logprobs of the prompt tokens its rows predict (row p: token p + 1), with its top
+    alternatives, from the model's logits of final-norm hidden states, as the sampler gives generated
+    tokens theirs."""
+    targets: list[int] = []
+    ks: list[int] = []
+    for st, start, n in requests:
+        targets += st.prompt_token_ids[start + 1 : start + 1 + n]
+        ks += [st.params.prompt_logprobs or 0] * n
+    k_max = max(ks, default=0)
+    chosen: list[float] = []
+    top_v: list[list[float]] = []
+    top_i: list[list[int]] = []
+    for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        b = min(a + PROMPT_LOGPROB_ROWS, len(targets))
+        logits = model.head(hidden[a:b]).float()
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        index = torch.tensor(targets[a:b], dtype=torch.long, device=logits.device).unsqueeze(1)
+        chosen += (logits.gather(1, index) - norm)[:, 0].cpu().tolist()
+        if k_max:
+            v, i = logits.topk(k_max, dim=-1)
+            top_v += (v - norm).cpu().tolist()
+            top_i += i.cpu().tolist()
     out: dict[str, list[TokenLogprobs]] = {}
     row = 0
-    for st, start, n in requests:
-        k = st.params.prompt_logprobs or 0
-        targets = st.prompt_token_ids[start + 1 : start + 1 + n]
-        chosen = lp[row : row + n].gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1))[:, 0]
-        top_v, top_i = lp[row : row + n].topk(k, dim=-1) if k else (None, None)
+    for st, _, n in requests:
         entries = out.setdefault(st.request_id, [])
-        for j, t in enumerate(targets):
-            top = list(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True)) if k else []  # type: ignore[index]
-            entries.append(TokenLogprobs(t, float(chosen[j]), top))
+        for j in range(row, row + n):
+            k = ks[j]
+            top = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
+            entries.append(TokenLogprobs(targets[j], chosen[j], top))
         row += n
     return out
 
