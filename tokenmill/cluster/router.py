@@ -620,6 +620,9 @@ class RouterEngineClient(EngineClient):
         and some prefill worker has room."""
         d = self.settings.disagg
         assert d is not None
+        params = relay.req.sampling_params
+        if params.prompt_only or params.prompt_logprobs is not None:
+            return False  # nothing to decode (embeddings, scoring), or rows a prefill worker keeps to itself
         now = time.monotonic()
         prefill = [w for w in self.workers if w.up and _fits(w, "prefill")]
         # An idle worker is heard from every half second: silence alone does not rule it out (as in _pick).
