@@ -5,7 +5,6 @@ builder, so the stream and the whole reply always agree."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,12 +18,8 @@ from tokenmill.server.anthropic_protocol import (
 )
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest, RequestFieldError
-from tokenmill.server.openai_serving import OpenAIServing, PreparedChat, TurnStep
+from tokenmill.server.openai_serving import OpenAIServing, PreparedChat, TurnStep, sse_event
 from tokenmill.server.tool_calls import NOT_JSON, loads_strict
-
-
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def tool_use_id(call_id: str) -> str:

@@ -53,6 +53,11 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def sse_event(payload: dict[str, Any]) -> str:
+    """A typed event (the Responses and Messages APIs): its `type` as the SSE event name too."""
+    return f"event: {payload['type']}\n" + sse(payload)
+
+
 class OpenAIServing:
     def __init__(
         self,

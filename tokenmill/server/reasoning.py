@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.server.tool_calls import ParsedDelta, ToolCallParser
+from tokenmill.server.tool_calls import ParsedDelta, ToolCallParser, tag_prefix_length
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -29,14 +29,6 @@ class Split:
     def extend(self, other: Split) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -81,7 +73,7 @@ class ReasoningParser:
                     self.buffer = self.buffer[end + len(CLOSE) :].lstrip("\n")
                     self.state = "after"
                     continue
-                held = 0 if final else _partial_suffix(self.buffer, CLOSE)
+                held = 0 if final else tag_prefix_length(self.buffer, CLOSE)
                 out.reasoning += self.buffer[: len(self.buffer) - held]
                 self.buffer = self.buffer[len(self.buffer) - held :]
                 return out

@@ -18,7 +18,7 @@ from typing import Any
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_protocol import ChatCompletionRequest, RequestFieldError
-from tokenmill.server.openai_serving import OpenAIServing, PreparedChat, TurnStep
+from tokenmill.server.openai_serving import OpenAIServing, PreparedChat, TurnStep, sse_event
 from tokenmill.server.response_store import ResponseStore, StoredResponse
 from tokenmill.server.responses_protocol import (
     ResponsesRequest,
@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class OutputBuilder:

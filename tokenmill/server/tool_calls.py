@@ -391,7 +391,7 @@ class HermesParser(ToolCallParser):
                     self.buffer = self.buffer[start + len(CALL_OPEN) :]
                     self.in_call = True
                     continue
-                held = 0 if final else _tag_prefix_length(self.buffer, CALL_OPEN)
+                held = 0 if final else tag_prefix_length(self.buffer, CALL_OPEN)
                 out.content += self._text(self.buffer[: len(self.buffer) - held])
                 self.buffer = self.buffer[len(self.buffer) - held :]
                 return out
@@ -443,7 +443,7 @@ class HermesParser(ToolCallParser):
         return obj["name"], dumps_arguments(args)
 
 
-def _tag_prefix_length(text: str, tag: str) -> int:
+def tag_prefix_length(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import json
+from abc import abstractmethod
 from typing import Any
 
 from tokenmill.server.tool_calls import (
@@ -85,12 +86,13 @@ class WholeReplyParser(ToolCallParser):
             out.calls += [self.header(name), CallFragment(self.calls_made - 1, arguments)]
         return out
 
+    @abstractmethod
     def looks_like_calls(self, head: str) -> bool | None:
-        raise NotImplementedError
+        """True if the reply's beginning is calls, False if it is not, None if it cannot tell yet."""
 
+    @abstractmethod
     def parse(self, body: str) -> list[tuple[str, str]] | None:
         """(name, arguments as JSON text) of each call in the reply, or None if it is not calls."""
-        raise NotImplementedError
 
 
 def _could_start(head: str, *prefixes: str) -> bool | None:
