@@ -2,13 +2,14 @@
 
 from typing import TYPE_CHECKING
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

@@ -188,6 +188,20 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters served on the base model (tokenmill/lora): slots preallocated in every worker, an
+    adapter read into one when a request first needs it."""
+
+    enable_lora: bool = setting(False, help="serve LoRA adapters (on with --lora-modules)")
+    max_loras: int = setting(4, help="adapters held in memory at once (least recently used idle ones go)")
+    max_lora_rank: int = setting(16, help="highest adapter rank accepted (the slots' size)")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+
+
+@dataclass
 class EngineConfig:
     model: str = setting(DEFAULT_MODEL, help="catalog name, .gguf path or Hugging Face directory")
     # "auto": bf16 weights; their arithmetic in bf16 where the CPU has BF16 instructions (and on other
@@ -256,6 +270,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int4", "int8", "fp8"):

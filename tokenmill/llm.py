@@ -17,6 +17,8 @@ from tokenmill.engine.client import RequestRejectedError
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.inproc_client import InprocEngineClient
 from tokenmill.frontend.async_llm import AsyncLLM, Submitted
+from tokenmill.lora.adapter import inspect_adapter
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling import finish, model_pooling
 from tokenmill.sampling_params import SamplingParams
@@ -42,6 +44,7 @@ class LLM:
         self.frontend = AsyncLLM(self.client, self.tokenizer)
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count()
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked, by id
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on this LLM's event loop (from a thread that runs none: e.g. inside Jupyter's,
@@ -71,8 +74,10 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order. `lora_request`:
+        the adapter of every prompt, or one per prompt (None: the base model); needs enable_lora."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -89,7 +94,27 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
-        return self.run_sync(self._generate(prompts, params, priority, cache_salt, use_tqdm))
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, list | tuple)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in {x for x in loras if x is not None}:
+            self._check_lora(lora)
+        return self.run_sync(self._generate(prompts, params, priority, cache_salt, use_tqdm, loras))
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """Check an adapter against the model before its requests go in (once per adapter id)."""
+        if lora.lora_int_id in self._loras:
+            if self._loras[lora.lora_int_id] != lora:
+                raise ValueError(f"lora_int_id {lora.lora_int_id} names another adapter already")
+            return
+        if not self.config.lora.enable_lora:
+            raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
+        inspect_adapter(lora.lora_path, self.engine.model_config, self.config.lora.max_lora_rank)
+        self._loras[lora.lora_int_id] = lora
 
     def chat(
         self,
@@ -138,6 +163,7 @@ class LLM:
         priority: Sequence[int] | None,
         cache_salt: str | None,
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         # One batch, submitted whole before the engine takes a step (a refused prompt refuses all of
         # it), consumed as one stream of final outputs: no per-request task or per-step copies.
@@ -149,7 +175,9 @@ class LLM:
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prio = priority[i] if priority else 0
                 order.append(self.next_request_id())
-                sub = self.frontend.submit(order[-1], ids, p, text, prio, cache_salt, into=sub)
+                sub = self.frontend.submit(
+                    order[-1], ids, p, text, prio, cache_salt, into=sub, lora=loras[i]
+                )
         except RequestRejectedError as e:
             raise ValueError(str(e)) from None  # submit aborted what the batch had added
         if sub is None:

@@ -25,6 +25,7 @@ from tokenmill.config import (
     KVEventsConfig,
     KVOffloadConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -48,6 +49,7 @@ ENGINE_SECTIONS = [
     Section("KV offload", KVOffloadConfig, ("offload",)),
     Section("KV transfer (disaggregation)", KVTransferConfig, ("kv_transfer",)),
     Section("Speculative decoding", SpeculativeConfig, ("speculative",)),
+    Section("LoRA adapters", LoRAConfig, ("lora",)),
 ]
 SERVER_SECTIONS = [
     Section("Server", ServerConfig, ()),

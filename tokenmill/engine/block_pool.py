@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 # What a KV event says of a named block besides its hash: its parent's published hash (None for a
-# chain's first block), its token ids, and its extra keys (the salt of a chain's first block, or None).
-EventInfo = tuple[int | None, list[int], list[Any] | None]
+# chain's first block), its token ids, its extra keys (the salt of a chain's first block, or None), and
+# the LoRA adapter it was computed under ((lora id, name), or None for the base model).
+EventInfo = tuple[int | None, list[int], list[Any] | None, tuple[int, str] | None]
 
 
 class KVBlock:

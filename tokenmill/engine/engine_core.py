@@ -115,7 +115,8 @@ class EngineCore:
                     cc.block_size, self.executor.kv_transfer_info(), config.kv_transfer.kv_hold_timeout_s
                 )
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        max_loras = config.lora.max_loras if config.lora.enable_lora else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
@@ -194,6 +195,8 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")
+        if req.lora is not None and self.scheduler.loras is None:
+            raise ValueError(f"the request names LoRA adapter {req.lora.lora_name!r}, but LoRA is off here")
         if req.kv_transfer is not None:  # checked here, so a malformed one fails this request only
             req = dataclasses.replace(
                 req,
@@ -234,6 +237,8 @@ class EngineCore:
             return [self._output(r, [], None, []) for r in failed]
         if result.kv_connector_stats is not None:
             self.kv_connector_worker_stats = result.kv_connector_stats
+        for slot in result.lora_failed:
+            sched.loras.failed(slot)  # type: ignore[union-attr]
         if result.kv_loads_done:
             sched.finish_loads(result.kv_loads_done)
         if result.kv_sends_done:

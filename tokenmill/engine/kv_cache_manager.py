@@ -55,7 +55,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.hash_salt)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for h in req.block_hashes[:max_blocks]:
@@ -131,7 +131,7 @@ class KVCacheManager:
             # Only real tokens name a block: draft tokens past num_tokens may yet be rejected.
             known = min(end, req.num_tokens)
             extend_block_hashes(
-                req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt, upto=known
+                req.block_hashes, req.all_token_ids, self.block_size, req.hash_salt, upto=known
             )
             # Blocks that were already full before `start` were named when their step was scheduled.
             named = [
@@ -160,10 +160,11 @@ class KVCacheManager:
         """BlockStored events for newly named blocks, one per run of consecutive blocks; each block
         keeps its own part (parent, tokens, extra keys) for the tier it may be evicted to."""
         bs, hashes, tokens = self.block_size, req.block_hashes, req.all_token_ids
+        lora = (req.lora.lora_int_id, req.lora.lora_name) if req.lora is not None else None
         for i in named:
             parent = external_hash(hashes[i - 1]) if i else None
             extra = [req.cache_salt] if i == 0 and req.cache_salt is not None else None
-            blocks[i].event_info = (parent, list(tokens[i * bs : (i + 1) * bs]), extra)
+            blocks[i].event_info = (parent, list(tokens[i * bs : (i + 1) * bs]), extra, lora)
         runs: list[list[int]] = []
         for i in named:
             if runs and runs[-1][-1] == i - 1:
@@ -180,6 +181,7 @@ class KVCacheManager:
                     token_ids=list(tokens[first * bs : (last + 1) * bs]),
                     block_size=bs,
                     extra_keys=[[req.cache_salt]] + [None] * (len(run) - 1) if salted else None,
+                    lora=lora,
                 )
             )
 

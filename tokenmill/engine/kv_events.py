@@ -36,7 +36,7 @@ class BlockStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defa
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None  # vLLM's deprecated numeric adapter id (no adapters here: None)
+    lora_id: int | None  # vLLM's deprecated numeric adapter id (None: the base model)
     medium: str | None  # "GPU" for the device pool, "CPU" for the host tier
     lora_name: str | None
     # vLLM carries the cache salt (and LoRA name) in per-block extra keys; the salt enters only the
@@ -82,9 +82,13 @@ def stored(
     block_size: int,
     medium: str = MEDIUM_DEVICE,
     extra_keys: list[list[Any] | None] | None = None,
+    lora: tuple[int, str] | None = None,
 ) -> BlockStored:
-    """A BlockStored of a block run without LoRA (this engine serves none)."""
-    return BlockStored(block_hashes, parent_block_hash, token_ids, block_size, None, medium, None, extra_keys)
+    """A BlockStored of a block run, computed under a LoRA adapter ((lora id, name)) or the base model."""
+    lora_id, lora_name = lora if lora is not None else (None, None)
+    return BlockStored(
+        block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys
+    )
 
 
 def encode_batch(events: list[KVEvent], dp_rank: int | None = None) -> bytes:

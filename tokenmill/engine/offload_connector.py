@@ -195,7 +195,7 @@ class OffloadConnector(KVConnectorScheduler):
         if self.events is None:
             return
         assert block.block_hash is not None and block.event_info is not None, "KV events name every block"
-        parent, tokens, extra = block.event_info
+        parent, tokens, extra, lora = block.event_info
         self.events.append(
             stored(
                 [external_hash(block.block_hash)],
@@ -204,6 +204,7 @@ class OffloadConnector(KVConnectorScheduler):
                 self.block_size,
                 MEDIUM_HOST,
                 None if extra is None else [extra],
+                lora,
             )
         )
 

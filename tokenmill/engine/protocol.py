@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.step import TokenLogprobs
 
@@ -45,6 +46,8 @@ class EngineRequest:
     # to keep the prompt's blocks for a decode worker; {"remote": {...}} tells a decode worker where to
     # read them. Plain data, as vLLM's kv_transfer_params.
     kv_transfer: dict[str, Any] | None = None
+    # The LoRA adapter the request runs on (None: the base model).
+    lora: LoRARequest | None = None
 
 
 @dataclass

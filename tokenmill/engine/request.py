@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from tokenmill.engine.protocol import EngineRequest, FinishReason
+from tokenmill.lora.request import kv_salt
 
 __all__ = ["EngineRequest", "FinishReason", "Request", "RequestStatus"]
 
@@ -27,6 +28,10 @@ class Request:
         self.arrival_time = req.arrival_time
         self.priority = req.priority
         self.cache_salt = req.cache_salt
+        self.lora = req.lora
+        self.lora_slot = -1  # the LoRA slot it holds while admitted (-1: none)
+        # What its blocks' hashes are salted with: the cache salt and the adapter (lora/request.py).
+        self.hash_salt = kv_salt(req.cache_salt, req.lora.lora_name if req.lora else None)
         self.kv_transfer = req.kv_transfer
         self.kv_transfer_out: dict | None = None  # what a connector says of it when it finishes
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

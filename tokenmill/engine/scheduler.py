@@ -16,6 +16,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import FinishReason, Request, RequestStatus
 from tokenmill.engine.request_queue import WaitingQueue
+from tokenmill.lora.slots import LoRASlots
 from tokenmill.worker.step import NewRequestData, RunningRequestData, SchedulerOutput
 
 
@@ -29,8 +30,12 @@ class _Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 0
+    ) -> None:
         self.config = config
+        # The workers' LoRA slots (None: LoRA off, and requests on an adapter are refused on arrival).
+        self.loras = LoRASlots(max_loras) if max_loras else None
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(config.policy)
@@ -104,10 +109,14 @@ class Scheduler:
         # pushed out for a more urgent one leave room that the urgent one should take.)
         connector = self.kv.connector
         bs = self.kv.block_size
+        no_slot: list[Request] = []  # requests whose adapter found no slot: back in the queue after
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting.peek()
+            if req.lora is not None and req.lora_slot < 0 and not self._take_lora_slot(req):
+                no_slot.append(self.waiting.pop())  # every slot busy: the requests behind it go on
+                continue
             computed, hit, ext, background = [], 0, 0, False
             # Mean and first-token pooling and prompt logprobs read a row of every prompt token (or the
             # first): cached blocks hold keys and values, not those, so such requests compute it whole.
@@ -120,6 +129,7 @@ class Scheduler:
                 # its blocks, and the step goes on without it.
                 fresh = self.kv.allocate_for_load(req, computed, ext)
                 if fresh is None:
+                    self._drop_lora_slot(req)
                     break
                 self.waiting.pop()
                 connector.after_alloc(req, fresh, len(computed), background=True)  # type: ignore[union-attr]
@@ -132,6 +142,7 @@ class Scheduler:
                 n = min(n, self.config.long_prefill_token_threshold)
             # Blocks from host memory are copied in before this step's forward pass: they cost no budget.
             if not self.kv.allocate_slots(req, n + ext * bs, computed):
+                self._drop_lora_slot(req)
                 break
             if ext:
                 blocks = self.kv.req_blocks[req.request_id]
@@ -151,8 +162,27 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.request_id] = _Scheduled(req, n, hit)
             budget -= n
+        for req in reversed(no_slot):
+            self.waiting.push_front(req)
 
         return self._describe(scheduled, urgent_victims + preempted)
+
+    def _take_lora_slot(self, req: Request) -> bool:
+        """Give a waiting request on an adapter a slot holding it; False if every slot is busy."""
+        assert self.loras is not None and req.lora is not None
+        if self.loras.replaces(req.lora):
+            # A name loaded again, perhaps with other weights: what was cached under it is stale.
+            self.kv.pool.reset_prefix_cache()
+        slot = self.loras.acquire(req.lora)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _drop_lora_slot(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)  # type: ignore[union-attr]
+            req.lora_slot = -1
 
     def finish_loads(self, done: dict[str, int]) -> None:
         """Background loads the workers finished (request id -> leading file blocks that arrived intact).
@@ -180,6 +210,8 @@ class Scheduler:
     def _describe(self, scheduled: dict[str, _Scheduled], preempted: list[Request]) -> SchedulerOutput:
         """The step as plain data: requests the workers do not hold in full, diffs for those they do."""
         out = SchedulerOutput(preempted_req_ids=[r.request_id for r in preempted])
+        if self.loras is not None:
+            out.lora_loads = self.loras.take_loads()
         if self.kv.connector is not None:
             out.kv_connector_metadata = self.kv.connector.build_meta()
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
@@ -196,6 +228,7 @@ class Scheduler:
                         sorted(req.eos_token_ids),
                         [b.block_id for b in blocks],
                         s.start,
+                        req.lora_slot,
                     )
                 )
             else:
@@ -252,6 +285,7 @@ class Scheduler:
             returned = scheduled.pop(victim.request_id).num_new_tokens
         self.running.remove(victim)
         self.kv.free(victim)
+        self._drop_lora_slot(victim)
         victim.num_computed_tokens = 0
         victim.num_sent_tokens = victim.num_sent_blocks = 0  # the workers drop it: it comes back whole
         victim.spec_token_ids = []
@@ -342,5 +376,6 @@ class Scheduler:
                 free = False
         if free:
             self.kv.free(req)
+        self._drop_lora_slot(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)

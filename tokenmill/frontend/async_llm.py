@@ -22,6 +22,7 @@ from tokenmill.engine.client import (
 )
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, FinishReason
 from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         routing_key: str | None = None,
         into: Submitted | None = None,
+        lora: LoRARequest | None = None,
     ) -> Submitted:
         """Hand a request's n sequences to the engine; `stream` then yields its outputs. With `into`, the
         request joins that batch (one queue, one output processor: the offline API's way). A request
@@ -101,7 +103,9 @@ class AsyncLLM:
         sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), asyncio.Queue(), set())
         proc = sub.proc
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
-            req = EngineRequest(cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key)
+            req = EngineRequest(
+                cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, lora=lora
+            )
             try:
                 self.client.add_request(req, sub.queue)
             except Exception:

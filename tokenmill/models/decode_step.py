@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from tokenmill.lora.layer import LoRALinear
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
@@ -62,7 +63,10 @@ class StepLinear(NamedTuple):
 def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
     """The kernel `linear` runs a decode step's rows on, as the C++ step would call it, or None where that
     is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step; the rows'
-    quantizers of the W8A8 and fp8 forms must be `ops`' own (the C++ step calls that build's)."""
+    quantizers of the W8A8 and fp8 forms must be `ops`' own (the C++ step calls that build's). A LoRA
+    linear is its base here: the step is not taken while any row runs on an adapter (DecodeStep.takes)."""
+    if isinstance(linear, LoRALinear):
+        linear = linear.base
     if isinstance(linear, WideLinear):  # float32 rows, any count
         return StepLinear(WIDE, linear.panels, linear.out_features, 0, linear.bias, None)
     if isinstance(linear, PackedLinear) and isinstance(linear.small, PanelMatmul):
@@ -117,6 +121,7 @@ class DecodeStep:
         self.window = min((w for layer in model.layers if (w := layer.self_attn.window)), default=0)
         self.scale = attn.scale
         self.rope = model.rope
+        self.lora = model.lora.step if model.lora is not None else None  # rows on adapters: Python loop
         self.layers = self.kernels.DecodeLayers(
             [s.kind for s in linears],
             [s.panels for s in linears],
@@ -141,6 +146,7 @@ class DecodeStep:
             and backend.kernels is self.kernels
             and kv.is_contiguous()
             and not (self.window and meta.longest_decode_context() > self.window)
+            and not (self.lora is not None and self.lora.segments)
         )
 
     def run(

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from tokenmill.models.parallel import Collectives, NoCollectives, Shard, shard_s
 from tokenmill.models.parallel_linear import ColumnParallelLinear, ParallelLinear, Part, RowParallelLinear
 from tokenmill.models.quant import QuantConfig, QuantMethod, quantize_model
 from tokenmill.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from tokenmill.lora.model import LoRAModel
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
         self.quant: QuantMethod | None = None
         # What runs the layers of the steps it takes instead of the Python loop, if the runner set one.
         self.layer_loop: LayerLoop | None = None
+        # Its LoRA slots (tokenmill/lora/model.py), when adapters are served.
+        self.lora: LoRAModel | None = None
 
     def make_layer(self, cfg: ModelConfig, layer: int, shard: Shard) -> DecoderLayer:
         """Layer `layer` (global index)."""

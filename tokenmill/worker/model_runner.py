@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill.lora.model import LoRAModel
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata, PrefillSegment
 from tokenmill.models.attention.registry import get_backend
 from tokenmill.models.decode_step import decode_step_for
@@ -96,8 +97,35 @@ class ModelRunner:
         """Run one forward pass; on the sampling rank, return each finished-prompt request's new tokens
         (accepted drafts and one more) and, when speculating, the next drafts."""
         self._update_states(out)
+        lora = self.model.lora
+        failed = self._load_loras(lora, out.lora_loads) if lora is not None and out.lora_loads else {}
         if not out.num_scheduled_tokens:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(lora_failed=failed)
+        try:
+            output = self._step(out, lora)
+        finally:
+            if lora is not None:
+                lora.set_segments([])
+        if failed:  # requests on an adapter that could not be read fail alone, saying why
+            for rid in out.num_scheduled_tokens:
+                slot = self.requests[rid].lora_slot
+                if slot in failed:
+                    output.errors[rid] = output.client_errors[rid] = failed[slot]
+            output.lora_failed = failed
+        return output
+
+    def _load_loras(self, lora: LoRAModel, loads: dict[int, tuple[int, str]]) -> dict[int, str]:
+        """Read adapters into the slots the engine gave them; slot -> why, for those that failed."""
+        failed: dict[int, str] = {}
+        for slot, (lora_id, path) in loads.items():
+            try:
+                lora.load(slot, lora_id, path)
+            except (OSError, ValueError) as e:  # LoRAError is a ValueError: a file changed since checked
+                lora.clear(slot)
+                failed[slot] = f"the LoRA adapter at {path!r} could not be loaded: {e}"
+        return failed
+
+    def _step(self, out: SchedulerOutput, lora: LoRAModel | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         bs = self.block_size
         starts = out.num_computed_before()
@@ -108,6 +136,10 @@ class ModelRunner:
         # their keys and values before any row attends, so row i sees the drafts before it.
         decodes = [s for s in sched if s[2] == 1 or s[0].request_id in spec]
         prefills = [s for s in sched if s[2] > 1 and s[0].request_id not in spec]
+        if lora is not None:  # rows on one adapter side by side: a segment each (lora/layer.py)
+            decodes.sort(key=lambda s: s[0].lora_slot)
+            prefills.sort(key=lambda s: s[0].lora_slot)
+        lora_rows: list[tuple[int, int, int]] = []
 
         token_ids: list[int] = []
         positions: list[int] = []
@@ -131,6 +163,8 @@ class ModelRunner:
             q_start = len(token_ids)
             token_ids.extend(st.all_token_ids[start:end])
             token_ids.extend(draft)
+            if st.lora_slot >= 0:
+                _add_segment(lora_rows, q_start, len(token_ids), st.lora_slot)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1 or draft:
@@ -170,6 +204,8 @@ class ModelRunner:
             inputs = torch.tensor(token_ids, dtype=torch.long, device=dev)
         else:
             inputs = ps.recv_activations((len(token_ids), self.model.config.hidden_size), self.dtype, dev)
+        if lora is not None:
+            lora.set_segments(lora_rows)
         result = self.model(
             inputs,
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -222,6 +258,14 @@ class ModelRunner:
             output.spec_token_ids = self.speculator.propose(sampled, output, drafts, step_seconds)
         output.execute_seconds = time.perf_counter() - t0
         return output
+
+
+def _add_segment(segments: list[tuple[int, int, int]], start: int, end: int, slot: int) -> None:
+    """Rows [start, end) run on LoRA slot `slot`: extend the last segment where they continue it."""
+    if segments and segments[-1][1] == start and segments[-1][2] == slot:
+        segments[-1] = (segments[-1][0], end, slot)
+    else:
+        segments.append((start, end, slot))
 
 
 # Rows of prompt logprobs computed at once: a row's logits are the vocabulary wide (128k floats for Llama

@@ -17,6 +17,7 @@ class CachedRequestState:
         self.params: SamplingParams = new.sampling_params
         self.eos_token_ids = frozenset(new.eos_token_ids)
         self.block_ids: list[int] = list(new.block_ids)
+        self.lora_slot = new.lora_slot
         # An embedding request's pooled rows so far (float32 sum, row count): "mean" pooling sums the
         # hidden states of every chunk of its prompt.
         self.pool_sum: Any = None

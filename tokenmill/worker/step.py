@@ -34,6 +34,7 @@ class NewRequestData:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix-cache hits)
+    lora_slot: int = -1  # the LoRA slot it runs on (-1: the base model)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # Opaque to the engine loop: metadata for a KV connector (offload, prefill/decode transfer).
     kv_connector_metadata: Any = None
+    # LoRA slots to read an adapter into before this step runs: slot -> (lora id, adapter directory).
+    lora_loads: dict[int, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,3 +108,5 @@ class ModelRunnerOutput:
     kv_connector_stats: dict[str, int] | None = None
     # Disaggregation: requests whose kept blocks a decode worker has finished reading.
     kv_sends_done: list[str] = field(default_factory=list)
+    # LoRA slots whose adapter could not be read (slot -> why); their requests are in `errors`.
+    lora_failed: dict[int, str] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.lora.model import LoRAModel
 from tokenmill.models import registry
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.parallel import Shard
@@ -107,6 +108,13 @@ class Worker:
             comm=ps,
         )
         del loaded
+        self.lora: LoRAModel | None = None
+        if config.lora.enable_lora:
+            lc = config.lora
+            self.lora = LoRAModel(
+                self.model, self.model_config, self.shard, lc.max_loras, lc.max_lora_rank, self.dtype,
+                self.device,
+            )  # fmt: skip
         kernels = ", ".join(f"{n} {k}" for k, n in linear_kernels(self.model).items())
         log.info("weights %s, arithmetic %s: linears on %s", self._weights_label() or self.dtype_name,
                  str(self.dtype).removeprefix("torch."), kernels)  # fmt: skip

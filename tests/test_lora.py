@@ -1,0 +1,161 @@
+"""Many LoRA adapters on one base: greedy tokens and logprobs equal to peft's merged models in
+transformers (float32), one adapter alone, four and the base in one batch, more adapters than slots
+(eviction and reload), and prefix-cache hits that never cross adapters."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+from lora_adapters import SPECS, make_adapter
+from reference import hf_greedy
+
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.engine.kv_events import BlockStored
+from tokenmill.lora.adapter import LoRAError, inspect_adapter
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("peft", reason="peft makes the adapters and the merged reference")
+
+NEW_TOKENS = 12
+LOGPROB_TOL = 2e-3  # float32, the same math in another order (as tests/test_correctness_hf.py)
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+    "List three prime numbers greater than 100.",
+]
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, llm, tmp_path_factory) -> dict:
+    """name -> (LoRARequest, [reference tokens and logprobs per prompt]); "base" -> the base's."""
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    root = tmp_path_factory.mktemp("loras")
+    out: dict = {"base": (None, [hf_greedy(hf_model, p, NEW_TOKENS) for p in ids]), "ids": ids}
+    for i, spec in enumerate(SPECS):
+        merged = make_adapter(hf_model, spec, root / spec.name)
+        out[spec.name] = (
+            LoRARequest(spec.name, i + 1, str(root / spec.name)),
+            [hf_greedy(merged, p, NEW_TOKENS) for p in ids],
+        )
+        del merged
+        gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(
+        dtype="float32", max_model_len=512, enable_lora=True, max_loras=4, max_lora_rank=16, enable_kv_events=True
+    )
+    yield engine
+    engine.close()
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def check(out, ref) -> None:
+    tokens, lps = ref
+    assert out.outputs[0].token_ids == tokens
+    for ours, theirs in zip(out.outputs[0].logprobs, lps, strict=True):
+        assert abs(ours.logprob - float(theirs[ours.token_id])) < LOGPROB_TOL
+
+
+def test_adapters_change_the_output(adapters) -> None:
+    """Otherwise every comparison below would pass with the adapters ignored."""
+    base = [t for t, _ in adapters["base"][1]]
+    for spec in SPECS:
+        assert [t for t, _ in adapters[spec.name][1]] != base, spec.name
+
+
+def test_one_adapter_matches_peft(llm: LLM, adapters) -> None:
+    lora, refs = adapters["all16"]
+    outs = llm.generate(adapters["ids"], greedy(), lora_request=lora)
+    for out, ref in zip(outs, refs, strict=True):
+        check(out, ref)
+
+
+def test_four_adapters_and_the_base_in_one_batch(llm: LLM, adapters) -> None:
+    names = ["base"] + [s.name for s in SPECS]
+    prompts, loras, refs = [], [], []
+    for k, name in enumerate(names):
+        for j, p in enumerate(adapters["ids"]):
+            if (j + k) % 2 == 0:  # a mix: every adapter, several prompts, in one batch
+                prompts.append(p)
+                loras.append(adapters[name][0])
+                refs.append(adapters[name][1][j])
+    outs = llm.generate(prompts, greedy(), lora_request=loras)
+    for out, ref in zip(outs, refs, strict=True):
+        check(out, ref)
+
+
+def test_prefix_hits_never_cross_adapters(llm: LLM, adapters) -> None:
+    prompt = adapters["ids"][2]
+    llm.engine.kv.pool.reset_prefix_cache()  # earlier tests cached this prompt under these adapters
+    llm.engine.kv.take_events()
+    for name in ("attn8", "kv16"):
+        lora, refs = adapters[name]
+        out = llm.generate([prompt], greedy(), lora_request=lora)[0]
+        check(out, refs[2])  # the second adapter reads none of the first's blocks
+    stored = [e for e in llm.engine.kv.take_events() if isinstance(e, BlockStored)]
+    assert {e.lora_name for e in stored} >= {"attn8", "kv16"}
+    assert all(e.lora_id == adapters[e.lora_name][0].lora_int_id for e in stored if e.lora_name)
+    hits = llm.engine.kv.prefix_cache_hits
+    again = llm.generate([prompt], greedy(), lora_request=adapters["kv16"][0])[0]
+    check(again, adapters["kv16"][1][2])
+    assert llm.engine.kv.prefix_cache_hits > hits  # the same adapter does hit
+
+
+def test_more_adapters_than_slots(adapters) -> None:
+    """Two slots, four adapters in one batch: requests wait for a slot, idle adapters are evicted and
+    read again, and every output still matches."""
+    engine = LLM(dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        prompts, loras, refs = [], [], []
+        for spec in SPECS:
+            for j in (0, 3):
+                prompts.append(adapters["ids"][j])
+                loras.append(adapters[spec.name][0])
+                refs.append(adapters[spec.name][1][j])
+        outs = engine.generate(prompts, greedy(), lora_request=loras)
+        for out, ref in zip(outs, refs, strict=True):
+            check(out, ref)
+        assert engine.engine.scheduler.loras.num_loads >= 4
+        # Loaded again under a new id (an unload and reload): read again, same answers.
+        old = adapters["all16"][0]
+        again = LoRARequest(old.lora_name, 99, old.lora_path)
+        check(engine.generate([adapters["ids"][1]], greedy(), lora_request=again)[0], adapters["all16"][1][1])
+    finally:
+        engine.close()
+
+
+def test_bad_adapters_are_refused(llm: LLM, adapters, tmp_path: Path) -> None:
+    cfg = llm.engine.model_config
+    with pytest.raises(LoRAError, match="does not exist"):
+        inspect_adapter(tmp_path / "missing", cfg, 16)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{not json")
+    with pytest.raises(LoRAError, match="not valid JSON"):
+        inspect_adapter(bad, cfg, 16)
+    good = Path(adapters["all16"][0].lora_path)
+    with pytest.raises(LoRAError, match="above --max-lora-rank 8"):
+        inspect_adapter(good, cfg, 8)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    conf = json.loads((good / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**conf, "target_modules": ["q_proj", "wte"]}))
+    with pytest.raises(LoRAError, match="not linears of this model"):
+        inspect_adapter(odd, cfg, 16)
+    (odd / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
+    with pytest.raises(LoRAError, match="DoRA"):
+        inspect_adapter(odd, cfg, 16)
+    with pytest.raises(ValueError, match="enable_lora"):
+        off = LLM.__new__(LLM)
+        off.config, off._loras = llm.config.__class__(), {}
+        off._check_lora(adapters["all16"][0])
