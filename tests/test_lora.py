@@ -49,7 +49,12 @@ def adapters(hf_model, llm, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def llm():
     engine = LLM(
-        dtype="float32", max_model_len=512, enable_lora=True, max_loras=4, max_lora_rank=16, enable_kv_events=True
+        dtype="float32",
+        max_model_len=512,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        enable_kv_events=True,
     )
     yield engine
     engine.close()
@@ -159,3 +164,76 @@ def test_bad_adapters_are_refused(llm: LLM, adapters, tmp_path: Path) -> None:
         off = LLM.__new__(LLM)
         off.config, off._loras = llm.config.__class__(), {}
         off._check_lora(adapters["all16"][0])
+
+
+def _text(llm: LLM, tokens: list[int]) -> str:
+    return llm.tokenizer.decode(tokens)
+
+
+def test_served_adapters_through_the_openai_client(llm: LLM, adapters) -> None:
+    """Each adapter a model name; adapters loaded and unloaded at run time while streams run on others,
+    none failing; bad loads refused with 4xx while the server keeps serving."""
+    import threading
+
+    import httpx
+    import openai
+    from server_fixture import running_server
+
+    all16, attn8 = adapters["all16"][0], adapters["attn8"][0]
+    args = ["--dtype", "float32", "--max-loras", "2", "--enable-lora-runtime-updating"]
+    with running_server(*args, "--lora-modules", f"all16={all16.lora_path}") as proc:
+        base = proc.base_url
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        models = {m.id: m for m in client.models.list().data}
+        (base_name,) = set(models) - {"all16"}
+        assert models["all16"].model_extra["parent"] == base_name
+
+        def complete(model: str, j: int) -> str:
+            r = client.completions.create(
+                model=model, prompt=adapters["ids"][j], max_tokens=NEW_TOKENS, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert r.model == model
+            return r.choices[0].text
+
+        assert complete("all16", 0) == _text(llm, adapters["all16"][1][0][0])
+
+        # Streams on all16 run while attn8 is loaded, used, and all16 itself unloaded.
+        results: list[str] = []
+
+        def stream(j: int) -> None:
+            chunks = client.completions.create(
+                model="all16", prompt=adapters["ids"][j], max_tokens=48, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            results.append("".join(c.choices[0].text for c in chunks if c.choices))
+
+        threads = [threading.Thread(target=stream, args=(j,)) for j in (1, 3)]
+        for t in threads:
+            t.start()
+        r = httpx.post(
+            f"{base}/v1/load_lora_adapter", json={"lora_name": "attn8", "lora_path": attn8.lora_path}
+        )
+        assert r.status_code == 200, r.text
+        assert complete("attn8", 2) == _text(llm, adapters["attn8"][1][2][0])
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "all16"})
+        assert r.status_code == 200, r.text
+        for t in threads:
+            t.join(timeout=120)
+        assert len(results) == 2 and all(results)
+        with pytest.raises(openai.NotFoundError):
+            complete("all16", 0)
+
+        bad = [
+            ({"lora_name": "x", "lora_path": "/nonexistent"}, 400, "does not exist"),
+            ({"lora_name": "attn8", "lora_path": attn8.lora_path}, 400, "already been loaded"),
+            ({"lora_name": base_name, "lora_path": attn8.lora_path}, 400, "base model"),
+            ({"lora_name": "y"}, 400, "lora_path"),
+        ]
+        for body, status, words in bad:
+            r = httpx.post(f"{base}/v1/load_lora_adapter", json=body)
+            assert r.status_code == status and words in r.text, (body, r.text)
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "nope"})
+        assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+        assert complete("attn8", 2) == _text(llm, adapters["attn8"][1][2][0])  # still serving
+        assert complete(base_name, 0) == _text(llm, adapters["base"][1][0][0])

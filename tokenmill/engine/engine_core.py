@@ -148,6 +148,7 @@ class EngineCore:
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.model_config.vocab_size,
+            "model_config": self.model_config.to_dict(),
             "num_blocks": self.kv.pool.num_blocks,
             "block_size": self.kv.block_size,
             "load_seconds": self.load_seconds,

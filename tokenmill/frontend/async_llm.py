@@ -170,9 +170,12 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         routing_key: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """submit + stream: what the server calls for each API request."""
-        sub = self.submit(request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key)
+        sub = self.submit(
+            request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key, lora=lora
+        )
         async for ro in self.stream(sub):
             yield ro
 

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.models.config import ModelConfig
 from tokenmill.pooling import Pooling, model_pooling
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.anthropic_protocol import (
@@ -30,6 +31,7 @@ from tokenmill.server.embeddings import EmbeddingRequest, PoolingServing, Rerank
 from tokenmill.server.errors import APIError, engine_unavailable, error_response
 from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware, presented_key
 from tokenmill.server.json_body import BodyError, parse_json
+from tokenmill.server.lora_registry import LoRARegistry, parse_lora_module
 from tokenmill.server.metrics import Metrics
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
@@ -62,6 +64,16 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
+class LoadLoRARequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's body may carry it; the name is what counts
+
+
 class ServerState:
     """What the routes share: the frontend, the settings, and admission bookkeeping."""
 
@@ -77,6 +89,21 @@ class ServerState:
         self.store = ResponseStore(
             config.responses_store_max, int(config.responses_store_mb * 2**20), config.responses_store_ttl_s
         )
+        model_config = llm.client.info.get("model_config")
+        lora = config.engine.lora
+        self.loras = LoRARegistry(
+            config.model_name,
+            ModelConfig.from_dict(model_config) if model_config else None,
+            lora.max_lora_rank,
+            lora.enable_lora,
+        )
+        for text in config.lora_modules:
+            module = parse_lora_module(text)
+            try:
+                self.loras.add(module.name, module.path)
+            except APIError as e:
+                raise ValueError(f"--lora-modules {module.name}: {e.message}") from None
+        self.serving.loras = self.loras
         self.responses = ResponsesServing(self.serving, self.store, self.admission)
         self.messages = MessagesServing(self.serving, self.admission)
         try:
@@ -195,14 +222,35 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *state.loras.cards(0, llm.max_model_len)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        if model_id != config.model_name:
-            served = config.model_name
-            raise APIError(404, f"The model `{model_id}` does not exist; this server serves `{served}`.")
-        return model_card()
+        state.serving.check_model(model_id)
+        cards = [c for c in state.loras.cards(0, llm.max_model_len) if c["id"] == model_id]
+        return cards[0] if cards else model_card()
+
+    # -- LoRA adapters at run time (vLLM's routes) ----------------------------------------------------
+    def _runtime_updating() -> None:
+        if not config.enable_lora_runtime_updating:
+            raise APIError(
+                404, "adapters are not loaded at run time here: start with --enable-lora-runtime-updating"
+            )
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        _runtime_updating()
+        body = await _json_model(request, LoadLoRARequest)
+        state.loras.add(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        _runtime_updating()
+        body = await _json_model(request, UnloadLoRARequest)
+        state.loras.remove(body.lora_name)
+        # Requests already running on it finish on it; the engine reuses its slot once they have.
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- generation ---------------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -134,8 +134,19 @@ class ServerConfig:
             raise ValueError(f"--workers {text}: need 0 <= N, or 1 <= MIN <= MAX")
         return a, a, b
 
+    # LoRA adapters served as model names of their own (server/lora_registry.py).
+    lora_modules: list[str] = setting(
+        default_factory=list, help="a LoRA adapter to serve: name=path (PEFT directory); repeat for more"
+    )
+    enable_lora_runtime_updating: bool = setting(
+        False, help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters"
+    )
     fleet: FleetConfig = field(default_factory=FleetConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora_modules or self.enable_lora_runtime_updating:
+            self.engine.lora.enable_lora = True
 
     @property
     def model_name(self) -> str:

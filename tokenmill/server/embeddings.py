@@ -145,7 +145,12 @@ class PoolingServing:
             last = None
             try:
                 async for ro in self.serving.llm.generate(
-                    f"embd-{rid}-{i}", ids, params, priority=req.priority, routing_key=req.user
+                    f"embd-{rid}-{i}",
+                    ids,
+                    params,
+                    priority=req.priority,
+                    routing_key=req.user,
+                    lora=self.serving.loras.get(req.model),
                 ):
                     last = ro
             except Exception as e:

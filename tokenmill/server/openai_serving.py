@@ -24,6 +24,7 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError, engine_unavailable, error_body
+from tokenmill.server.lora_registry import LoRARegistry
 from tokenmill.server.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -70,6 +71,8 @@ class OpenAIServing:
         self.llm = llm
         self.model_name = model_name
         self.admission = admission
+        # The LoRA adapters served beside the base model (replaced by the server state's when it has any).
+        self.loras = LoRARegistry(model_name, None, 0, enabled=False)
         # How the model writes the calls it chooses to make, and how it marks its reasoning.
         self.tool_format = tool_format(tool_parser, llm.tokenizer.chat_template)
         self.reasoning = reasoning_parser(reasoning)
@@ -79,10 +82,13 @@ class OpenAIServing:
 
     # -- input checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.", "model"
-            )
+        if model is not None and not self.loras.knows(model):
+            served = ", ".join(f"`{m}`" for m in (self.model_name, *self.loras.adapters))
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", "model")
+
+    def served(self, model: str | None) -> str:
+        """The model name a reply carries: the adapter asked for, or the base model."""
+        return model if model is not None and model in self.loras.adapters else self.model_name
 
     def check_length(self, n_prompt: int, max_tokens: int | None) -> int | None:
         """Validate against the context length; return max_tokens (None: up to the context)."""
@@ -282,7 +288,7 @@ class OpenAIServing:
             "id": rid,
             "object": "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.served(req.model),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
@@ -316,7 +322,7 @@ class OpenAIServing:
     async def _stream_completion(self, rid: str, req: CompletionRequest, jobs) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        head = {"id": rid, "object": "text_completion", "created": now(), "model": self.model_name}
+        head = {"id": rid, "object": "text_completion", "created": now(), "model": self.served(req.model)}
         prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
         cached = 0
         made: dict[tuple[int, int], int] = {}  # tokens so far per (prompt, sequence)
@@ -372,7 +378,8 @@ class OpenAIServing:
         if len(jobs) == 1:  # the common case needs no extra task and queue hop per token
             _, ids, p = jobs[0]
             async for ro in self.llm.generate(
-                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
+                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                lora=self.loras.get(req.model),
             ):
                 yield 0, p.n, ro
             return
@@ -387,6 +394,7 @@ class OpenAIServing:
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     routing_key=req.user,
+                    lora=self.loras.get(req.model),
                 ):
                     await queue.put((i, p.n, ro))
             except Exception as e:  # handed to the consumer, which owns the response
@@ -413,7 +421,8 @@ class OpenAIServing:
         last = None
         try:
             async for ro in self.llm.generate(
-                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
+                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                lora=self.loras.get(req.model),
             ):
                 last = ro
         except (RequestRejectedError, EngineDeadError, RequestFailedError) as e:
@@ -506,7 +515,7 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.served(req.model),
             "choices": choices,
             "usage": usage(len(ids), completion, ro.num_cached_tokens),
         }
@@ -527,6 +536,7 @@ class OpenAIServing:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 routing_key=req.user,
+                lora=self.loras.get(req.model),
             ):
                 o = ro.outputs[0]
                 if parser is None:
@@ -568,7 +578,8 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         created = now()
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        model = self.served(req.model)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         for i in range(p.n):
             yield sse(
                 {
@@ -589,7 +600,8 @@ class OpenAIServing:
         parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
         try:
             async for ro in self.llm.generate(
-                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user
+                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                lora=self.loras.get(req.model),
             ):
                 last = ro
                 if continuous:  # vLLM's: the usage so far in every chunk
