@@ -263,7 +263,7 @@ def openapi_document() -> dict[str, Any]:
     from tokenmill.server.app import build_app
     from tokenmill.server.config import ServerConfig
 
-    stand_in = SimpleNamespace(client=SimpleNamespace(), tokenizer=SimpleNamespace(chat_template=None))
+    stand_in = SimpleNamespace(client=SimpleNamespace(info={}), tokenizer=SimpleNamespace(chat_template=None))
     app = build_app(stand_in, ServerConfig(), repository=SimpleNamespace())  # type: ignore[arg-type]
     return app.openapi()
 

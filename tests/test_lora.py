@@ -237,3 +237,55 @@ def test_served_adapters_through_the_openai_client(llm: LLM, adapters) -> None:
         assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
         assert complete("attn8", 2) == _text(llm, adapters["attn8"][1][2][0])  # still serving
         assert complete(base_name, 0) == _text(llm, adapters["base"][1][0][0])
+
+
+def test_tensor_parallel_two_ranks(adapters) -> None:
+    """A split with the base's column/row split: the same tokens as peft's merged model."""
+    engine = LLM(
+        dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, tensor_parallel_size=2
+    )  # fmt: skip
+    try:
+        names = ["all16", "base", "attn8"]
+        prompts = [adapters["ids"][j] for j in range(3)]
+        outs = engine.generate(prompts, greedy(), lora_request=[adapters[n][0] for n in names])
+        for j, (out, name) in enumerate(zip(outs, names, strict=True)):
+            check(out, adapters[name][1][j])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8", "fp8"])
+def test_delta_on_every_quantized_form(adapters, quantization: str) -> None:
+    """Each wrapped linear of a quantized model (whatever form this CPU gives it) adds exactly the
+    adapter's delta to its base's output, on the rows of its segment only."""
+    import torch
+
+    from tokenmill.lora.adapter import read_adapter
+
+    engine = LLM(max_model_len=256, enable_lora=True, max_loras=2, quantization=quantization)
+    try:
+        lora = adapters["all16"][0]
+        model = engine.engine.runner.model
+        model.lora.load(1, lora.lora_int_id, lora.lora_path)
+        info, weights = read_adapter(lora.lora_path, engine.engine.model_config, 16)
+        names = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        g = torch.Generator().manual_seed(0)
+        for (layer, fused), w in list(model.lora.linears.items())[:8]:
+            x = torch.randn(5, w.in_features, generator=g).to(w.a.dtype)
+            model.lora.set_segments([(1, 4, 1)])
+            try:
+                got = w(x).float()
+            finally:
+                model.lora.set_segments([])
+            base = w.base(x).float()
+            want = base.clone()
+            for (lo, hi), name in zip(w.parts, names.get(fused, (fused,)), strict=True):
+                a, b = weights[(layer, name)]
+                want[1:4, lo:hi] += (x[1:4].float() @ a.t()) @ b.t() * info.scaling
+            scale = want.abs().max()
+            tol = 2e-2 if w.a.dtype == torch.bfloat16 else 1e-4
+            assert (got - want).abs().max() <= tol * scale, (quantization, layer, fused)
+            assert torch.equal(got[[0, 4]], base[[0, 4]])
+            assert not torch.allclose(got[1:4], base[1:4])  # the delta is there
+    finally:
+        engine.close()
