@@ -289,3 +289,21 @@ def test_delta_on_every_quantized_form(adapters, quantization: str) -> None:
             assert not torch.allclose(got[1:4], base[1:4])  # the delta is there
     finally:
         engine.close()
+
+
+def test_speculative_decoding_verifies_with_the_adapter(adapters) -> None:
+    """Prompt-lookup drafts ignore the adapter; verification applies it: the adapter's own tokens."""
+    engine = LLM(
+        dtype="float32",
+        max_model_len=512,
+        enable_lora=True,
+        max_loras=2,
+        speculative_config={"method": "ngram"},
+    )
+    try:
+        names = ["kv16", "base", "all16"]
+        outs = engine.generate(adapters["ids"][:3], greedy(), lora_request=[adapters[n][0] for n in names])
+        for j, (out, name) in enumerate(zip(outs, names, strict=True)):
+            assert out.outputs[0].token_ids == adapters[name][1][j][0], name
+    finally:
+        engine.close()

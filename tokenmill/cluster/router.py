@@ -49,6 +49,7 @@ from tokenmill.engine.client import (
     new_context,
 )
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest, EngineStats, FinishReason
+from tokenmill.lora.request import kv_salt
 
 log = logging.getLogger(__name__)
 # A worker silent this long gets no new requests: four missed heartbeats (engines beat every 0.5 s,
@@ -516,7 +517,7 @@ class RouterEngineClient(EngineClient):
     # -- requests -----------------------------------------------------------------------------
     def _hashes(self, relay: _Relay) -> list[int]:
         if relay.hashes is None:
-            relay.hashes = self._hashes_of(relay.req.prompt_token_ids, relay.req.cache_salt)
+            relay.hashes = self._hashes_of(relay.req.prompt_token_ids, _salt(relay.req))
         return relay.hashes
 
     def _hashes_of(self, prompt_ids: list[int], salt: str | None) -> list[int]:
@@ -570,7 +571,7 @@ class RouterEngineClient(EngineClient):
         elif kv:
             # Hashed lazily: only as far as some worker holds the prefix (an unseen tail is never hashed).
             overlaps = self.index.overlaps(
-                self._hasher_for().iter_hashes(req.prompt_token_ids, req.cache_salt), mask
+                self._hasher_for().iter_hashes(req.prompt_token_ids, _salt(req)), mask
             )
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         if kv:  # the cost from plain columns (this runs for every request)
@@ -844,3 +845,9 @@ def in_pool(w: Worker, pool: str | None) -> bool:
         return True
     role = w.role or w.info.get("kv_role")
     return (role == "prefill") == (pool == "prefill")
+
+
+def _salt(req: EngineRequest) -> str | None:
+    """What the workers salt the request's first block with: its cache salt and its LoRA adapter, so
+    a prefix score counts only blocks cached under the same adapter."""
+    return kv_salt(req.cache_salt, req.lora.lora_name if req.lora is not None else None)
