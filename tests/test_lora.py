@@ -307,3 +307,35 @@ def test_speculative_decoding_verifies_with_the_adapter(adapters) -> None:
             assert out.outputs[0].token_ids == adapters[name][1][j][0], name
     finally:
         engine.close()
+
+
+def test_an_adapter_that_cannot_be_read_fails_its_requests_alone(llm: LLM, adapters, tmp_path: Path) -> None:
+    """Files broken after the check: the request on it ends with an error saying why, its slot holds
+    nothing afterwards, and the engine goes on serving (the base and other adapters)."""
+    import shutil
+
+    from tokenmill.engine.protocol import EngineRequest, FinishReason
+
+    good = Path(adapters["all16"][0].lora_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    engine = llm.engine
+    lora = LoRARequest("broken", 77, str(broken))
+    engine.add_request(EngineRequest("broken-1", adapters["ids"][0], greedy(), lora=lora))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    (out,) = [o for o in outs if o.request_id == "broken-1"]
+    assert out.finish_reason == FinishReason.ERROR and "could not be loaded" in (out.error or "")
+    assert 77 not in engine.scheduler.loras.resident
+    for name in ("base", "attn8"):
+        check(
+            llm.generate([adapters["ids"][1]], greedy(), lora_request=adapters[name][0])[0],
+            adapters[name][1][1],
+        )
+
+
+def test_a_cache_salt_cannot_pose_as_an_adapter(llm: LLM, adapters) -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        llm.generate([adapters["ids"][0]], greedy(), cache_salt="\x00lora\x00all16")

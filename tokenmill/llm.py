@@ -17,7 +17,7 @@ from tokenmill.engine.client import RequestRejectedError
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.inproc_client import InprocEngineClient
 from tokenmill.frontend.async_llm import AsyncLLM, Submitted
-from tokenmill.lora.adapter import inspect_adapter
+from tokenmill.lora.adapter import fingerprint, inspect_adapter
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling import finish, model_pooling
@@ -95,26 +95,28 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = (
-            list(lora_request)
-            if isinstance(lora_request, list | tuple)
-            else [lora_request] * len(prompts)
+            list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
         )
         if len(loras) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
-        for lora in {x for x in loras if x is not None}:
-            self._check_lora(lora)
+        loras = [self._check_lora(x) if x is not None else None for x in loras]
         return self.run_sync(self._generate(prompts, params, priority, cache_salt, use_tqdm, loras))
 
-    def _check_lora(self, lora: LoRARequest) -> None:
-        """Check an adapter against the model before its requests go in (once per adapter id)."""
-        if lora.lora_int_id in self._loras:
-            if self._loras[lora.lora_int_id] != lora:
+    def _check_lora(self, lora: LoRARequest) -> LoRARequest:
+        """The adapter checked against the model, with its weights' fingerprint (checked once per id;
+        an id names one adapter)."""
+        checked = self._loras.get(lora.lora_int_id)
+        if checked is not None:
+            if (checked.lora_name, checked.lora_path) != (lora.lora_name, lora.lora_path):
                 raise ValueError(f"lora_int_id {lora.lora_int_id} names another adapter already")
-            return
+            return checked
         if not self.config.lora.enable_lora:
             raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
         inspect_adapter(lora.lora_path, self.engine.model_config, self.config.lora.max_lora_rank)
-        self._loras[lora.lora_int_id] = lora
+        checked = self._loras[lora.lora_int_id] = dataclasses.replace(
+            lora, fingerprint=fingerprint(lora.lora_path)
+        )
+        return checked
 
     def chat(
         self,
@@ -175,9 +177,7 @@ class LLM:
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prio = priority[i] if priority else 0
                 order.append(self.next_request_id())
-                sub = self.frontend.submit(
-                    order[-1], ids, p, text, prio, cache_salt, into=sub, lora=loras[i]
-                )
+                sub = self.frontend.submit(order[-1], ids, p, text, prio, cache_salt, into=sub, lora=loras[i])
         except RequestRejectedError as e:
             raise ValueError(str(e)) from None  # submit aborted what the batch had added
         if sub is None:

@@ -850,4 +850,4 @@ def in_pool(w: Worker, pool: str | None) -> bool:
 def _salt(req: EngineRequest) -> str | None:
     """What the workers salt the request's first block with: its cache salt and its LoRA adapter, so
     a prefix score counts only blocks cached under the same adapter."""
-    return kv_salt(req.cache_salt, req.lora.lora_name if req.lora is not None else None)
+    return kv_salt(req.cache_salt, req.lora)

@@ -196,6 +196,8 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")
+        if req.cache_salt is not None and "\x00" in req.cache_salt:
+            raise ValueError("cache_salt may not contain a NUL character")
         if req.lora is not None and self.scheduler.loras is None:
             raise ValueError(f"the request names LoRA adapter {req.lora.lora_name!r}, but LoRA is off here")
         if req.kv_transfer is not None:  # checked here, so a malformed one fails this request only
@@ -219,7 +221,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         sched = self.scheduler
-        if not out.num_scheduled_tokens and out.kv_connector_metadata is None and not sched.loading:
+        idle = not out.num_scheduled_tokens and out.kv_connector_metadata is None and not out.lora_loads
+        if idle and not sched.loading:
             if not sched.held:
                 return []
             time.sleep(0.002)  # only kept blocks to watch for: look for their readers now and then
@@ -233,19 +236,20 @@ class EngineCore:
             # Blocks this step was filling may hold partial KV under a published hash: drop the cache.
             ids = out.scheduled_ids
             log.exception("engine step failed; its %d requests end with an error: %s", len(ids), ids)
+            for slot in out.lora_loads:  # what the workers' slots hold is unknown now: read again
+                sched.loras.failed(slot)  # type: ignore[union-attr]
             failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
             self.kv.pool.reset_prefix_cache()
             return [self._output(r, [], None, []) for r in failed]
         if result.kv_connector_stats is not None:
             self.kv_connector_worker_stats = result.kv_connector_stats
-        for slot in result.lora_failed:
-            sched.loras.failed(slot)  # type: ignore[union-attr]
+        lora_failed = self._lora_failed(result.lora_failed) if result.lora_failed else []
         if result.kv_loads_done:
             sched.finish_loads(result.kv_loads_done)
         if result.kv_sends_done:
             sched.release_held(sched.kv.connector.released(result.kv_sends_done))  # type: ignore[union-attr]
         if not out.num_scheduled_tokens:
-            return []
+            return lora_failed
         self.num_steps += 1
         self.num_batched_tokens_total += out.num_batched_tokens
         errors = result.errors
@@ -276,7 +280,24 @@ class EngineCore:
             outputs.extend(
                 self._output(r, [], None, [], result.client_errors.get(r.request_id)) for r in failed
             )
+        if lora_failed:
+            outputs.extend(lora_failed)
+            # Blocks this step named under the adapter were computed without it: forget them (their
+            # requests have ended, so the blocks are free).
+            self.kv.pool.reset_prefix_cache()
         return outputs
+
+    def _lora_failed(self, failed: dict[int, str]) -> list[EngineCoreOutput]:
+        """Slots the workers could not read an adapter into: every request holding one ends with the
+        reason (those in this step are among the step's errors too), and the slot holds nothing."""
+        sched = self.scheduler
+        assert sched.loras is not None
+        held = [r for r in [*sched.requests.values(), *sched.loading.values()] if r.lora_slot in failed]
+        reasons = {r.request_id: failed[r.lora_slot] for r in held}
+        for slot in failed:
+            sched.loras.failed(slot)
+        ended = sched.finish_requests(sorted(reasons), FinishReason.ERROR)
+        return [self._output(r, [], None, [], reasons[r.request_id]) for r in ended]
 
     def _count_acceptance(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
         for rid, draft in drafts.items():

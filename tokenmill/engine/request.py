@@ -31,7 +31,7 @@ class Request:
         self.lora = req.lora
         self.lora_slot = -1  # the LoRA slot it holds while admitted (-1: none)
         # What its blocks' hashes are salted with: the cache salt and the adapter (lora/request.py).
-        self.hash_salt = kv_salt(req.cache_salt, req.lora.lora_name if req.lora else None)
+        self.hash_salt = kv_salt(req.cache_salt, req.lora)
         self.kv_transfer = req.kv_transfer
         self.kv_transfer_out: dict | None = None  # what a connector says of it when it finishes
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

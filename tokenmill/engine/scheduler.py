@@ -170,9 +170,6 @@ class Scheduler:
     def _take_lora_slot(self, req: Request) -> bool:
         """Give a waiting request on an adapter a slot holding it; False if every slot is busy."""
         assert self.loras is not None and req.lora is not None
-        if self.loras.replaces(req.lora):
-            # A name loaded again, perhaps with other weights: what was cached under it is stale.
-            self.kv.pool.reset_prefix_cache()
         slot = self.loras.acquire(req.lora)
         if slot is None:
             return False

@@ -114,6 +114,13 @@ def _targets(cfg: dict, where: str) -> None:
             )
 
 
+def fingerprint(path: str | Path) -> str:
+    """The weights file's size and modification time: another file under the same name and directory
+    (an adapter retrained and loaded again) gets another, and with it other KV cache entries."""
+    st = (Path(path) / WEIGHTS_FILE).stat()
+    return f"{st.st_size}-{st.st_mtime_ns}"
+
+
 def inspect_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> AdapterInfo:
     """Check an adapter directory against the model without reading its weights; LoRAError says why
     it cannot be served."""

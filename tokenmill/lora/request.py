@@ -2,9 +2,11 @@
 
 A request names its adapter whole (name, id, path): the engine core needs no registration message, a
 routed worker learns the adapter from the request itself, and the workers read its files when they first
-give it a slot. The name enters the KV cache's identity (`kv_salt`): blocks computed under one adapter are
-never prefix hits for another, or for the base, and a router that hashes a prompt with the same salt
-counts only blocks cached under the same adapter.
+give it a slot. The adapter enters the KV cache's identity (`kv_salt`): its name, directory and a
+fingerprint of its weights file, so blocks computed under one adapter are never prefix hits for another,
+for the base, or for the same name loaded again with other weights (also from a file tier that outlived
+a restart); a router that hashes a prompt with the same salt counts only blocks cached under the same
+adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str
+    # The weights file's size and modification time (lora/adapter.py's fingerprint), filled in when the
+    # adapter is checked: part of the KV cache's identity.
+    fingerprint: str = ""
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.lora_name}\x00{self.lora_path}\x00{self.fingerprint}"
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:
@@ -32,8 +41,9 @@ class LoRARequest:
 _LORA_MARK = "\x00lora\x00"
 
 
-def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
-    """What the first block's hash is salted with: the client's cache salt and the adapter's name."""
-    if lora_name is None:
+def kv_salt(cache_salt: str | None, lora: LoRARequest | None) -> str | None:
+    """What the first block's hash is salted with: the client's cache salt (which may hold no NUL, so it
+    cannot pose as an adapter's part) and the adapter's identity."""
+    if lora is None:
         return cache_salt
-    return f"{cache_salt or ''}{_LORA_MARK}{lora_name}"
+    return f"{cache_salt or ''}{_LORA_MARK}{lora.cache_key}"

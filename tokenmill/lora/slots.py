@@ -23,7 +23,6 @@ class LoRASlots:
         self.last_used = [0] * max_loras  # a tick of the slot's last acquire: LRU among idle slots
         self._tick = itertools.count(1)
         self.pending: dict[int, tuple[int, str]] = {}  # slot -> (lora id, path) for the next step
-        self.names: dict[str, int] = {}  # name -> the id last seen under it
         self.num_loads = 0
 
     def acquire(self, lora: LoRARequest) -> int | None:
@@ -46,13 +45,6 @@ class LoRASlots:
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
         assert self.users[slot] >= 0, f"LoRA slot {slot} released more often than acquired"
-
-    def replaces(self, lora: LoRARequest) -> bool:
-        """Whether `lora` reuses a name last seen with another id (an adapter unloaded and loaded again,
-        perhaps with other weights): blocks cached under the name are then stale. Remembers the id."""
-        old = self.names.get(lora.lora_name)
-        self.names[lora.lora_name] = lora.lora_int_id
-        return old is not None and old != lora.lora_int_id
 
     def take_loads(self) -> dict[int, tuple[int, str]]:
         loads, self.pending = self.pending, {}

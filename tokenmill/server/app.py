@@ -241,7 +241,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         _runtime_updating()
         body = await _json_model(request, LoadLoRARequest)
-        state.loras.add(body.lora_name, body.lora_path)
+        # The check reads the adapter's files: off the event loop, which serves the streams meanwhile.
+        await asyncio.to_thread(state.loras.add, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -176,7 +176,7 @@ class PoolingServing:
             "data": [
                 {"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(finished)
             ],
-            "model": self.serving.model_name,
+            "model": self.serving.served(req.model),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
@@ -198,7 +198,7 @@ class PoolingServing:
             "id": f"score-{uuid.uuid4().hex}",
             "object": "list",
             "created": now(),
-            "model": self.serving.model_name,
+            "model": self.serving.served(req.model),
             "data": [
                 {"index": i, "object": "score", "score": _cosine(a, b)} for i, (a, b) in enumerate(pairs)
             ],
@@ -216,7 +216,7 @@ class PoolingServing:
         tokens = sum(map(len, prompts))
         return {
             "id": f"rerank-{uuid.uuid4().hex}",
-            "model": self.serving.model_name,
+            "model": self.serving.served(req.model),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             "results": [
                 {"index": i, "document": {"text": req.documents[i]}, "relevance_score": s} for i, s in scored

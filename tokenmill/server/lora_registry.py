@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.lora.adapter import LoRAError, inspect_adapter
+from tokenmill.lora.adapter import LoRAError, fingerprint, inspect_adapter
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.config import ModelConfig
 from tokenmill.server.errors import APIError
@@ -48,6 +48,8 @@ class LoRARegistry:
         self.max_rank = max_rank
         self.enabled = enabled
         self.adapters: dict[str, LoRARequest] = {}
+        # Unloaded adapters, for requests admitted before the unload (new ones get 404 by `knows`).
+        self.retired: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
     def add(self, name: str, path: str) -> LoRARequest:
@@ -62,20 +64,26 @@ class LoRARegistry:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         try:
             inspect_adapter(path, self.model, self.max_rank)
-        except LoRAError as e:
+            mark = fingerprint(path)
+        except (LoRAError, OSError) as e:
             raise APIError(400, str(e), "lora_path") from None
-        lora = self.adapters[name] = LoRARequest(name, next(self._ids), path)
+        lora = self.adapters[name] = LoRARequest(name, next(self._ids), path, mark)
+        self.retired.pop(name, None)
         return lora
 
     def remove(self, name: str) -> LoRARequest:
         lora = self.adapters.pop(name, None)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        self.retired[name] = lora
         return lora
 
     def get(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's model names (None: the base model, or no model given)."""
-        return self.adapters.get(model) if model is not None else None
+        """The adapter a request's model names (None: the base model, or no model given). A request
+        checked before its adapter was unloaded still runs on it (never silently on the base)."""
+        if model is None:
+            return None
+        return self.adapters.get(model) or self.retired.get(model)
 
     def knows(self, model: str) -> bool:
         return model == self.base_name or model in self.adapters

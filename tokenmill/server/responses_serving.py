@@ -267,7 +267,7 @@ class ResponsesServing:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
-            "model": self.serving.model_name,
+            "model": self.serving.served(req.model),
             "output": [] if builder is None else builder.items,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
