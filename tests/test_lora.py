@@ -270,8 +270,9 @@ def test_delta_on_every_quantized_form(adapters, quantization: str) -> None:
         info, weights = read_adapter(lora.lora_path, engine.engine.model_config, 16)
         names = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
         g = torch.Generator().manual_seed(0)
+        dtype = engine.engine.executor.worker.dtype  # the rows' (arithmetic's) dtype
         for (layer, fused), w in list(model.lora.linears.items())[:8]:
-            x = torch.randn(5, w.in_features, generator=g).to(w.a.dtype)
+            x = torch.randn(5, w.in_features, generator=g).to(dtype)
             model.lora.set_segments([(1, 4, 1)])
             try:
                 got = w(x).float()
@@ -283,7 +284,7 @@ def test_delta_on_every_quantized_form(adapters, quantization: str) -> None:
                 a, b = weights[(layer, name)]
                 want[1:4, lo:hi] += (x[1:4].float() @ a.t()) @ b.t() * info.scaling
             scale = want.abs().max()
-            tol = 2e-2 if w.a.dtype == torch.bfloat16 else 1e-4
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
             assert (got - want).abs().max() <= tol * scale, (quantization, layer, fused)
             assert torch.equal(got[[0, 4]], base[[0, 4]])
             assert not torch.allclose(got[1:4], base[1:4])  # the delta is there

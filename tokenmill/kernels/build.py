@@ -36,6 +36,7 @@ UNITS: dict[str, list[str]] = {
         "quantize.cpp",
         "sample.cpp",
         "argmax.cpp",
+        "lora_delta.cpp",
         "kv_write.cpp",
         "prefill_attention.cpp",
     ],

@@ -56,6 +56,8 @@ class LoRAModel:
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id in each slot
         # (global layer, fused module name) -> its wrapper
         self.linears: dict[tuple[int, str], LoRALinear] = {}
+        kernels = getattr(model.ops, "k", None)  # the CPU kernels' build, when the model runs on them
+        kernel = getattr(kernels, "lora_delta_", None) if device.type == "cpu" else None
         for local, layer in enumerate(model.layers):
             glob = shard.layers.start + local
             for holder in (layer.self_attn, layer.mlp):
@@ -64,7 +66,7 @@ class LoRAModel:
                     if base is None:
                         continue
                     parts = self._parts(name, base.out_features)
-                    wrapped = LoRALinear(base, parts, max_loras, max_rank, dtype, device, self.step)
+                    wrapped = LoRALinear(base, parts, max_loras, max_rank, dtype, device, self.step, kernel)
                     setattr(holder, name, wrapped)
                     self.linears[(glob, name)] = wrapped
         model.lora = self  # type: ignore[assignment]
@@ -121,8 +123,8 @@ class LoRAModel:
                 a = a[:, keep.start : keep.stop]
             else:
                 b = b[keep.start : keep.stop]
-            out.append((a.to(self.dtype), b, scaling))
+            out.append((a, b, scaling))  # the slot's copy converts, once, to its own dtype
         return out
 
     def set_segments(self, segments: list[Segment]) -> None:
-        self.step.segments = segments
+        self.step.set(segments)

@@ -74,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cached", &prefill_attention_cached,
         "causal attention of prompt chunks after a cached context, read through block tables");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (a NaN counts as the largest)");
+  m.def("lora_delta_", &lora_delta_,
+        "y[rows, part] += (x[rows] A_slot^T) B_slot for each segment (start, end, slot) and adapted part "
+        "(lora/layer.py), in float32");
   using tm_decode::DecodeLayers;
   // Local to each build's module: a process that loads two instruction-set builds registers it twice.
   py::class_<DecodeLayers, std::shared_ptr<DecodeLayers>>(

@@ -22,6 +22,8 @@ std::vector<at::Tensor> e4m3_rows_bf16(at::Tensor x);
 at::Tensor scale_rows_cols(at::Tensor y, at::Tensor rs, at::Tensor cs, at::ScalarType out_dtype);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temps, at::Tensor u);
 at::Tensor argmax_rows(at::Tensor logits);
+void lora_delta_(at::Tensor y, at::Tensor x, at::Tensor a, std::vector<at::Tensor> bs, std::vector<int64_t> lo,
+                 at::Tensor segments, at::Tensor active);
 void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                        at::Tensor starts, at::Tensor lens, double scale);
 void prefill_attention_cached(at::Tensor q, at::Tensor out, at::Tensor k_cache, at::Tensor v_cache,
