@@ -4,8 +4,9 @@ It wraps whatever computes the base linear (bf16, packed, int4, int8, fp8: any L
 sits on every quantized form unchanged: y = base(x), then for each segment of rows on one adapter slot
 y[rows, part] += (x[rows] A_slot^T) B_slot^T, scaling folded into B. The model runner orders each step's
 rows by slot (decode rows among themselves, prompt chunks among themselves), so a step on four adapters
-is about four segments whatever its batch: two small matmuls per adapted part and segment, no gathered
-copy of any weight, and rows on the base model cost nothing.
+is about four segments whatever its batch, no weight is gathered or copied, and rows on the base model
+cost nothing. On a CPU one kernel call computes a linear's deltas for every segment
+(kernels/csrc/lora_delta.cpp); elsewhere two small matmuls per adapted part and segment do.
 
 A fused linear (qkv, gate_up) is several adapted parts side by side in its output: their A matrices are
 stacked so one matmul computes every part's shrink for a segment. Tensor parallelism cuts B's rows with
