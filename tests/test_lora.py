@@ -174,6 +174,7 @@ def test_served_adapters_through_the_openai_client(llm: LLM, adapters) -> None:
     """Each adapter a model name; adapters loaded and unloaded at run time while streams run on others,
     none failing; bad loads refused with 4xx while the server keeps serving."""
     import threading
+    import time
 
     import httpx
     import openai
@@ -197,6 +198,12 @@ def test_served_adapters_through_the_openai_client(llm: LLM, adapters) -> None:
             return r.choices[0].text
 
         assert complete("all16", 0) == _text(llm, adapters["all16"][1][0][0])
+        # vLLM's lora_requests_info, as llm-d's LoRA affinity reads it (the engine's stats arrive with
+        # its heartbeat: polled briefly).
+        deadline = time.monotonic() + 10
+        while 'resident_lora_adapters="all16"' not in httpx.get(f"{base}/metrics").text:
+            assert time.monotonic() < deadline, "the adapter never showed in /metrics"
+            time.sleep(0.2)
 
         # Streams on all16 run while attn8 is loaded, used, and all16 itself unloaded.
         results: list[str] = []

@@ -577,6 +577,12 @@ class RouterEngineClient(EngineClient):
         if kv:  # the cost from plain columns (this runs for every request)
             loads = [(overlaps.get(w.slot, 0), w.prefill_blocks, w.decode_blocks) for w in answering]
             costs = kv_costs(loads, blocks, self.settings.prefill_weight)
+            if req.lora is not None:
+                weight = self.settings.prefill_weight * blocks
+                costs = [
+                    c + weight * _lora_miss(w, req.lora.lora_name)
+                    for c, w in zip(costs, answering, strict=True)
+                ]
             slot = self.picker.pick_by_cost(
                 [w.slot for w in answering], costs, [len(w.active) for w in answering]
             )
@@ -851,3 +857,18 @@ def _salt(req: EngineRequest) -> str | None:
     """What the workers salt the request's first block with: its cache salt and its LoRA adapter, so
     a prefix score counts only blocks cached under the same adapter."""
     return kv_salt(req.cache_salt, req.lora)
+
+
+# LoRA affinity (llm-d's scorer in the KV cost's units): a worker whose slots hold the adapter costs
+# nothing more; one with a free slot, a fifth of prefilling the prompt again (the adapter's read, and a
+# slot taken from others); one with every slot busy, a whole prefill (the request would wait for a slot).
+LORA_LOAD_COST, LORA_WAIT_COST = 0.2, 1.0
+
+
+def _lora_miss(w: Worker, name: str) -> float:
+    stats = w.client.stats if w.client is not None else None
+    if stats is None or not stats.lora_slots:  # not heard from yet (or an older worker): assume room
+        return LORA_LOAD_COST
+    if name in stats.lora_resident:
+        return 0.0
+    return LORA_LOAD_COST if stats.lora_free_slots else LORA_WAIT_COST

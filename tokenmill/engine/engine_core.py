@@ -365,7 +365,19 @@ class EngineCore:
             kv_connector=self._connector_counters(),
             engine_threads=threads,
             engine_thread_changes=thread_changes,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        loras = self.scheduler.loras
+        if loras is None:
+            return {}
+        return {
+            "lora_slots": len(loras.ids),
+            "lora_resident": loras.resident_names,
+            "lora_running": loras.running_names,
+            "lora_free_slots": loras.free,
+        }
 
     def _connector_counters(self) -> dict[str, int]:
         connector = self.kv.connector

@@ -100,6 +100,12 @@ class EngineStats:
     # start (worker/thread_governor.py: a neighbour crowding the cores); 0 threads where not reported.
     engine_threads: int = 0
     engine_thread_changes: int = 0
+    # LoRA (0 slots: off): the adapters in the workers' slots, by name, and the slots no running request
+    # holds (where an adapter not resident could be read in at once). The router's LoRA affinity.
+    lora_slots: int = 0
+    lora_resident: list[str] = field(default_factory=list)
+    lora_running: list[str] = field(default_factory=list)  # of those, the ones admitted requests hold
+    lora_free_slots: int = 0
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ class LoRASlots:
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.ids: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
+        self.names: list[str | None] = [None] * max_loras  # and its name
         self.users = [0] * max_loras  # requests admitted on each slot, not finished or preempted
         self.last_used = [0] * max_loras  # a tick of the slot's last acquire: LRU among idle slots
         self._tick = itertools.count(1)
@@ -35,7 +36,7 @@ class LoRASlots:
             if not idle:
                 return None
             slot = min(idle, key=lambda s: (self.ids[s] is not None, self.last_used[s]))
-            self.ids[slot] = lora.lora_int_id
+            self.ids[slot], self.names[slot] = lora.lora_int_id, lora.lora_name
             self.pending[slot] = (lora.lora_int_id, lora.lora_path)
             self.num_loads += 1
         self.users[slot] += 1
@@ -53,8 +54,21 @@ class LoRASlots:
     def failed(self, slot: int) -> None:
         """The workers could not load the slot's adapter: it holds nothing (a later request reads it
         again)."""
-        self.ids[slot] = None
+        self.ids[slot] = self.names[slot] = None
 
     @property
     def resident(self) -> list[int]:
         return [i for i in self.ids if i is not None]
+
+    @property
+    def resident_names(self) -> list[str]:
+        return [n for n in self.names if n is not None]
+
+    @property
+    def running_names(self) -> list[str]:
+        return [n for n, users in zip(self.names, self.users, strict=True) if n is not None and users]
+
+    @property
+    def free(self) -> int:
+        """Slots no admitted request holds: an adapter not resident can take one at once."""
+        return sum(1 for n in self.users if n == 0)

@@ -243,6 +243,19 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(st.spec_accepted_per_pos if st else []):
                 per_pos.add_metric([*labels, str(pos)], n)
         yield per_pos
+        # vLLM's lora_requests_info (what llm-d's LoRA affinity reads): the adapters running requests,
+        # those resident in the slots, and the slots; the value is when it was read, as vLLM's.
+        if any(st and st.lora_slots for _, st in series):
+            info = GaugeMetricFamily(
+                "tokenmill:lora_requests_info",
+                "LoRA adapters running requests and resident in the slots",
+                labels=[*names, "running_lora_adapters", "resident_lora_adapters", "max_lora"],
+            )
+            for labels, st in series:
+                if st and st.lora_slots:
+                    running, resident = ",".join(st.lora_running), ",".join(st.lora_resident)
+                    info.add_metric([*labels, running, resident, str(st.lora_slots)], time.time())
+            yield info
         yield from self._connector(names, series)
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
