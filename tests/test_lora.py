@@ -347,3 +347,34 @@ def test_an_adapter_that_cannot_be_read_fails_its_requests_alone(llm: LLM, adapt
 def test_a_cache_salt_cannot_pose_as_an_adapter(llm: LLM, adapters) -> None:
     with pytest.raises(ValueError, match="NUL"):
         llm.generate([adapters["ids"][0]], greedy(), cache_salt="\x00lora\x00all16")
+
+
+def test_cpp_decode_step_gives_the_python_loops_bits_with_adapters(adapters) -> None:
+    """Decode steps with rows on adapters run in the C++ layer loop (the deltas by the same kernel, from
+    the same slots): every logit equal to the Python loop's."""
+    import torch
+    from test_decode_step import _counted, _record_logits
+
+    engine = LLM(max_model_len=256, enable_prefix_caching=False, enable_lora=True, max_loras=2)
+    try:
+        model = engine.engine.executor.worker.model
+        step = model.layer_loop
+        if step is None:
+            pytest.skip("this CPU's kernels for the model are not all ones the C++ step calls")
+        calls = _counted(step)
+        names = ["all16", "base", "kv16", "all16"]
+        loras = [adapters[n][0] for n in names]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 5, 7, 9)]
+        seen = _record_logits(engine)
+        fast = [o.outputs[0].token_ids for o in engine.generate(adapters["ids"], params, lora_request=loras)]
+        fast_logits = list(seen)
+        assert calls[0] >= 5, "the decode steps with adapter rows ran in C++"
+        seen.clear()
+        model.layer_loop = None
+        slow = [o.outputs[0].token_ids for o in engine.generate(adapters["ids"], params, lora_request=loras)]
+        assert fast == slow
+        assert len(fast_logits) == len(seen)
+        for a, b in zip(fast_logits, seen, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        engine.close()

@@ -11,7 +11,8 @@ attention backend of the model's own kernel build, no tensor parallelism (its al
 collectives), and every layer's linears on a kernel the C++ step calls (the panel kernels of bf16,
 int4, int8 in both forms and fp8, and the widened bf16 panels of a float32 model); a model with any
 other linear (oneDNN's or PyTorch's matmuls, as on CPUs without AVX512-BF16 for the quantized forms)
-keeps the Python loop for every step.
+keeps the Python loop for every step. A model serving LoRA adapters has its deltas added after each
+linear by the same kernel the Python loop calls (kernels/csrc/lora_delta.cpp), from the same slots.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class DecodeStep:
         self.window = min((w for layer in model.layers if (w := layer.self_attn.window)), default=0)
         self.scale = attn.scale
         self.rope = model.rope
-        self.lora = model.lora.step if model.lora is not None else None  # rows on adapters: Python loop
+        self.lora = model.lora.step if model.lora is not None else None
         self.layers = self.kernels.DecodeLayers(
             [s.kind for s in linears],
             [s.panels for s in linears],
@@ -146,7 +147,6 @@ class DecodeStep:
             and backend.kernels is self.kernels
             and kv.is_contiguous()
             and not (self.window and meta.longest_decode_context() > self.window)
-            and not (self.lora is not None and self.lora.segments)
         )
 
     def run(
@@ -170,7 +170,11 @@ class DecodeStep:
             meta.decode_context_lens,
             self.scale,
             backend.format_code,
+            self.lora.tensor if self.lora is not None and self.lora.segments else _NO_SEGMENTS,
         )
+
+
+_NO_SEGMENTS = torch.zeros(0, 3, dtype=torch.long)
 
 
 def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
@@ -181,6 +185,7 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
     if model.layers[0].input_layernorm.weight.dtype not in (torch.bfloat16, torch.float32):
         return None  # the panel kernels' rows are bf16, or float32 for the widened bf16 panels
     linears = []
+    wrapped: list[LoRALinear] = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         llama = type(attn) is Attention and type(mlp) is MLP and type(layer) is DecoderLayer
@@ -191,4 +196,13 @@ def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
             if s is None:
                 return None
             linears.append(s)
-    return DecodeStep(model, linears)
+            if isinstance(lin, LoRALinear):
+                if lin.kernel is None:
+                    return None  # deltas by PyTorch's matmuls: the Python loop runs them
+                wrapped.append(lin)
+    if wrapped and len(wrapped) != len(linears):
+        return None
+    step = DecodeStep(model, linears)
+    for i, lin in enumerate(wrapped):  # the same slot tensors as the wrappers': loads are seen here
+        step.layers.set_lora(i, lin.a, lin.b, lin.lo, lin.active)
+    return step

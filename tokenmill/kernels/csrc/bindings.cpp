@@ -85,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::optional<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
                     std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def("set_lora", &DecodeLayers::set_lora)
       // No Python object is touched inside: the engine's other threads (its I/O) run meanwhile.
       .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>());
 }

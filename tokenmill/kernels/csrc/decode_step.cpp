@@ -66,6 +66,18 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
   return y;
 }
 
+at::Tensor Linear::with_lora(const at::Tensor& x, const at::Tensor& segments) const {
+  at::Tensor y = (*this)(x);
+  if (lora && segments.size(0) > 0) lora_delta_(y, x, lora->a, lora->bs, lora->lo, segments, lora->active);
+  return y;
+}
+
+void DecodeLayers::set_lora(int64_t index, at::Tensor a, std::vector<at::Tensor> bs, std::vector<int64_t> lo,
+                            at::Tensor active) {
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear ", index);
+  linears_[index].lora = Lora{std::move(a), std::move(bs), std::move(lo), std::move(active)};
+}
+
 DecodeLayers::DecodeLayers(std::vector<int64_t> kinds, std::vector<at::Tensor> panels, std::vector<int64_t> ns,
              std::vector<int64_t> params, std::vector<std::optional<at::Tensor>> biases,
              std::vector<std::vector<at::Tensor>> extras, std::vector<at::Tensor> norms, int64_t heads,
@@ -80,13 +92,14 @@ DecodeLayers::DecodeLayers(std::vector<int64_t> kinds, std::vector<at::Tensor> p
     TORCH_CHECK(kinds[i] >= kDot && kinds[i] <= kG8Wide, "unknown linear kind ", kinds[i]);
     const size_t wanted = kinds[i] == kI8 ? 2 : kinds[i] == kF8 ? 1 : 0;
     TORCH_CHECK(extras[i].size() == wanted, "linear kind ", kinds[i], " takes ", wanted, " extra tensors");
-    linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i]});
+    linears_.push_back(Linear{kinds[i], ns[i], params[i], panels[i], biases[i], extras[i], std::nullopt});
   }
   for (const auto& w : norms_) TORCH_CHECK(w.is_contiguous(), "norm weights must be contiguous");
 }
 at::Tensor DecodeLayers::run(at::Tensor residual, at::Tensor positions, at::Tensor cos, at::Tensor sin_signed,
                   at::Tensor kv_caches, at::Tensor slots, at::Tensor block_tables,
-                  at::Tensor context_lens, double scale, int64_t kv_format) const {
+                  at::Tensor context_lens, double scale, int64_t kv_format,
+                  at::Tensor lora_segments) const {
   const int64_t L = num_layers(), T = residual.size(0);
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual: [T, hidden], contiguous");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == L && kv_caches.size(1) == 2 &&
@@ -107,7 +120,8 @@ at::Tensor DecodeLayers::run(at::Tensor residual, at::Tensor positions, at::Tens
   at::Tensor x = rms_norm(residual, norms_[0], eps_), m;
   for (int64_t i = 0; i < L; ++i) {
     const Linear* lin = &linears_[4 * i];
-    at::Tensor qkv = lin[0](x);
+    const at::Tensor& sg = lora_segments;
+    at::Tensor qkv = lin[0].with_lora(x, sg);
     TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "qkv width");
     rope_(qkv, heads_ + kv_heads_, D, positions, cos, sin_signed);
     auto q = qkv.narrow(1, 0, qs).view({T, heads_, D});
@@ -122,9 +136,9 @@ at::Tensor DecodeLayers::run(at::Tensor residual, at::Tensor positions, at::Tens
       kv_write_q8(k, v, kc, vc, sl, kv_format == 2);
     }
     auto o = paged_decode(q, kc, vc, block_tables, context_lens, scale, kv_format);
-    auto a = lin[1](o.reshape({T, qs}));
+    auto a = lin[1].with_lora(o.reshape({T, qs}), sg);
     x = add_rms_norm(a, residual, norms_[2 * i + 1], eps_);
-    m = lin[3](silu_mul(lin[2](x)));
+    m = lin[3].with_lora(silu_mul(lin[2].with_lora(x, sg)), sg);
     if (i + 1 < L) x = add_rms_norm(m, residual, norms_[2 * i + 2], eps_);
   }
   return m;
