@@ -246,11 +246,13 @@ def test_served_adapters_through_the_openai_client(llm: LLM, adapters) -> None:
         assert complete(base_name, 0) == _text(llm, adapters["base"][1][0][0])
 
 
-def test_tensor_parallel_two_ranks(adapters) -> None:
-    """A split with the base's column/row split: the same tokens as peft's merged model."""
-    engine = LLM(
-        dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, tensor_parallel_size=2
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_parallel_two_ranks(adapters, split: dict) -> None:
+    """Tensor parallel: A split with the base's column/row split; pipeline parallel: each stage its layers'
+    share of the adapter. The same tokens as peft's merged model."""
+    engine = LLM(dtype="float32", max_model_len=512, enable_lora=True, max_loras=2, **split)
     try:
         names = ["all16", "base", "attn8"]
         prompts = [adapters["ids"][j] for j in range(3)]

@@ -378,7 +378,12 @@ class OpenAIServing:
         if len(jobs) == 1:  # the common case needs no extra task and queue hop per token
             _, ids, p = jobs[0]
             async for ro in self.llm.generate(
-                f"{rid}-0", ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                f"{rid}-0",
+                ids,
+                p,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                routing_key=req.user,
                 lora=self.loras.get(req.model),
             ):
                 yield 0, p.n, ro
@@ -421,7 +426,12 @@ class OpenAIServing:
         last = None
         try:
             async for ro in self.llm.generate(
-                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                rid,
+                ids,
+                p,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                routing_key=req.user,
                 lora=self.loras.get(req.model),
             ):
                 last = ro
@@ -600,7 +610,12 @@ class OpenAIServing:
         parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
         try:
             async for ro in self.llm.generate(
-                rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+                rid,
+                ids,
+                p,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                routing_key=req.user,
                 lora=self.loras.get(req.model),
             ):
                 last = ro
