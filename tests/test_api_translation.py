@@ -240,7 +240,7 @@ def test_a_background_task_cancelled_before_it_starts_gives_its_ticket_back() ->
         admission = Admission(10, 10_000)
         ticket = admission.admit()
         store = ResponseStore(10, 100_000, 60)
-        serving = ResponsesServing(SimpleNamespace(model_name="m"), store, admission)  # type: ignore[arg-type]
+        serving = ResponsesServing(SimpleNamespace(model_name="m", served=lambda _: "m"), store, admission)  # type: ignore[arg-type]
         req = ResponsesRequest(input="hi", background=True)
         chat, conversation = to_chat_request(req, [], [{"role": "user", "content": "hi"}])
         from tokenmill.server.responses_serving import ResponseRun

@@ -102,12 +102,13 @@ def test_constant_rate_sends_at_the_rate(server_url) -> None:
     lv = bench(server_url, LoadConfig(request_rate=20.0, arrival="constant", num_requests=30))
     sends = sorted(r.t_send for r in lv.records)
     gaps = [b - a for a, b in zip(sends, sends[1:], strict=False)]
-    assert sum(gaps) / len(gaps) == pytest.approx(0.05, rel=0.05)
-    # Each send on time (a rare stall of this shared 2-core machine may delay one).
-    assert sorted(gaps)[int(0.9 * len(gaps))] == pytest.approx(0.05, abs=0.005)
+    # Bounds wide enough for a 2-core machine busy with other tests (a stall delays a send, and the one
+    # after it catches up), narrow enough that a closed loop (a send per E2E) or a drifting clock fails.
+    assert sum(gaps) / len(gaps) == pytest.approx(0.05, rel=0.1)
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.05, abs=0.01)
     # Open loop: 30 arrivals 50 ms apart; the last one ends ~E2E after it was sent.
     e2e = (FIRST_MS + (OSL - 1) * ITL_MS) / 1e3
-    assert lv.summary["duration_s"] == pytest.approx(29 * 0.05 + e2e, abs=0.05)
+    assert lv.summary["duration_s"] == pytest.approx(29 * 0.05 + e2e, abs=0.2)
 
 
 def test_poisson_rate_and_duration_bound(server_url) -> None:

@@ -380,3 +380,26 @@ def test_cpp_decode_step_gives_the_python_loops_bits_with_adapters(adapters) -> 
             assert torch.equal(a, b)
     finally:
         engine.close()
+
+
+def test_structured_output_on_adapters(llm: LLM, adapters) -> None:
+    """A grammar constrains an adapter's rows as the base's: every output parses, and matches its schema."""
+    import json
+
+    from tokenmill.sampling_params import StructuredOutputs
+
+    schema = {
+        "type": "object",
+        # Bounded values: an output always fits max_tokens, so each one must parse.
+        "properties": {"city": {"enum": ["Paris", "Houston", "Rome"]}, "year": {"enum": [1969, 2024]}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0.0, max_tokens=48, structured=StructuredOutputs(json=json.dumps(schema))
+    )  # fmt: skip
+    names = ["all16", "base", "attn8"]
+    outs = llm.generate(adapters["ids"][:3], params, lora_request=[adapters[n][0] for n in names])
+    for out in outs:
+        value = json.loads(out.outputs[0].text)
+        assert value["city"] in ("Paris", "Houston", "Rome") and value["year"] in (1969, 2024)

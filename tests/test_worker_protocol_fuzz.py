@@ -67,6 +67,7 @@ from tokenmill.engine.protocol import (
     hello_mac,
     secure_socket,
 )
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.worker.kv_transfer.transfer_engine import TransferClient, map_peer_region
 
@@ -415,9 +416,13 @@ def _base_messages(block_size: int, kv_endpoint: str) -> list[tuple[ToEngine, Pa
     remote = RemoteBlocks(kv_endpoint, "nobody", [0, 1], block_size, "1.000.9999999999.000." + "0" * 64)
     kt = plain(KVTransferParams(do_remote_decode=True, remote=remote))
     with_kt = EngineRequest("base-kt", list(range(40, 80)), params, kv_transfer=kt)
+    # An adapter this worker does not serve (LoRA is off here): refused on arrival, however it is spelled.
+    lora = LoRARequest("fuzz", 1, "/nonexistent/adapter", "0-0")
+    with_lora = EngineRequest("base-lora", list(range(50, 70)), params, lora=lora)
     return [
         (AddRequest(req), ()),
         (AddRequest(with_kt), (1, "kv_transfer")),
+        (AddRequest(with_lora), (1, "lora")),
         (Hello(b"not the proof"), ()),
         (AbortRequests(["nobody's"]), ()),
         (FinishRequests(["nobody's"]), ()),

@@ -16,10 +16,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the server's API process checks adapters without torch (only workers read them)
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -44,7 +46,7 @@ class AdapterInfo:
 
 
 # (layer, HF module name) -> (A [r, in], B [out, r]), in the file's dtype.
-AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+AdapterWeights = dict[tuple[int, str], tuple["torch.Tensor", "torch.Tensor"]]
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -144,7 +146,8 @@ def inspect_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adap
     shapes = module_shapes(model)
     seen: dict[tuple[int, str], set[str]] = {}
     try:
-        with safe_open(str(f), framework="pt") as st:
+        # Headers only, with numpy's framework: reading shapes needs no torch.
+        with safe_open(str(f), framework="numpy") as st:
             for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                 m = _KEY.search(key)
                 if m is None:

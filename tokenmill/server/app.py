@@ -237,7 +237,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
                 404, "adapters are not loaded at run time here: start with --enable-lora-runtime-updating"
             )
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         _runtime_updating()
         body = await _json_model(request, LoadLoRARequest)
@@ -245,7 +245,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         await asyncio.to_thread(state.loras.add, body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         _runtime_updating()
         body = await _json_model(request, UnloadLoRARequest)
@@ -352,6 +352,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             "/v1/rerank": RerankRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
+            "/v1/load_lora_adapter": LoadLoRARequest,
+            "/v1/unload_lora_adapter": UnloadLoRARequest,
         },
         streaming={"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"},
     )

@@ -373,34 +373,26 @@ class OpenAIServing:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, sum(made.values()), cached)})
         yield "data: [DONE]\n\n"
 
+    def _generate(self, rid: str, ids: list[int], p: SamplingParams, req) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt of a request, with the request's priority, cache salt,
+        session and adapter."""
+        return self.llm.generate(
+            rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
+            lora=self.loras.get(req.model),
+        )  # fmt: skip
+
     async def _merged(self, rid: str, req, jobs) -> AsyncIterator[tuple[int, int, RequestOutput]]:
         """(prompt index, n, output) from the generations of all prompts of one request, as they come."""
         if len(jobs) == 1:  # the common case needs no extra task and queue hop per token
             _, ids, p = jobs[0]
-            async for ro in self.llm.generate(
-                f"{rid}-0",
-                ids,
-                p,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-                routing_key=req.user,
-                lora=self.loras.get(req.model),
-            ):
+            async for ro in self._generate(f"{rid}-0", ids, p, req):
                 yield 0, p.n, ro
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int], p: SamplingParams) -> None:
             try:
-                async for ro in self.llm.generate(
-                    f"{rid}-{i}",
-                    ids,
-                    p,
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                    routing_key=req.user,
-                    lora=self.loras.get(req.model),
-                ):
+                async for ro in self._generate(f"{rid}-{i}", ids, p, req):
                     await queue.put((i, p.n, ro))
             except Exception as e:  # handed to the consumer, which owns the response
                 await queue.put(e)
@@ -425,15 +417,7 @@ class OpenAIServing:
     async def _final(self, rid: str, ids: list[int], p: SamplingParams, req) -> RequestOutput:
         last = None
         try:
-            async for ro in self.llm.generate(
-                rid,
-                ids,
-                p,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-                routing_key=req.user,
-                lora=self.loras.get(req.model),
-            ):
+            async for ro in self._generate(rid, ids, p, req):
                 last = ro
         except (RequestRejectedError, EngineDeadError, RequestFailedError) as e:
             raise generation_error(e) from e
@@ -539,15 +523,7 @@ class OpenAIServing:
         out as APIError."""
         parser = self.reply_parser(prep)
         try:
-            async for ro in self.llm.generate(
-                rid,
-                prep.ids,
-                prep.params,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-                routing_key=req.user,
-                lora=self.loras.get(req.model),
-            ):
+            async for ro in self._generate(rid, prep.ids, prep.params, req):
                 o = ro.outputs[0]
                 if parser is None:
                     parsed = ParsedDelta(content=o.delta_text)
@@ -609,15 +585,7 @@ class OpenAIServing:
         made = [self.reply_parser(prep) for _ in range(p.n)]
         parsers = {i: parser for i, parser in enumerate(made) if parser is not None}
         try:
-            async for ro in self.llm.generate(
-                rid,
-                ids,
-                p,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-                routing_key=req.user,
-                lora=self.loras.get(req.model),
-            ):
+            async for ro in self._generate(rid, ids, p, req):
                 last = ro
                 if continuous:  # vLLM's: the usage so far in every chunk
                     so_far = sum(len(o.token_ids) for o in ro.outputs)
