@@ -27,18 +27,20 @@ from tokenmill.models.linear import LinearBase
 Segment = tuple[int, int, int]
 
 
+NO_SEGMENTS = torch.zeros(0, 3, dtype=torch.long)
+
+
 class StepSegments:
     """The step's segments (empty: no row on an adapter, and the deltas are skipped), as a list and as
     the [S, 3] tensor the CPU kernel reads."""
 
     def __init__(self) -> None:
         self.segments: list[Segment] = []
-        self.tensor = torch.zeros(0, 3, dtype=torch.long)
+        self.tensor = NO_SEGMENTS
 
     def set(self, segments: list[Segment]) -> None:
         self.segments = segments
-        if segments:
-            self.tensor = torch.tensor(segments, dtype=torch.long)
+        self.tensor = torch.tensor(segments, dtype=torch.long) if segments else NO_SEGMENTS
 
 
 # tokenmill's CPU kernel for the deltas of one linear (kernels/csrc/lora_delta.cpp):

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tokenmill.lora.layer import LoRALinear
+from tokenmill.lora.layer import NO_SEGMENTS, LoRALinear
 from tokenmill.models.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.attention.cpu_paged import CpuPagedBackend
 from tokenmill.models.fp8_linear import Fp8Linear
@@ -65,7 +65,7 @@ def step_linear(linear: nn.Module, ops: CpuFusedOps) -> StepLinear | None:
     """The kernel `linear` runs a decode step's rows on, as the C++ step would call it, or None where that
     is a kernel it does not call. Mirrors each class's forward for bf16 rows of a 2-D step; the rows'
     quantizers of the W8A8 and fp8 forms must be `ops`' own (the C++ step calls that build's). A LoRA
-    linear is its base here: the step is not taken while any row runs on an adapter (DecodeStep.takes)."""
+    linear is its base here; the step adds its deltas after it (decode_step_for: DecodeLayers.set_lora)."""
     if isinstance(linear, LoRALinear):
         linear = linear.base
     if isinstance(linear, WideLinear):  # float32 rows, any count
@@ -170,11 +170,8 @@ class DecodeStep:
             meta.decode_context_lens,
             self.scale,
             backend.format_code,
-            self.lora.tensor if self.lora is not None and self.lora.segments else _NO_SEGMENTS,
+            self.lora.tensor if self.lora is not None else NO_SEGMENTS,
         )
-
-
-_NO_SEGMENTS = torch.zeros(0, 3, dtype=torch.long)
 
 
 def decode_step_for(model: LlamaForCausalLM) -> DecodeStep | None:
