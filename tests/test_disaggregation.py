@@ -76,6 +76,12 @@ def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool, layou
             TransferClient(dst, 5, use_shm=False, layout=layout).read(server.endpoint, [99], [0], grant)
         client.done(server.endpoint, "req-1", grant)
         assert server.take_done() == ["req-1"] and server.take_done() == []
+        # Once the reader is done the grant is void, by either path: a second read of the same answer
+        # (a proxy that passed it twice) fails, and its reader recomputes.
+        with pytest.raises(TransferError, match="grant"):
+            client.read(server.endpoint, [7], [0], grant)
+        with pytest.raises(TransferError, match="no grant"):  # blocks it never granted
+            client.read(server.endpoint, [3], [0], grant)
     finally:
         client.close()
         server.close()
@@ -227,6 +233,31 @@ def test_a_lost_prefill_worker_costs_recomputation_not_the_request(engines) -> N
         assert got.new_token_ids == want
         assert dec.stats().kv_connector["remote_read_failures"] == 1
         assert dec.kv.pool.num_free == dec.kv.pool.num_blocks
+    finally:
+        dec.shutdown()
+
+
+def test_an_answer_passed_with_another_prompt_is_recomputed_not_decoded_on(engines) -> None:
+    """A prefill worker's answer names its prompt (the chained hash of its last block): a decode
+    worker given it with another prompt reads nothing and computes its own prompt."""
+    ref, pre = engines
+    dec = _engine("decode")
+    try:
+        ids = ref.tokenizer.encode(TEXT)
+        other = ref.tokenizer.encode(TEXT.replace("worker", "machine"))
+        want = _run(ref, EngineRequest("ref-other", other, GREEDY)).new_token_ids
+        one = dataclasses.replace(GREEDY, max_tokens=1)
+        params = _run(
+            pre, EngineRequest("p-other", ids, one, kv_transfer={"do_remote_decode": True})
+        ).kv_transfer
+        got = _run(dec, EngineRequest("d-other", other, GREEDY, kv_transfer={"remote": params}))
+        assert got.new_token_ids == want
+        kv = dec.stats().kv_connector
+        assert kv["remote_load_mismatches"] == 1 and kv["remote_load_blocks"] == 0
+        deadline = time.monotonic() + 10
+        while pre.scheduler.held:  # told it is not needed: the prefill worker lets go at once
+            assert time.monotonic() < deadline
+            pre.step()
     finally:
         dec.shutdown()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.worker.step import TokenLogprobs
 
@@ -56,6 +57,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: each prompt token's logprob given those before it; None for
     # the first, which nothing predicts (vLLM's shape).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # A prefill server's finished request under disaggregation: where its KV blocks can be read
+    # (tokenmill's plain data; the server writes it in vLLM's kv_transfer_params shape).
+    kv_transfer: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.block_pool import KVBlock
 from tokenmill.engine.kv_connector import KVConnectorScheduler
 from tokenmill.engine.request import Request
@@ -37,6 +38,9 @@ class RemoteBlocks(msgspec.Struct, forbid_unknown_fields=True):
     block_ids: list[int]
     block_size: int
     grant: str = ""  # the prefill worker's token for reading these blocks (its transfer port checks it)
+    # The chained hash (hex) of the last block: a decode worker reads only if its own prompt hashes the
+    # same, so an answer passed with another prompt (a proxy's mistake) is recomputed, never decoded on.
+    block_hash: str = ""
 
 
 class KVTransferParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -66,8 +70,8 @@ def validate_kv_transfer(kt: Any, block_size: int, max_model_len: int) -> dict[s
         too_many = len(r.block_ids) > max_model_len // block_size + 1
         if too_many or any(not 0 <= i < _MAX_ID for i in r.block_ids):
             raise ValueError("kv_transfer.remote.block_ids: too many, or out of range")
-        if len(r.grant) > 256:
-            raise ValueError("kv_transfer.remote.grant is too long")
+        if len(r.grant) > 256 or len(r.block_hash) > 128:
+            raise ValueError("kv_transfer.remote.grant or block_hash is too long")
     return msgspec.to_builtins(p)
 
 
@@ -80,7 +84,7 @@ class PDConnector(KVConnectorScheduler):
         self._loading: dict[str, int] = {}  # request id -> the first block being read
         self.held: dict[str, float] = {}  # request id -> when its kept blocks are freed regardless
         self.c = {"remote_load_blocks": 0, "remote_loaded_blocks": 0, "remote_load_failures": 0,
-                  "requests_held": 0, "hold_timeouts": 0}  # fmt: skip
+                  "remote_load_mismatches": 0, "requests_held": 0, "hold_timeouts": 0}  # fmt: skip
 
     @staticmethod
     def _remote(req: Request) -> dict[str, Any] | None:
@@ -95,11 +99,21 @@ class PDConnector(KVConnectorScheduler):
         remote = self._remote(req)
         if remote is None:
             return 0, False
-        limit = min(len(remote.get("block_ids", ())), (req.num_tokens - 1) // self.block_size)
+        sent = len(remote.get("block_ids", ()))
+        limit = min(sent, (req.num_tokens - 1) // self.block_size)
+        if limit > num_local_blocks and not self._same_prompt(req, sent, remote.get("block_hash", "")):
+            self.c["remote_load_mismatches"] += 1
+            limit = 0
         n = max(limit - num_local_blocks, 0)
         if n == 0:  # everything it needs is here already: the prefill worker may let go at once
             self.ops.releases.append((remote["endpoint"], remote["request_id"], self._grant(remote)))
         return n, n > 0
+
+    def _same_prompt(self, req: Request, sent: int, block_hash: str) -> bool:
+        """The remote blocks are of this request's prompt: its own chain names the last one the same."""
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.hash_salt)
+        hashes = req.block_hashes
+        return bool(block_hash) and len(hashes) >= sent and hashes[sent - 1].hex() == block_hash
 
     def after_alloc(self, req: Request, blocks: list[KVBlock], first: int, background: bool) -> None:
         remote = self._remote(req)
@@ -126,6 +140,10 @@ class PDConnector(KVConnectorScheduler):
         self.c["requests_held"] += 1
         now = time.time()
         key = bytes.fromhex(self.transfer_info.get("grant_key", ""))
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, req.hash_salt)
+        # The grant lapses a little before the scheduler frees the blocks at the hold timeout, so no
+        # reader's copy can overlap their reuse.
+        expires = now + self.hold_timeout_s - min(1.0, self.hold_timeout_s / 10)
         return True, {
             "endpoint": self.transfer_info["endpoint"],
             "request_id": req.request_id,
@@ -133,7 +151,8 @@ class PDConnector(KVConnectorScheduler):
             "block_size": self.block_size,
             # Reading these blocks takes this token; it lapses when they are freed (the hold timeout, or
             # the reader's `done`), so nobody reads them once they hold another request's KV.
-            "grant": make_grant(key, req.request_id, block_ids[:full], now, now + self.hold_timeout_s),
+            "grant": make_grant(key, req.request_id, block_ids[:full], now, expires),
+            "block_hash": req.block_hashes[full - 1].hex() if full else "",
         }
 
     def expired(self, now: float) -> list[str]:

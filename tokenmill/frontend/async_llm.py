@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import (
@@ -94,6 +95,7 @@ class AsyncLLM:
         routing_key: str | None = None,
         into: Submitted | None = None,
         lora: LoRARequest | None = None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> Submitted:
         """Hand a request's n sequences to the engine; `stream` then yields its outputs. With `into`, the
         request joins that batch (one queue, one output processor: the offline API's way). A request
@@ -104,7 +106,7 @@ class AsyncLLM:
         proc = sub.proc
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
             req = EngineRequest(
-                cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, lora=lora
+                cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, kv_transfer, lora
             )
             try:
                 self.client.add_request(req, sub.queue)
@@ -171,11 +173,13 @@ class AsyncLLM:
         cache_salt: str | None = None,
         routing_key: str | None = None,
         lora: LoRARequest | None = None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """submit + stream: what the server calls for each API request."""
         sub = self.submit(
-            request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key, lora=lora
-        )
+            request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key, lora=lora,
+            kv_transfer=kv_transfer,
+        )  # fmt: skip
         async for ro in self.stream(sub):
             yield ro
 

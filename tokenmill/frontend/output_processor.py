@@ -37,6 +37,7 @@ class SequenceState:
         self.num_cached_tokens = 0
         self.embedding: list[float] | None = None
         self.prompt_logprobs: list | None = None
+        self.kv_transfer: dict | None = None
         # Stop strings do not apply to constrained output: it ends where its grammar is complete (or at
         # max_tokens), never cut in the middle of a document by a string that occurs inside it.
         self.stops = [] if params.structured is not None else params.stop
@@ -46,6 +47,8 @@ class SequenceState:
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply an engine output; True if a stop string ended the sequence here."""
         self.token_ids.extend(out.new_token_ids)
+        if out.kv_transfer is not None:
+            self.kv_transfer = out.kv_transfer
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)
         m = self.metrics
@@ -135,6 +138,7 @@ class RequestState:
             outputs=[s.to_output() for s in self.sequences],
             num_cached_tokens=min((s.num_cached_tokens for s in self.sequences), default=0),
             prompt_logprobs=next((s.prompt_logprobs for s in self.sequences if s.prompt_logprobs), None),
+            kv_transfer=next((s.kv_transfer for s in self.sequences if s.kv_transfer), None),
         )
 
 

@@ -145,6 +145,8 @@ class _EngineCollector(Collector):
          "counter", "path", {"shm": "blocks_read_shm", "tcp": "blocks_read_tcp"}),
         ("tokenmill:kv_transfer_read_failures", "Reads from prefill workers that failed (recomputed)",
          "counter", None, {"": "remote_read_failures"}),
+        ("tokenmill:kv_transfer_mismatched_prompts", "Remote prefills not read: their blocks were of another "
+         "prompt (recomputed)", "counter", None, {"": "remote_load_mismatches"}),
         ("tokenmill:kv_transfer_served_blocks", "KV blocks sent to decode workers over TCP (shared-memory "
          "readers copy directly)", "counter", None, {"": "blocks_served"}),
         ("tokenmill:kv_transfer_held_requests", "Finished prefills whose blocks wait for their reader",

@@ -132,6 +132,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     cache_salt: str | None = None
+    # vLLM's, from a prefill/decode proxy (server/kv_transfer_params.py).
+    kv_transfer_params: dict[str, Any] | None = None
     speculative: bool = True  # false: this request is never given draft tokens (--speculative)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # the prompt tokens' logprobs
     # Output constraints (at most one per request).

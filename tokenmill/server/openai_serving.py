@@ -22,6 +22,7 @@ from tokenmill.engine.client import (
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.server import kv_transfer_params
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.errors import APIError, engine_unavailable, error_body
 from tokenmill.server.lora_registry import LoRARegistry
@@ -251,6 +252,7 @@ class OpenAIServing:
                 p.n = req.best_of  # the best n of them go back, by their total logprob
                 p.logprobs = p.logprobs if p.logprobs is not None else 0
             jobs.append((text, ids, p))
+        self.check_kv_transfer(req, len(jobs), max(p.n for _, _, p in jobs))
         self.admission.add_work(ticket, sum(p.n for _, _, p in jobs), sum(len(ids) for _, ids, _ in jobs))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -284,7 +286,7 @@ class OpenAIServing:
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(ro)
                 choices.append(choice)
-        return {
+        reply = {
             "id": rid,
             "object": "text_completion",
             "created": now(),
@@ -292,6 +294,7 @@ class OpenAIServing:
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
+        return with_kv_transfer(reply, results[0])
 
     def _echo(
         self, text: str | None, ids: list[int], ro: RequestOutput
@@ -376,10 +379,28 @@ class OpenAIServing:
     def _generate(self, rid: str, ids: list[int], p: SamplingParams, req) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt of a request, with the request's priority, cache salt,
         session and adapter."""
+        kv_transfer = None
+        if getattr(req, "kv_transfer_params", None) is not None:  # checked before: check_kv_transfer
+            kv_transfer = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size)
         return self.llm.generate(
             rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
-            lora=self.loras.get(req.model),
+            lora=self.loras.get(req.model), kv_transfer=kv_transfer,
         )  # fmt: skip
+
+    @property
+    def block_size(self) -> int:
+        return int(self.llm.client.info.get("block_size", 16))
+
+    def check_kv_transfer(self, req: CompletionRequest | ChatCompletionRequest, prompts: int, n: int) -> None:
+        """kv_transfer_params of the right shape, on a request a prefill/decode pair can split: one prompt,
+        one sequence, not streamed from the prefill side."""
+        if req.kv_transfer_params is None:
+            return
+        kt = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size)
+        if kt is not None and (prompts > 1 or n > 1):
+            raise APIError(400, "kv_transfer_params takes one prompt and n=1", kv_transfer_params.PARAM)
+        if kt is not None and kt.get("do_remote_decode") and req.stream:
+            raise APIError(400, "a remote-decode prefill is not streamed (stream=false)", "stream")
 
     async def _merged(self, rid: str, req, jobs) -> AsyncIterator[tuple[int, int, RequestOutput]]:
         """(prompt index, n, output) from the generations of all prompts of one request, as they come."""
@@ -498,6 +519,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, ticket: Ticket) -> dict | AsyncIterator[str]:
         prep = await self.prepare_chat(req)
         ids, p = prep.ids, prep.params
+        self.check_kv_transfer(req, 1, p.n)
         self.admission.add_work(ticket, p.n, len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -515,7 +537,7 @@ class OpenAIServing:
         }
         if req.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, beside the choices
             reply["prompt_logprobs"] = self._prompt_logprobs(ro)
-        return reply
+        return with_kv_transfer(reply, ro)
 
     async def turn(self, rid: str, req: ChatCompletionRequest, prep: PreparedChat) -> AsyncIterator[TurnStep]:
         """One reply (n = 1) as it is generated, its text already split into content and tool-call
@@ -647,6 +669,14 @@ class OpenAIServing:
         return [
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
         ]
+
+
+def with_kv_transfer(reply: dict[str, Any], ro: RequestOutput) -> dict[str, Any]:
+    """A prefill server's reply says where its blocks can be read (vLLM's field)."""
+    params = kv_transfer_params.from_engine(ro.kv_transfer)
+    if params is not None:
+        reply["kv_transfer_params"] = params
+    return reply
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

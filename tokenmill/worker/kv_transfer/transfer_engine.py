@@ -10,13 +10,18 @@ Messages (multipart, plain bytes and msgpack):
   [b"meta"]                      -> [b"ok", msgpack {shm, shape, dtype, host, layout}]
   [b"read", msgpack [block ids], msgpack [request id, granted block ids, grant]]
                                  -> [b"ok", the blocks' bytes, in order] | [b"err", message]
+  [b"check", msgpack [request id, granted block ids, grant]]
+                                 -> [b"ok"] | [b"err", message]   (the grant still holds)
   [b"done", request id, msgpack [request id, granted block ids, grant]]
                                  -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
 
 A read over the socket needs a grant: the token the prefill worker handed out with a finished request's
 blocks (make_grant, keyed by a secret of this server that only its own scheduler knows), valid for those
 blocks until the hold timeout or the reader's `done`. Other blocks (other requests' live KV) are refused.
-Readers by shared memory are processes of the same user on the same host.
+Readers by shared memory are processes of the same user on the same host; they copy, then ask whether the
+grant still holds (`check`): a grant never comes back once void, so one that holds after the copy held
+throughout it, and the copy is of the granted request's blocks. One that does not (a proxy that passed the
+same answer twice, a hold that lapsed) fails the read, and the reader recomputes.
 """
 
 from __future__ import annotations
@@ -235,6 +240,12 @@ class TransferServer:
             data = _blocks(self.kv, ids).contiguous().cpu()
             self.blocks_served += len(ids)
             return [b"ok", data.view(torch.uint8).numpy()]
+        if kind == b"check" and len(frames) == 2:
+            rid, granted, grant = msgspec.msgpack.decode(frames[1], type=tuple[str, list[int], str])
+            revoked_at = self._revoked.get(rid, -1.0)
+            if not check_grant(self.grant_key, rid, granted, grant, time.time(), revoked_at):
+                return [b"err", b"the grant for these blocks has lapsed"]
+            return [b"ok"]
         if kind == b"done" and len(frames) == 3:
             rid = frames[1].decode()
             grid, granted, grant = msgspec.msgpack.decode(frames[2], type=tuple[str, list[int], str])
@@ -338,7 +349,10 @@ class TransferClient:
         dst = torch.tensor(local_ids, dtype=torch.long, device=kv.device)
         region = self._region(endpoint)
         if region is not None:
+            if not set(remote_ids) <= set(grant[1]):
+                raise TransferError(f"{endpoint}: no grant for these blocks")
             kv.index_copy_(2, dst, _blocks(region, remote_ids).movedim(0, 2).to(kv.device))
+            self._call(endpoint, b"check", msgspec.msgpack.encode(list(grant)))  # TransferError if void
             self.blocks_by_shm += len(remote_ids)
             return
         (data,) = self._call(
