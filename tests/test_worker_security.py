@@ -23,6 +23,7 @@ from procs import stop, worker_process
 from server_fixture import free_port
 
 from tokenmill import SamplingParams
+from tokenmill.engine.block_hash import extend_block_hashes
 from tokenmill.engine.client import EngineDeadError, ZmqEngineClient
 from tokenmill.engine.protocol import (
     AbortRequests,
@@ -288,11 +289,12 @@ def test_a_remote_that_names_a_file_of_the_workers_leaves_it_untouched(worker, t
     meta = msgspec.msgpack.decode(real)
     peer = FakePeer({**meta, "shm": str(victim)}, SECRET)
     try:
+        # The attacker knows the prompt, so it names the right last block: the worker goes on to read.
+        prompt, hashes = _prompt(seed=11), []
+        extend_block_hashes(hashes, prompt, info["block_size"], None)
         remote = {"endpoint": peer.endpoint, "request_id": "evil", "block_ids": [0, 1, 2, 3],
-                  "block_size": info["block_size"]}  # fmt: skip
-        front.send(
-            AddRequest(EngineRequest("lured", _prompt(seed=11), GREEDY, kv_transfer={"remote": remote}))
-        )
+                  "block_size": info["block_size"], "block_hash": hashes[3].hex()}  # fmt: skip
+        front.send(AddRequest(EngineRequest("lured", prompt, GREEDY, kv_transfer={"remote": remote})))
         got = front.outcome("lured")
         assert isinstance(got, list) and len(got) == 4, got
         assert b"meta" in peer.asked

@@ -785,6 +785,12 @@ class RouterEngineClient(EngineClient):
     def finish(self, request_ids: list[str]) -> None:
         self._forward(request_ids, finish=True)
 
+    def reset_prefix_cache(self) -> None:
+        """Every live worker forgets its free cached blocks (their removals reach the KV index)."""
+        for w in self.workers:
+            if w.client is not None and w.client.dead_reason is None:
+                w.client.reset_prefix_cache()
+
     @property
     def healthy(self) -> bool:
         return any(w.up for w in self.workers)

@@ -36,6 +36,7 @@ from tokenmill.engine.protocol import (
     Hello,
     Ready,
     Rejected,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -114,6 +115,10 @@ class EngineClient(ABC):
     @abstractmethod
     def finish(self, request_ids: list[str]) -> None:
         """End sequences that the frontend saw hit a stop string."""
+
+    def reset_prefix_cache(self) -> None:
+        """The engine forgets the content of its free cached blocks (an operator's /flush_cache)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset its engine's cache")
 
     @property
     @abstractmethod
@@ -297,6 +302,9 @@ class ZmqEngineClient(EngineClient):
             self._queues.pop(rid, None)
         if request_ids and self._dead is None:
             self._send(FinishRequests(request_ids))
+
+    def reset_prefix_cache(self) -> None:
+        self._send(ResetPrefixCache())
 
     @property
     def healthy(self) -> bool:

@@ -210,6 +210,11 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return [self._output(r, [], None, []) for r in self.scheduler.abort(request_ids)]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget what the free blocks hold (blocks of running requests keep theirs); routers hear of
+        each block removed, as of an eviction."""
+        self.kv.pool.reset_prefix_cache()
+
     def finish(self, request_ids: list[str], reason: FinishReason = FinishReason.STOP) -> None:
         """End requests for a reason the frontend found (a stop string); frees their blocks."""
         self.scheduler.finish_requests(request_ids, reason)

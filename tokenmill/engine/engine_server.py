@@ -37,6 +37,7 @@ from tokenmill.engine.protocol import (
     Hello,
     Ready,
     Rejected,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     decode_to_engine,
@@ -299,6 +300,8 @@ class _Server:
             self.engine.finish(mine, FinishReason.STOP)
             for rid in mine:
                 self.owner.pop(rid, None)
+        elif isinstance(msg, ResetPrefixCache):
+            self.engine.reset_prefix_cache()
         elif isinstance(msg, Shutdown):
             if self.allow_shutdown:
                 return False

@@ -94,6 +94,11 @@ class InprocEngineClient(EngineClient):
         if request_ids and self._dead is None:
             self.engine.finish(request_ids, FinishReason.STOP)
 
+    def reset_prefix_cache(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self.engine.reset_prefix_cache()
+
     @property
     def healthy(self) -> bool:
         return self._dead is None

@@ -137,6 +137,10 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_cache", array_like=True):
+    """Forget the content of every free cached block (an operator's /flush_cache)."""
+
+
 # -- engine -> frontend ---------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     info: dict[str, Any]  # max_model_len, vocab_size, num_blocks, block_size, load_seconds, model, pid
@@ -165,7 +169,7 @@ class Challenge(msgspec.Struct, tag="challenge", array_like=True):
     nonce: bytes
 
 
-ToEngine = Hello | AddRequest | AbortRequests | FinishRequests | Shutdown
+ToEngine = Hello | AddRequest | AbortRequests | FinishRequests | Shutdown | ResetPrefixCache
 FromEngine = Ready | StepOutputs | Rejected | Dead | Challenge
 
 SECRET_ENV = "TOKENMILL_WORKER_SECRET"

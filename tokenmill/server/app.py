@@ -43,6 +43,7 @@ from tokenmill.server.openai_protocol import (
 )
 from tokenmill.server.openai_serving import OpenAIServing, chat_message_dict
 from tokenmill.server.openapi import install as install_openapi
+from tokenmill.server.probes import install_probes
 from tokenmill.server.response_store import ResponseStore, owner_of
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.responses_serving import ResponsesServing
@@ -339,11 +340,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    install_probes(app, state, llm, config, _json_model)
+
     install_openapi(
         app,
         {
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions/render": CompletionRequest,
+            "/v1/chat/completions/render": ChatCompletionRequest,
             "/v1/responses": ResponsesRequest,
             "/v1/messages": MessagesRequest,
             "/v1/messages/count_tokens": CountTokensRequest,

@@ -22,6 +22,8 @@ OPEN_PATHS = {
     "/v1/health/ready",
     "/metrics",
     "/v1/version",
+    "/version",
+    "/health_generate",
     "/v1/metadata",
     "/v2/health/live",
     "/v2/health/ready",

@@ -200,6 +200,23 @@ class _EngineCollector(Collector):
             "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", lambda s: s.kv_cache_usage
         )
         yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", lambda s: s.num_blocks)
+        # vLLM's names for the gauges gateway schedulers read (llm-d's inference scheduler, the Gateway
+        # API Inference Extension's model-server protocol), beside ours: same values, same labels. No
+        # `engine` label: vllm-router counts its values as data-parallel ranks.
+        yield gauge("vllm:num_requests_running", "Requests in the running batch (vLLM's name)",
+                    lambda s: s.num_running)  # fmt: skip
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for the engine (vLLM's name)",
+                    lambda s: s.num_waiting)  # fmt: skip
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1 (vLLM's name)",
+                    lambda s: s.kv_cache_usage)  # fmt: skip
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration (vLLM's name; value 1)",
+            labels=[*names, "block_size", "num_gpu_blocks"],
+        )  # fmt: skip
+        block_size = str(self.client.info.get("block_size", ""))
+        for labels, st in series:
+            cache_info.add_metric([*labels, block_size, str(st.num_blocks if st else 0)], 1)
+        yield cache_info
         yield gauge(
             "tokenmill:kv_cache_blocks_in_use",
             "KV blocks held by requests",
@@ -253,11 +270,19 @@ class _EngineCollector(Collector):
                 "LoRA adapters running requests and resident in the slots",
                 labels=[*names, "running_lora_adapters", "resident_lora_adapters", "max_lora"],
             )
+            # vLLM's own family, as llm-d reads it (the adapters of waiting requests are not reported here:
+            # that label is empty).
+            vinfo = GaugeMetricFamily(
+                "vllm:lora_requests_info", "LoRA adapters running requests (vLLM's name)",
+                labels=[*names, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )  # fmt: skip
             for labels, st in series:
                 if st and st.lora_slots:
                     running, resident = ",".join(st.lora_running), ",".join(st.lora_resident)
                     info.add_metric([*labels, running, resident, str(st.lora_slots)], time.time())
+                    vinfo.add_metric([*labels, str(st.lora_slots), "", running], time.time())
             yield info
+            yield vinfo
         yield from self._connector(names, series)
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
