@@ -9,6 +9,8 @@ discovery the front uses is checked against a stand-in for the Kubernetes API (t
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +183,155 @@ def test_dns_and_file_discovery(tmp_path: Path) -> None:
     f.write_text("10.0.0.1:7100\n")
     with pytest.raises(ValueError, match="not a tcp://"):
         FileDiscovery(f).addresses()
+
+
+WORKLOADS = [("StatefulSet", "tokenmill-engine"), ("Deployment", "tokenmill-front")]
+
+
+def _container(kind: str, name: str) -> tuple[dict, dict]:
+    spec = one(kind, name)["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    return spec, c
+
+
+@pytest.mark.parametrize(("kind", "name"), WORKLOADS)
+def test_every_variable_in_the_args_is_defined_and_threads_follow_the_cpu_request(
+    kind: str, name: str
+) -> None:
+    """Kubernetes expands $(VAR) in args only for variables the container defines (others stay literal,
+    and the flag would get the text "$(VAR)")."""
+    _, c = _container(kind, name)
+    env = {e["name"]: e for e in c["env"]}
+    for arg in c["args"]:
+        for var in re.findall(r"\$\((\w+)\)", arg):
+            assert var in env, f"{name}: {arg} uses ${var} that the container does not define"
+    if "--threads=$(CPU_REQUEST)" in c["args"]:
+        ref = env["CPU_REQUEST"]["valueFrom"]["resourceFieldRef"]
+        assert ref["resource"] == "requests.cpu" and ref["containerName"] == c["name"]
+        assert ref["divisor"] == "1" and c["resources"]["requests"]["cpu"]
+
+
+def test_engines_take_the_cores_they_request_and_tell_readers_their_pod_address() -> None:
+    _, c = _container("StatefulSet", "tokenmill-engine")
+    assert "--threads=$(CPU_REQUEST)" in c["args"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "--kv-transfer-host=$(POD_IP)" in c["args"]
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    port = next(a for a in c["args"] if a.startswith("--kv-transfer-port="))
+    assert {"name": "kv-transfer", "containerPort": int(port.split("=")[1])} in c["ports"]
+
+
+@pytest.mark.parametrize(("kind", "name"), WORKLOADS)
+def test_a_first_start_is_never_killed_by_liveness(kind: str, name: str) -> None:
+    """A first start on a node builds the kernels for its CPU: minutes. A startup probe holds liveness
+    off until the server has answered once, however long that takes within its budget."""
+    _, c = _container(kind, name)
+    start = c["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= (600 if kind == "StatefulSet" else 300)
+    assert "initialDelaySeconds" not in c["livenessProbe"]
+    live = c["livenessProbe"]  # the startup probe asks what liveness asks, with its own patience
+    if "httpGet" in live:
+        assert start["httpGet"] == live["httpGet"]
+    else:
+        assert start["exec"]["command"][:3] == live["exec"]["command"][:3]
+
+
+@pytest.mark.parametrize(("kind", "name"), WORKLOADS)
+def test_pods_run_unprivileged_on_a_read_only_image(kind: str, name: str) -> None:
+    spec, c = _container(kind, name)
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] and pod["runAsUser"] != 0 and pod["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    # What the process writes lands on volumes: /tmp, and for engines the cache (kernels built for the
+    # node's CPU, dequantized weights) and /dev/shm (the KV cache shared for transfers) in memory.
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    if kind == "StatefulSet":
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert "emptyDir" in volumes[mounts[env["XDG_CACHE_HOME"]]]
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+
+
+def _selects(selector: dict, kind: str, name: str) -> bool:
+    labels = one(kind, name)["spec"]["template"]["metadata"]["labels"]
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def test_only_fronts_reach_the_engine_ports_and_only_engines_their_transfers() -> None:
+    engine = one("NetworkPolicy", "tokenmill-engine")["spec"]
+    assert _selects(engine["podSelector"], "StatefulSet", "tokenmill-engine")
+    assert engine["policyTypes"] == ["Ingress"]
+    _, c = _container("StatefulSet", "tokenmill-engine")
+    allowed: dict[str, set[str]] = {}
+    for rule in engine["ingress"]:
+        (source,) = rule["from"]
+        who = next(n for k, n in WORKLOADS if _selects(source["podSelector"], k, n))
+        for p in rule["ports"]:
+            allowed.setdefault(p["port"], set()).add(who)
+    assert allowed == {
+        "engine": {"tokenmill-front"}, "kv-events": {"tokenmill-front"}, "kv-replay": {"tokenmill-front"},
+        "kv-transfer": {"tokenmill-engine"},
+    }  # fmt: skip
+    assert set(allowed) == {p["name"] for p in c["ports"]}  # every port the engine serves is covered
+    front = one("NetworkPolicy", "tokenmill-front")["spec"]
+    assert _selects(front["podSelector"], "Deployment", "tokenmill-front")
+    assert [p["port"] for r in front["ingress"] for p in r["ports"]] == ["http"]
+
+
+def test_disruption_budgets_keep_a_front_and_all_but_one_engine() -> None:
+    engine = one("PodDisruptionBudget", "tokenmill-engine")["spec"]
+    assert _selects(engine["selector"], "StatefulSet", "tokenmill-engine") and engine["maxUnavailable"] == 1
+    front = one("PodDisruptionBudget", "tokenmill-front")["spec"]
+    assert _selects(front["selector"], "Deployment", "tokenmill-front") and front["minAvailable"] == 1
+    assert one("Deployment", "tokenmill-front")["spec"]["replicas"] > front["minAvailable"]
+
+
+# -- the container image recipe ---------------------------------------------------------------------------
+DOCKERFILE = ROOT.parent / "Dockerfile"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, its text, continuation lines joined) of deploy/Dockerfile."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_the_image_recipe_fits_the_repository_and_the_manifests() -> None:
+    """The image cannot be built here (no container runtime): what it relies on is checked instead."""
+    steps = _instructions()
+    repo = ROOT.parent.parent
+    for word, rest in steps:
+        if word == "COPY":
+            *sources, _ = rest.split()
+            assert all((repo / s).exists() for s in sources), rest
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in steps if w == "ENV")))
+    run = " ".join(r for w, r in steps if w == "RUN")
+    # The model and the kernels are made at build time, with commands tokenmill has, into the cache the
+    # engines' seed-cache init container copies from.
+    for command in ("tokenmill models pull", "tokenmill kernels --all"):
+        assert command in run
+    assert "torch==2.13.0" in run  # the version pyproject.toml pins
+    assert '"torch==2.13.0"' in (repo / "pyproject.toml").read_text()
+    spec = one("StatefulSet", "tokenmill-engine")["spec"]["template"]["spec"]
+    (seed,) = spec["initContainers"]
+    assert seed["command"][:3] == ["cp", "-a", env["XDG_CACHE_HOME"] + "/."]
+    # Its user is the one the pods run as (not root); its ports are those the containers name.
+    user = next(r for w, r in steps if w == "USER")
+    for kind, name in WORKLOADS:
+        assert one(kind, name)["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(user)
+    exposed = {int(p) for w, r in steps if w == "EXPOSE" for p in r.split()}
+    served = {
+        p["containerPort"] for k, n in WORKLOADS for p in _container(k, n)[1]["ports"]
+    }  # fmt: skip
+    assert exposed == served
+    entry = json.loads(next(r for w, r in steps if w == "ENTRYPOINT"))
+    assert entry == ["tokenmill"]
