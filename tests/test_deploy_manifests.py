@@ -9,8 +9,10 @@ discovery the front uses is checked against a stand-in for the Kubernetes API (t
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 import yaml
 
 from tokenmill.cluster.discovery import DnsDiscovery, EndpointSliceDiscovery, FileDiscovery
+from tokenmill.paths import default_cache_dir
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="dev dependency kubernetes-validate")
 
@@ -335,3 +338,62 @@ def test_the_image_recipe_fits_the_repository_and_the_manifests() -> None:
     assert exposed == served
     entry = json.loads(next(r for w, r in steps if w == "ENTRYPOINT"))
     assert entry == ["tokenmill"]
+
+
+# -- the Helm chart ---------------------------------------------------------------------------------------
+CHART = ROOT.parent / "helm" / "tokenmill"
+HELM = shutil.which("helm") or str(default_cache_dir() / "helm" / "helm")
+needs_helm = pytest.mark.skipif(
+    not Path(HELM).is_file(), reason="helm is fetched by `make install` (tests/get_helm.sh) and was not"
+)
+
+
+def helm_template(*values: str) -> list[dict]:
+    args = [a for v in values for a in ("--set", v)]
+    out = subprocess.run(
+        [HELM, "template", "tokenmill", str(CHART), *args], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _key(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True)
+
+
+@needs_helm
+def test_the_chart_with_its_defaults_renders_these_manifests() -> None:
+    """One fleet, two ways to install it: `helm install` and `kubectl apply -k` give the same objects."""
+    assert sorted(map(_key, helm_template())) == sorted(map(_key, documents()))
+    lint = subprocess.run([HELM, "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@needs_helm
+def test_the_charts_values_render_valid_fitting_manifests() -> None:
+    docs = helm_template(
+        "engine.replicas=3", "engine.resources.requests.cpu=4", "engine.startupBudgetSeconds=1200",
+        "front.router=round-robin", "model=/models/my-model", "autoscaling.enabled=false",
+        "networkPolicy.enabled=false", "podDisruptionBudget.enabled=false", "workerSecret.create=true",
+        "workerSecret.name=fleet-key",
+    )  # fmt: skip
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    kinds = [d["kind"] for d in docs]
+    for off in ("HorizontalPodAutoscaler", "NetworkPolicy", "PodDisruptionBudget"):
+        assert off not in kinds
+    (engine,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (front,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert engine["spec"]["replicas"] == 3
+    (c,) = engine["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["requests"]["cpu"] == 4 and "--threads=$(CPU_REQUEST)" in c["args"]
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 1200
+    assert "--model=/models/my-model" in c["args"]
+    (f,) = front["spec"]["template"]["spec"]["containers"]
+    assert "--router=round-robin" in f["args"] and "--model=/models/my-model" in f["args"]
+    # The Secret the chart makes is the one both workloads mount: a 64-character key.
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "fleet-key" and len(base64.b64decode(secret["data"]["secret"])) == 64
+    for workload in (engine, front):
+        vols = workload["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "worker-secret", "secret": {"secretName": "fleet-key", "defaultMode": 0o400}} in vols

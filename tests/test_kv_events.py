@@ -371,10 +371,12 @@ def test_gap_older_than_the_buffer_drops_the_workers_index(make_publisher) -> No
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("start", [0, 2])
+@pytest.mark.parametrize("start", [0, 2, 1_000, 2**63 - 1])
 def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> None:
-    """A DEALER sends [b"", start]; replies are [b"", topic, seq, payload]; the end is seq -1, empty."""
-    pub = make_publisher()
+    """A DEALER sends [b"", start]; replies are [b"", topic, seq, payload]; the end is seq -1, empty.
+    Asked from a sequence number long gone (0 with a buffer of 3 of 4), it sends what remains; from one
+    not yet reached, only the end marker."""
+    pub = make_publisher(buffer=3 if start == 0 else 10_000)
     for i in range(4):
         pub.publish(events_for(i))
     s = zmq.Context.instance().socket(zmq.DEALER)
@@ -390,7 +392,7 @@ def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> N
             break
         seqs.append(n)
         assert decode_batch(payload).events == events_for(n)
-    assert seqs == list(range(start, 4))
+    assert seqs == (list(range(1, 4)) if start == 0 else list(range(start, 4)))
     s.close(0)
 
 
