@@ -141,6 +141,41 @@ def test_kv_aware_sends_a_repeated_prefix_to_the_server_holding_it(pair) -> None
 
 
 @needs_vllm_router
+def test_kv_aware_reads_the_host_tiers_events_too() -> None:
+    """A prompt's blocks evicted from the pool to the host tier: the events say so (BlockRemoved of the
+    device pool, BlockStored with medium CPU), and the router still credits the prompt (at its host-tier
+    rate) where the server loads the blocks back from host memory."""
+    ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    small = ["--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--kv-cache-memory-gb", "0.03"]
+    events = ["--kv-events", "--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp]
+    with running_server(*small, "--kv-offload", "host=64MB", *events) as srv:
+        url = srv.base_url
+        args = ["--policy", "kv_aware", "--worker-urls", url, "--kv-event-model", MODEL]
+        args += ["--kv-event-source", f"{url}={ev}", "--kv-event-replay-source", f"{url}={rp}"]
+        with vllm_router(*args) as (router, prom):
+
+            def send(prompt: str) -> dict:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                r = httpx.post(f"{router}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]
+
+            first = send(PREAMBLE)
+            for i in range(12):  # 12 prompts of ~8 blocks through a pool of ~40: the first one's are evicted
+                send(f"Filler prompt number {i}, other words to push the pool's blocks out. " * 7)
+            time.sleep(1.0)
+            hits = scrape(prom, "vllm_router_kv_placement_lookups_total")
+            again = send(PREAMBLE)
+            after = scrape(prom, "vllm_router_kv_placement_lookups_total")
+        loaded = scrape(url, "tokenmill:kv_offload_loaded_blocks_total")
+    full = (first["prompt_tokens"] - 1) // 16
+    assert loaded[f'tokenmill:kv_offload_loaded_blocks_total{{model_name="{MODEL}",tier="host"}}'] >= full
+    assert again["prompt_tokens_details"]["cached_tokens"] == full * 16
+    hit = 'vllm_router_kv_placement_lookups_total{result="hit"}'
+    assert after.get(hit, 0) == hits.get(hit, 0) + 1, (hits, after)
+
+
+@needs_vllm_router
 def test_vllm_router_pd_drives_a_tokenmill_prefill_and_decode_pair(pair) -> None:
     (pre, _, _), (dec, _, _) = pair
     read0 = total(dec, "tokenmill:kv_transfer_read_blocks_total")
