@@ -218,6 +218,13 @@ def test_kv_transfer_params_in_vllms_shape_and_their_errors(pair) -> None:
     want = httpx.post(f"{pre}/v1/completions", json=other, timeout=120).json()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert total(dec, "tokenmill:kv_transfer_mismatched_prompts_total") == mism0 + 1
+    # The same answer with its own prompt, after the prefill server let its blocks go (the decode server
+    # said it did not need them): the read is refused, the prompt recomputed, the failure counted.
+    fail0 = total(dec, "tokenmill:kv_transfer_read_failures_total")
+    got = httpx.post(f"{dec}/v1/completions", json={**body, "kv_transfer_params": kt}, timeout=120).json()
+    want = httpx.post(f"{pre}/v1/completions", json=body, timeout=120).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert total(dec, "tokenmill:kv_transfer_read_failures_total") == fail0 + 1
     for bad, says in [
         ({"do_remote_prefill": True}, "remote_host"),
         ({"do_remote_decode": "yes"}, "do_remote_decode"),
