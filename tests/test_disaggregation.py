@@ -89,6 +89,42 @@ def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool, layou
         assert not path.exists() and not list(Path("/dev/shm").glob(f"tokenmill-kv-{os.getpid()}-*"))
 
 
+def test_a_restarted_peer_on_the_same_port_is_mapped_anew() -> None:
+    """A reader keeps a peer's shared-memory region mapped. A prefill worker restarted on the same port
+    has a new region: the reader must not copy from the old mapping (the dead process's blocks) under
+    the new server's valid grant."""
+    shape = (1, 2, 4, 4, 1, 8)
+    first, path1 = shared_kv_tensor(shape, torch.bfloat16)
+    first.fill_(1)
+    dst = torch.zeros(shape, dtype=torch.bfloat16)
+    client = TransferClient(dst, timeout_s=5)
+    server = TransferServer(first, path1)
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    if path1 is None:
+        server.close()
+        client.close()
+        pytest.skip("no /dev/shm here: readers copy over TCP, with no mapping to go stale")
+
+    def grant(srv: TransferServer, rid: str) -> tuple[str, list[int], str]:
+        key, now = bytes.fromhex(srv.describe()["grant_key"]), time.time()
+        return (rid, [0], make_grant(key, rid, [0], now, now + 60))
+
+    try:
+        client.read(server.endpoint, [0], [0], grant(server, "a"))
+        assert (dst[:, :, 0] == 1).all() and client.blocks_by_shm == 1
+        server.close()
+        second, path2 = shared_kv_tensor(shape, torch.bfloat16)
+        second.fill_(2)
+        server = TransferServer(second, path2, port=port)
+        with pytest.raises(TransferError, match="restarted"):
+            client.read(server.endpoint, [0], [1], grant(server, "b"))
+        client.read(server.endpoint, [0], [2], grant(server, "c"))  # mapped anew
+        assert (dst[:, :, 2] == 2).all()
+    finally:
+        client.close()
+        server.close()
+
+
 @pytest.mark.parametrize("use_shm", [True, False])
 def test_blocks_of_another_layout_are_refused(use_shm: bool) -> None:
     """int8 and fp8 blocks have the same shape and dtype: only the layout each side declares tells them

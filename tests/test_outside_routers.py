@@ -39,7 +39,7 @@ def scrape(url: str, prefix: str) -> dict[str, float]:
     """The samples of /metrics whose name starts with `prefix`, by their whole series name."""
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(prefix):
+        if line.startswith(prefix) and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -85,26 +85,20 @@ def router_process(module: str, *args: str) -> Iterator[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[list[tuple[str, str, str]]]:
-    """A prefill server and a decode server, each publishing KV events: (url, events, replay) each."""
+    """A prefill server and a decode server, each publishing KV events: (url, events, replay) each. The
+    decode server reads from the prefill server's transfer port, named in its --kv-transfer-peers."""
     out = []
+    transfer = free_port()
+    peers = {
+        "prefill": ["--kv-transfer-port", str(transfer)],
+        "decode": ["--kv-transfer-peers", f"127.0.0.1:{transfer}"],
+    }
     with ExitStack() as stack:
         for role in ("prefill", "decode"):
             ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-            srv = stack.enter_context(
-                running_server(
-                    "--dtype",
-                    "float32",
-                    "--threads",
-                    "1",
-                    "--kv-role",
-                    role,
-                    "--kv-events",
-                    "--kv-events-endpoint",
-                    ev,
-                    "--kv-events-replay-endpoint",
-                    rp,
-                )  # fmt: skip
-            )
+            args = ["--dtype", "float32", "--threads", "1", "--kv-role", role, *peers[role], "--kv-events"]
+            args += ["--kv-events-endpoint", ev, "--kv-events-replay-endpoint", rp]
+            srv = stack.enter_context(running_server(*args))
             out.append((srv.base_url, ev, rp))
         yield out
 
@@ -126,7 +120,7 @@ def test_kv_aware_sends_a_repeated_prefix_to_the_server_holding_it(pair) -> None
             r = httpx.post(f"{router}/v1/completions", json={**body, "temperature": 0}, timeout=120)
             assert r.status_code == 200, r.text
             if i == 0:
-                time.sleep(1.0)  # the first prompt's events reach the router before the next one
+                time.sleep(2.0)  # the first prompt's events reach the router before the next one
         chat = {"model": MODEL, "messages": [{"role": "user", "content": PREAMBLE}], "max_tokens": 2}
         for _ in range(2):
             assert httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=120).status_code == 200
@@ -230,10 +224,15 @@ def test_kv_transfer_params_in_vllms_shape_and_their_errors(pair) -> None:
         ({"do_remote_decode": "yes"}, "do_remote_decode"),
         ({"do_remote_decode": True, "do_remote_prefill": True}, "exclusive"),
         ({**kt, "remote_block_size": 32}, "block_size"),
-        ({**kt, "remote_host": "not a host/"}, "endpoint"),
+        ({**kt, "remote_host": "not a host/"}, "not a prefill server this one reads from"),
     ]:
         r = httpx.post(f"{dec}/v1/completions", json={**body, "kv_transfer_params": bad}, timeout=60)
-        assert r.status_code == 400 and says in r.json()["error"]["message"], (bad, r.text)
+        assert r.status_code in (400, 403) and says in r.json()["error"]["message"], (bad, r.text)
+    # Without the workers' secret, a client may send the decode server to read only from the prefill
+    # servers it names: anyone else could answer with KV of their own making.
+    elsewhere = {**kt, "remote_port": kt["remote_port"] + 1}
+    r = httpx.post(f"{dec}/v1/completions", json={**body, "kv_transfer_params": elsewhere}, timeout=60)
+    assert r.status_code == 403 and "--kv-transfer-peers" in r.json()["error"]["message"]
     r = httpx.post(f"{pre}/v1/completions", json={**body, "n": 2, "kv_transfer_params": nixl}, timeout=60)
     assert r.status_code == 400 and "n=1" in r.json()["error"]["message"]
 
@@ -264,6 +263,7 @@ def test_sglang_router_names_the_model_and_serves_it(pair) -> None:
 def test_the_probes_routers_send(pair) -> None:
     (url, ev, rp), _ = pair
     assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200  # the answer of a second ago
     assert httpx.get(f"{url}/version").json() == {"version": tokenmill.__version__}
     info = httpx.get(f"{url}/get_model_info").json()
     assert info["served_model_name"] == MODEL and info["is_generation"] and info["model_type"] == "llama"
@@ -301,7 +301,8 @@ def test_the_probes_routers_send(pair) -> None:
     again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # vLLM's names for the gauges gateway schedulers read, beside ours.
-    metrics = scrape(url, "vllm:")
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert metrics[f'{name}{{model_name="{MODEL}"}}'] == total(url, name.replace("vllm:", "tokenmill:"))
+    metrics = scrape(url, "")  # one scrape: the two names read the same stats
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        series = f'{{model_name="{MODEL}"}}'
+        assert metrics[f"vllm:{name}{series}"] == metrics[f"tokenmill:{name}{series}"]
     assert any(k.startswith("vllm:cache_config_info{") and 'block_size="16"' in k for k in metrics)

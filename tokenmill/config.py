@@ -105,6 +105,14 @@ class KVTransferConfig:
     )
     kv_transfer_timeout_s: float = setting(10.0, help="a read slower than this is given up (recomputed)")
     kv_hold_timeout_s: float = setting(60.0, help="how long a prefill worker keeps blocks nobody reads")
+    kv_transfer_peers: str | None = setting(
+        None,
+        help="prefill servers (HOST:PORT of their KV transfer servers, comma-separated) an HTTP client's "
+        "kv_transfer_params may name; without the workers' secret none else is read from",
+    )
+
+    def allowed_peers(self) -> set[str]:
+        return {p.strip() for p in (self.kv_transfer_peers or "").split(",") if p.strip()}
 
     def __post_init__(self) -> None:
         if self.kv_role not in (None, "prefill", "decode", "both"):

@@ -112,8 +112,13 @@ class EngineCore:
         if config.kv_transfer.kv_role:
             self.kv.attach_connector(
                 PDConnector(
-                    cc.block_size, self.executor.kv_transfer_info(), config.kv_transfer.kv_hold_timeout_s
-                )
+                    cc.block_size,
+                    self.executor.kv_transfer_info(),
+                    config.kv_transfer.kv_hold_timeout_s,
+                    # Finished prefills waiting for their readers hold at most half the pool: the rest
+                    # serves the requests running here, whoever sends do_remote_decode.
+                    max_held_blocks=self.kv.pool.num_blocks // 2,
+                )  # fmt: skip
             )
         max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras)

@@ -76,15 +76,24 @@ def validate_kv_transfer(kt: Any, block_size: int, max_model_len: int) -> dict[s
 
 
 class PDConnector(KVConnectorScheduler):
-    def __init__(self, block_size: int, transfer_info: dict[str, Any], hold_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        transfer_info: dict[str, Any],
+        hold_timeout_s: float = 60.0,
+        max_held_blocks: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.transfer_info = transfer_info  # this worker's transfer server (endpoint, shm), if it serves
         self.hold_timeout_s = hold_timeout_s
         self.ops = TransferOps()
         self._loading: dict[str, int] = {}  # request id -> the first block being read
         self.held: dict[str, float] = {}  # request id -> when its kept blocks are freed regardless
+        self.max_held_blocks = max_held_blocks
+        self._held_blocks: dict[str, int] = {}  # request id -> its kept blocks
         self.c = {"remote_load_blocks": 0, "remote_loaded_blocks": 0, "remote_load_failures": 0,
-                  "remote_load_mismatches": 0, "requests_held": 0, "hold_timeouts": 0}  # fmt: skip
+                  "remote_load_mismatches": 0, "requests_held": 0, "hold_timeouts": 0,
+                  "holds_refused": 0}  # fmt: skip
 
     @staticmethod
     def _remote(req: Request) -> dict[str, Any] | None:
@@ -136,6 +145,12 @@ class PDConnector(KVConnectorScheduler):
             return False, None
         # Only full prompt blocks travel: the decode worker computes the partial last block itself.
         full = min(len(block_ids), req.num_prompt_tokens // self.block_size)
+        if full == 0:
+            return False, None  # a prompt shorter than a block: nothing to read, nothing to keep
+        if self.max_held_blocks is not None and sum(self._held_blocks.values()) + full > self.max_held_blocks:
+            self.c["holds_refused"] += 1  # the decode side computes this prompt itself
+            return False, None
+        self._held_blocks[req.request_id] = full
         self.held[req.request_id] = time.monotonic() + self.hold_timeout_s
         self.c["requests_held"] += 1
         now = time.time()
@@ -160,12 +175,16 @@ class PDConnector(KVConnectorScheduler):
         out = [rid for rid, t in self.held.items() if t <= now]
         for rid in out:
             del self.held[rid]
+            self._held_blocks.pop(rid, None)
         self.c["hold_timeouts"] += len(out)
         return out
 
     def released(self, request_ids: list[str]) -> list[str]:
         """Readers said they are done with these: those that were held."""
-        return [rid for rid in request_ids if self.held.pop(rid, None) is not None]
+        out = [rid for rid in request_ids if self.held.pop(rid, None) is not None]
+        for rid in out:
+            self._held_blocks.pop(rid, None)
+        return out
 
     def on_evicted(self, block: KVBlock) -> None:
         return None  # blocks evicted here are not kept anywhere else

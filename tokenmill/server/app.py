@@ -87,6 +87,7 @@ class ServerState:
         self.serving = OpenAIServing(
             llm, config.model_name, self.admission, config.tool_call_parser, config.reasoning_parser
         )
+        self.serving.engine_config = config.engine
         self.store = ResponseStore(
             config.responses_store_max, int(config.responses_store_mb * 2**20), config.responses_store_ttl_s
         )

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     429: "RateLimitError",

@@ -23,7 +23,6 @@ OPEN_PATHS = {
     "/metrics",
     "/v1/version",
     "/version",
-    "/health_generate",
     "/v1/metadata",
     "/v2/health/live",
     "/v2/health/ready",

@@ -41,8 +41,14 @@ class _Params(msgspec.Struct):
     tp_size: int | None = None
 
 
-def to_engine(params: dict[str, Any] | None, block_size: int) -> dict[str, Any] | None:
-    """A request's kv_transfer_params as the engine's kv_transfer (engine/protocol.py), or 400."""
+def to_engine(
+    params: dict[str, Any] | None, block_size: int, peers: set[str] | None = None
+) -> dict[str, Any] | None:
+    """A request's kv_transfer_params as the engine's kv_transfer (engine/protocol.py), or 400.
+
+    `peers`: the HOST:PORT transfer servers a client may send the decode engine to read from; None when
+    the workers' secret authenticates every peer (a server without it cannot complete the handshake).
+    Anyone else could answer a read with KV of their own making, or name another process's cache."""
     if params is None:
         return None
     try:
@@ -70,6 +76,13 @@ def to_engine(params: dict[str, Any] | None, block_size: int) -> dict[str, Any] 
             host = f"[{host}]"
     except ValueError:
         pass  # a host name; the engine checks the endpoint's shape
+    if peers is not None and f"{host}:{p.remote_port}" not in peers:
+        raise APIError(
+            403,
+            f"{PARAM}: {host}:{p.remote_port} is not a prefill server this one reads from: name it in "
+            "--kv-transfer-peers, or give both servers the workers' secret (TOKENMILL_WORKER_SECRET)",
+            PARAM,
+        )
     remote = {
         "endpoint": f"tcp://{host}:{p.remote_port}",
         "request_id": p.remote_request_id,

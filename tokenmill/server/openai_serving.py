@@ -7,18 +7,21 @@ not a failed generation); tool-call prompts and parsing live in tool_calls.py.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.client import (
     EngineDeadError,
     RequestFailedError,
     RequestInvalidError,
     RequestRejectedError,
 )
+from tokenmill.engine.protocol import worker_secret
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
@@ -77,6 +80,8 @@ class OpenAIServing:
         # How the model writes the calls it chooses to make, and how it marks its reasoning.
         self.tool_format = tool_format(tool_parser, llm.tokenizer.chat_template)
         self.reasoning = reasoning_parser(reasoning)
+        # The engine's config, where the server has it (its KV transfer peers); set by the server state.
+        self.engine_config: EngineConfig | None = None
         # Built on the first constrained request (it reads the whole vocabulary, ~0.2 s).
         self._grammars: GrammarBackend | None = None
         self._grammars_lock = asyncio.Lock()
@@ -381,7 +386,7 @@ class OpenAIServing:
         session and adapter."""
         kv_transfer = None
         if getattr(req, "kv_transfer_params", None) is not None:  # checked before: check_kv_transfer
-            kv_transfer = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size)
+            kv_transfer = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size, self.kv_peers)
         return self.llm.generate(
             rid, ids, p, priority=req.priority, cache_salt=req.cache_salt, routing_key=req.user,
             lora=self.loras.get(req.model), kv_transfer=kv_transfer,
@@ -391,12 +396,19 @@ class OpenAIServing:
     def block_size(self) -> int:
         return int(self.llm.client.info.get("block_size", 16))
 
+    @functools.cached_property
+    def kv_peers(self) -> set[str] | None:
+        """Transfer servers a client's kv_transfer_params may name (None: any, the secret guards them)."""
+        if worker_secret() is not None:
+            return None
+        return self.engine_config.kv_transfer.allowed_peers() if self.engine_config else set()
+
     def check_kv_transfer(self, req: CompletionRequest | ChatCompletionRequest, prompts: int, n: int) -> None:
         """kv_transfer_params of the right shape, on a request a prefill/decode pair can split: one prompt,
         one sequence, not streamed from the prefill side."""
         if req.kv_transfer_params is None:
             return
-        kt = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size)
+        kt = kv_transfer_params.to_engine(req.kv_transfer_params, self.block_size, self.kv_peers)
         if kt is not None and (prompts > 1 or n > 1):
             raise APIError(400, "kv_transfer_params takes one prompt and n=1", kv_transfer_params.PARAM)
         if kt is not None and kt.get("do_remote_decode") and req.stream:

@@ -25,6 +25,7 @@ _COMMON_ERRORS = {
 }
 _BODY_ERRORS = {
     "400": "invalid request (the message names the field)",
+    "403": "kv_transfer_params names a prefill server this one does not read from",
     "404": "no such model",
     "429": "at capacity; retry after the Retry-After header's seconds",
     "500": "the engine failed on this request (the message names the request id)",

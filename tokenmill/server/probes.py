@@ -22,18 +22,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import tokenmill
+from tokenmill.engine.client import EngineDeadError
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError, engine_unavailable
 from tokenmill.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.weights import catalog
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_GENERATE_FRESH_S = 1.0  # callers within this long of a probe share its answer
 STARTED = time.time()
 
 
 def install_probes(app: FastAPI, state: Any, llm: AsyncLLM, config: ServerConfig, read_json: Any) -> None:
     """`state` is the server's ServerState; `read_json(request, model)` parses a body as the routes do."""
+
+    # One probe generation at a time, its answer shared for a second: probes cost the engine at most one
+    # token a second however many callers there are (it runs outside admission, as a health check must).
+    probe_lock = asyncio.Lock()
+    last: list[float] = [-HEALTH_GENERATE_FRESH_S, 503]  # when, and what, the last probe answered
 
     @app.get(
         "/health_generate", response_class=Response, responses={200: {"content": {}}, 503: {"content": {}}}
@@ -41,19 +49,11 @@ def install_probes(app: FastAPI, state: Any, llm: AsyncLLM, config: ServerConfig
     async def health_generate() -> Response:
         if state.draining or not llm.client.healthy:
             return Response(status_code=503)
-        bos = llm.tokenizer.bos_token_id
-        ids = [bos if bos is not None else 0]
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-
-        async def one_token() -> None:
-            async for _ in llm.generate(f"health-{uuid.uuid4().hex}", ids, params):
-                pass
-
-        try:
-            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - any failure, a timeout included, is an unhealthy engine
-            return Response(status_code=503)
-        return Response(status_code=200)
+        async with probe_lock:
+            if time.monotonic() - last[0] >= HEALTH_GENERATE_FRESH_S:
+                status = await _one_token(llm)
+                last[:] = [time.monotonic(), status]
+            return Response(status_code=int(last[1]))
 
     # Where the weights and tokenizer are on this host: a router that loads the tokenizer itself
     # (sglang-router) reads it from there rather than asking a model hub for the model's name.
@@ -125,7 +125,10 @@ def install_probes(app: FastAPI, state: Any, llm: AsyncLLM, config: ServerConfig
 
     @app.post("/flush_cache", response_class=PlainTextResponse)
     async def flush_cache() -> PlainTextResponse:
-        llm.client.reset_prefix_cache()  # every engine client can (a fleet's: each worker)
+        try:
+            llm.client.reset_prefix_cache()  # every engine client can (a fleet's: each live worker)
+        except EngineDeadError as e:
+            raise APIError(503, engine_unavailable(str(e))) from None
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/v1/completions/render")
@@ -140,6 +143,23 @@ def install_probes(app: FastAPI, state: Any, llm: AsyncLLM, config: ServerConfig
         body = await read_json(request, ChatCompletionRequest)
         prep = await state.serving.prepare_chat(body)
         return JSONResponse({"token_ids": prep.ids, "features": None})
+
+
+async def _one_token(llm: AsyncLLM) -> int:
+    """200 if one token went through the engine in time, else 503."""
+    bos = llm.tokenizer.bos_token_id
+    ids = [bos if bos is not None else 0]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def run() -> None:
+        async for _ in llm.generate(f"health-{uuid.uuid4().hex}", ids, params):
+            pass
+
+    try:
+        await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - any failure, a timeout included, is an unhealthy engine
+        return 503
+    return 200
 
 
 def _kv_events(config: ServerConfig) -> dict[str, Any] | None:

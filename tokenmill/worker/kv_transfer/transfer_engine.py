@@ -11,7 +11,7 @@ Messages (multipart, plain bytes and msgpack):
   [b"read", msgpack [block ids], msgpack [request id, granted block ids, grant]]
                                  -> [b"ok", the blocks' bytes, in order] | [b"err", message]
   [b"check", msgpack [request id, granted block ids, grant]]
-                                 -> [b"ok"] | [b"err", message]   (the grant still holds)
+                                 -> [b"ok", instance] | [b"err", message]   (the grant still holds)
   [b"done", request id, msgpack [request id, granted block ids, grant]]
                                  -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
 
@@ -20,8 +20,10 @@ blocks (make_grant, keyed by a secret of this server that only its own scheduler
 blocks until the hold timeout or the reader's `done`. Other blocks (other requests' live KV) are refused.
 Readers by shared memory are processes of the same user on the same host; they copy, then ask whether the
 grant still holds (`check`): a grant never comes back once void, so one that holds after the copy held
-throughout it, and the copy is of the granted request's blocks. One that does not (a proxy that passed the
-same answer twice, a hold that lapsed) fails the read, and the reader recomputes.
+throughout it, and the copy is of the granted request's blocks. One that does not (a proxy that passed
+the same answer twice, a hold that lapsed) fails the read, and the reader recomputes. The answer names
+the server's instance (a random id of the process), which must be the one whose region the reader
+mapped: a server restarted on the same port has a region of its own, and the old mapping is dropped.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ class TransferServer:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.grant_key = secrets.token_bytes(32)  # for the scheduler of this worker only (describe())
+        self.instance = secrets.token_hex(8)  # this process's region, as opposed to a restarted one's
         self._revoked: dict[str, float] = {}  # request id -> its `done`: grants issued before are void
         self._done: list[str] = []
         self._lock = threading.Lock()
@@ -197,6 +200,7 @@ class TransferServer:
                 "dtype": str(self.kv.dtype),
                 "host": socket.gethostname(),
                 "layout": self.layout,
+                "instance": self.instance,
             }
         )
         while not self._stop.is_set():
@@ -245,7 +249,7 @@ class TransferServer:
             revoked_at = self._revoked.get(rid, -1.0)
             if not check_grant(self.grant_key, rid, granted, grant, time.time(), revoked_at):
                 return [b"err", b"the grant for these blocks has lapsed"]
-            return [b"ok"]
+            return [b"ok", self.instance.encode()]
         if kind == b"done" and len(frames) == 3:
             rid = frames[1].decode()
             grid, granted, grant = msgspec.msgpack.decode(frames[2], type=tuple[str, list[int], str])
@@ -292,6 +296,7 @@ class TransferClient:
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
         self._regions: dict[str, torch.Tensor | None] = {}
+        self._instances: dict[str, str] = {}  # endpoint -> the instance whose region is mapped
         self.blocks_by_shm = self.blocks_by_tcp = 0
 
     def _call(self, endpoint: str, *frames: bytes) -> list[bytes]:
@@ -332,6 +337,7 @@ class TransferClient:
             if isinstance(path, str) and dtype == self.kv.dtype and meta.get("host") == socket.gethostname():
                 region = map_peer_region(path, shape, dtype)
         self._regions[endpoint] = region
+        self._instances[endpoint] = str(meta.get("instance", ""))
         return region
 
     def read(
@@ -352,7 +358,10 @@ class TransferClient:
             if not set(remote_ids) <= set(grant[1]):
                 raise TransferError(f"{endpoint}: no grant for these blocks")
             kv.index_copy_(2, dst, _blocks(region, remote_ids).movedim(0, 2).to(kv.device))
-            self._call(endpoint, b"check", msgspec.msgpack.encode(list(grant)))  # TransferError if void
+            (instance,) = self._call(endpoint, b"check", msgspec.msgpack.encode(list(grant)))  # or void
+            if instance.decode() != self._instances.get(endpoint):
+                self._regions.pop(endpoint, None)  # a restarted server: map its region at the next read
+                raise TransferError(f"{endpoint} restarted since its region was mapped")
             self.blocks_by_shm += len(remote_ids)
             return
         (data,) = self._call(
