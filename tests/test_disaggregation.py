@@ -26,6 +26,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.kv_transfer import pd_worker
 from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps, make_grant
 from tokenmill.worker.kv_transfer.pd_worker import PDWorker
 from tokenmill.worker.kv_transfer.transfer_engine import (
@@ -189,6 +190,32 @@ def test_a_dead_peer_holds_up_neither_live_peers_nor_its_own_later_loads() -> No
         assert torch.equal(dst[:, :, 5], src[:, :, 2])
         counters = pd.counters()
         assert counters["remote_read_failures"] == 1 and counters["remote_reads_skipped"] == 2, counters
+    finally:
+        pd.close()
+        live.close()
+
+
+def test_loads_naming_more_peers_than_the_lanes_fail_at_once(monkeypatch) -> None:
+    """Each peer gets a reader thread; a client naming many peers must not start a thread each."""
+    monkeypatch.setattr(pd_worker, "MAX_LANES", 1)
+    shape = (1, 2, 4, 4, 1, 8)
+    src, path = shared_kv_tensor(shape, torch.bfloat16)
+    src.fill_(3)
+    live = TransferServer(src, path)
+    pd = PDWorker(torch.zeros(shape, dtype=torch.bfloat16), serve=False, shm_path=None, timeout_s=2.0)
+    try:
+        now = time.time()
+        grant = make_grant(bytes.fromhex(live.describe()["grant_key"]), "q", [1], now, now + 600)
+        ops = TransferOps()
+        ops.loads["first"] = RemoteLoad(live.endpoint, "q", [1], [0], ("q", [1], grant))
+        ops.loads["second"] = RemoteLoad("tcp://127.0.0.1:9", "r", [1], [1], ("r", [1], "x"))
+        pd.apply(ops)
+        done: dict[str, int] = {}
+        deadline = time.monotonic() + 30  # a guard against a hang, not a timing claim
+        while len(done) < 2 and time.monotonic() < deadline:
+            done.update(pd.take_finished_loads(wait_s=0.5))
+        assert done == {"first": 1, "second": 0} and pd.counters()["remote_reads_skipped"] == 1
+        assert len(pd._lanes) <= 1
     finally:
         pd.close()
         live.close()

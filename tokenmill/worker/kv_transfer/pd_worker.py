@@ -25,6 +25,9 @@ from tokenmill.worker.kv_transfer.transfer_engine import TransferClient, Transfe
 log = logging.getLogger(__name__)
 
 IDLE_LANE_S = 60.0  # a lane with nothing to do this long ends (peers come and go with restarts)
+# Peers read from at once, at most: past this a load fails at once (its prompt is recomputed), so
+# requests naming many peers (a client's kv_transfer_params) cannot start a thread each.
+MAX_LANES = 32
 Job = tuple[str, RemoteLoad | None, tuple | None]  # (request id, a load | None, a release | None)
 
 
@@ -68,10 +71,18 @@ class PDWorker:
     def apply(self, ops: TransferOps) -> None:
         with self._lock:
             for rid, load in ops.loads.items():
+                lane = self._lane(load.endpoint)
+                if lane is None:
+                    self.stats["remote_reads_skipped"] += 1
+                    self._loaded[rid] = 0
+                    self._cv.notify_all()
+                    continue
                 self._pending += 1
-                self._lane(load.endpoint).jobs.put((rid, load, None))
+                lane.jobs.put((rid, load, None))
             for release in ops.releases:
-                self._lane(release[0]).jobs.put(("", None, release))
+                lane = self._lane(release[0])
+                if lane is not None:  # else the prefill worker frees them after its hold timeout
+                    lane.jobs.put(("", None, release))
 
     def take_finished_loads(self, wait_s: float = 0.0) -> dict[str, int]:
         with self._cv:
@@ -93,10 +104,13 @@ class PDWorker:
                 "blocks_served": self.server.blocks_served if self.server is not None else 0,
             }
 
-    def _lane(self, endpoint: str) -> _Lane:
-        """The peer's lane, started on first use (the lock is held)."""
+    def _lane(self, endpoint: str) -> _Lane | None:
+        """The peer's lane, started on first use (the lock is held); None past MAX_LANES peers."""
         lane = self._lanes.get(endpoint)
         if lane is None:
+            if len(self._lanes) >= MAX_LANES:
+                log.warning("KV transfer: %d peers in use, not %s: recomputing", MAX_LANES, endpoint)
+                return None
             lane = self._lanes[endpoint] = _Lane(
                 TransferClient(self.kv, self.timeout_s, self.use_shm, self.layout)
             )
