@@ -167,7 +167,7 @@ class PDConnector(KVConnectorScheduler):
             # Reading these blocks takes this token; it lapses when they are freed (the hold timeout, or
             # the reader's `done`), so nobody reads them once they hold another request's KV.
             "grant": make_grant(key, req.request_id, block_ids[:full], now, expires),
-            "block_hash": req.block_hashes[full - 1].hex() if full else "",
+            "block_hash": req.block_hashes[full - 1].hex(),
         }
 
     def expired(self, now: float) -> list[str]:

@@ -190,25 +190,17 @@ class _EngineCollector(Collector):
                 c.add_metric(labels, value(st) if st else 0)
             return c
 
-        yield gauge(
-            "tokenmill:num_requests_running", "Requests in the running batch", lambda s: s.num_running
-        )
-        yield gauge(
-            "tokenmill:num_requests_waiting", "Requests waiting for the engine", lambda s: s.num_waiting
-        )
-        yield gauge(
-            "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", lambda s: s.kv_cache_usage
-        )
-        yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", lambda s: s.num_blocks)
-        # vLLM's names for the gauges gateway schedulers read (llm-d's inference scheduler, the Gateway
-        # API Inference Extension's model-server protocol), beside ours: same values, same labels. No
+        # The gauges gateway schedulers read (llm-d's inference scheduler, the Gateway API Inference
+        # Extension's model-server protocol) go out under vLLM's names too: same values, same labels. No
         # `engine` label: vllm-router counts its values as data-parallel ranks.
-        yield gauge("vllm:num_requests_running", "Requests in the running batch (vLLM's name)",
-                    lambda s: s.num_running)  # fmt: skip
-        yield gauge("vllm:num_requests_waiting", "Requests waiting for the engine (vLLM's name)",
-                    lambda s: s.num_waiting)  # fmt: skip
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1 (vLLM's name)",
-                    lambda s: s.kv_cache_usage)  # fmt: skip
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch", lambda s: s.num_running),
+            ("num_requests_waiting", "Requests waiting for the engine", lambda s: s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1", lambda s: s.kv_cache_usage),
+        ):
+            yield gauge(f"tokenmill:{name}", doc, value)
+            yield gauge(f"vllm:{name}", f"{doc} (vLLM's name)", value)
+        yield gauge("tokenmill:kv_cache_blocks", "KV blocks in the pool", lambda s: s.num_blocks)
         cache_info = GaugeMetricFamily(
             "vllm:cache_config_info", "The KV cache's configuration (vLLM's name; value 1)",
             labels=[*names, "block_size", "num_gpu_blocks"],
