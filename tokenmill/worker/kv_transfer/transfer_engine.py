@@ -162,7 +162,7 @@ class TransferServer:
         # the engine protocol), and blocks cross the wire encrypted; grants still decide which blocks.
         secure_socket(self._sock, worker_secret(), "tcp://", server=True)
         if port:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._bind_fixed(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
@@ -175,6 +175,20 @@ class TransferServer:
         self.blocks_served = 0
         self._thread = threading.Thread(target=self._loop, name="kv-transfer-server", daemon=True)
         self._thread.start()
+
+    def _bind_fixed(self, addr: str) -> None:
+        # zmq closes a socket on its I/O thread, after close() returns: a server of this process that
+        # just closed on this port may hold it a few milliseconds longer. Wait that out, briefly; a port
+        # another process holds still fails after the wait.
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                self._sock.bind(addr)
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def describe(self) -> dict:
         """What a peer needs to read from here (plain data), and the key of the grants the scheduler
