@@ -90,6 +90,12 @@ def model_file(tmp_path: Path) -> Path:
         ("--model-repository {tmp}", "onnxruntime", "serve --model-repository", "triton"),
         ("--launcher ray", "ray", "serve --launcher ray", "ray"),
         ("--discovery k8s --discovery-target workers", "kubernetes", "serve --discovery k8s", "k8s"),
+        (
+            "--otlp-traces-endpoint http://127.0.0.1:9/v1/traces",
+            "opentelemetry.sdk",
+            "serve --otlp-traces-endpoint",
+            "tracing",
+        ),
     ],
 )
 def test_serve_names_its_missing_extra(

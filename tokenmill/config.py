@@ -271,6 +271,12 @@ class EngineConfig:
     )
     cache_dir: str | None = setting(None, help="where dequantized GGUF weights are cached")
     seed: int = setting(0, help="random seed for requests without their own")
+    # vLLM's flag. Every process of the deployment (front, router, engines) sends its spans there.
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        help="send OpenTelemetry traces (OTLP over HTTP/protobuf) to this URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces: a span per request in the front, the router and the engine",
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -289,3 +295,8 @@ class EngineConfig:
             raise ValueError(f'int8_scales must be "auto", "channel" or "group", got {self.int8_scales!r}')
         if not 0 <= self.int8_smoothing < 1:
             raise ValueError(f"int8_smoothing must be in [0, 1), got {self.int8_smoothing}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"otlp_traces_endpoint must be an http:// or https:// URL (OTLP over HTTP), got {endpoint!r}"
+            )

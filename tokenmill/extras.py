@@ -17,6 +17,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib", "scipy"),
     "ray": ("ray",),
     "k8s": ("kubernetes",),
+    # A namespace package: its parts are looked up (and only "opentelemetry" itself imported to do so).
+    "tracing": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"),
 }
 
 

@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tokenmill import tracing
 from tokenmill.cluster.approx_index import ApproxKVIndex
 from tokenmill.cluster.disagg import DisaggSettings
 from tokenmill.cluster.discovery import Discovery
@@ -721,6 +722,8 @@ class RouterEngineClient(EngineClient):
         self._where[req.request_id] = relay
         relay.sent_at = time.monotonic()
         assert w.client is not None
+        if req.trace_context is not None and tracing.enabled():
+            req = self._route_span(req, w, overlap, relay.tries)
         try:
             w.client.add_request(req, relay)  # type: ignore[arg-type]
         except Exception:  # not sent (its client has just failed): as if never picked
@@ -728,6 +731,20 @@ class RouterEngineClient(EngineClient):
             self._where.pop(req.request_id, None)
             relay.slot, relay.tries = was, relay.tries - 1
             raise
+
+    def _route_span(self, req: EngineRequest, w: Worker, overlap: int, tries: int) -> EngineRequest:
+        """The routing decision as a span (the worker's engine span hangs from it); a retry is another."""
+        attributes = {
+            "tokenmill.worker": w.url,
+            "tokenmill.router.policy": self.settings.policy,
+            "tokenmill.router.overlap_blocks": overlap,
+            "tokenmill.router.try": tries,
+        }
+        if w.role:
+            attributes["tokenmill.kv_role"] = w.role
+        span = tracing.start_span("route", req.trace_context, "INTERNAL", attributes=attributes)
+        span.end()
+        return dataclasses.replace(req, trace_context=tracing.carrier_of(span))
 
     def _redispatch(self, relay: _Relay) -> None:
         """Send a request lost before its first token to a worker that answers now; with none, look

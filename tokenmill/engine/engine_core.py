@@ -12,7 +12,9 @@ import os
 import time
 from pathlib import Path
 
+from tokenmill import tracing
 from tokenmill.config import EngineConfig
+from tokenmill.engine import request_span
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.offload_connector import OffloadConnector
 from tokenmill.engine.pd_connector import PDConnector, validate_kv_transfer
@@ -122,6 +124,10 @@ class EngineCore:
             )
         max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras)
+        if config.otlp_traces_endpoint:
+            tracing.init(config.otlp_traces_endpoint, "engine")
+            role, bs = config.kv_transfer.kv_role, self.kv.block_size
+            self.scheduler.on_finished = lambda req: request_span.emit(req, role, bs)
         self.num_steps = 0
         self.num_batched_tokens_total = 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
@@ -181,6 +187,7 @@ class EngineCore:
                 except Exception:
                     log.exception("could not write the KV cache to the offload tiers at shutdown")
         self.executor.shutdown()
+        tracing.flush()  # the last spans go out before the process ends
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -205,6 +212,8 @@ class EngineCore:
             raise ValueError("cache_salt may not contain a NUL character")
         if req.lora is not None and self.scheduler.loras is None:
             raise ValueError(f"the request names LoRA adapter {req.lora.lora_name!r}, but LoRA is off here")
+        if req.trace_context is not None:  # only W3C's two keys, bounded
+            req = dataclasses.replace(req, trace_context=tracing.clean_carrier(req.trace_context))
         if req.kv_transfer is not None:  # checked here, so a malformed one fails this request only
             req = dataclasses.replace(
                 req,

@@ -48,6 +48,9 @@ class EngineRequest:
     kv_transfer: dict[str, Any] | None = None
     # The LoRA adapter the request runs on (None: the base model).
     lora: LoRARequest | None = None
+    # W3C trace context (traceparent, tracestate) of the span the engine's span hangs from; None: the
+    # request is not traced (tokenmill/tracing.py).
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass

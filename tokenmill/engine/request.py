@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from tokenmill.engine.protocol import EngineRequest, FinishReason
 from tokenmill.lora.request import kv_salt
@@ -56,6 +57,12 @@ class Request:
         self.prompt_logprobs_sent = False
         self.max_tokens = self._max_tokens(max_model_len)
         # Timestamps (time.monotonic()), turned into metrics by the frontend.
+        self.received_time = time.monotonic()  # by this engine's clock (arrival_time is the frontend's)
+        self.trace_context = req.trace_context
+        # Blocks a KV connector brought in (offload tiers, a prefill worker), and when a background load
+        # of them began and ended: what a trace shows of it.
+        self.kv_external_blocks = 0
+        self.kv_load_times: tuple[float, float | None] | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []

@@ -10,6 +10,7 @@ recompute later (cheaply, from whatever of its prefix is still cached).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SchedulerConfig
@@ -48,6 +49,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests ended since the last step: the workers forget them with the next step.
         self._finished_ids: list[str] = []
+        # Called with each request as it ends, however it ends (the engine's trace spans).
+        self.on_finished: Callable[[Request], None] | None = None
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -135,6 +138,7 @@ class Scheduler:
                 connector.after_alloc(req, fresh, len(computed), background=True)  # type: ignore[union-attr]
                 req.status = RequestStatus.WAITING_FOR_KV
                 req.kv_loaded = True
+                req.kv_load_times = (time.monotonic(), None)
                 self.loading[req.request_id] = req
                 continue
             n = min(req.num_tokens - hit - ext * bs, budget)
@@ -145,6 +149,7 @@ class Scheduler:
                 self._drop_lora_slot(req)
                 break
             if ext:
+                req.kv_external_blocks += ext
                 blocks = self.kv.req_blocks[req.request_id]
                 connector.after_alloc(  # type: ignore[union-attr]
                     req, blocks[len(computed) : len(computed) + ext], len(computed), background=False
@@ -180,6 +185,8 @@ class Scheduler:
         if req.lora_slot >= 0:
             self.loras.release(req.lora_slot)  # type: ignore[union-attr]
             req.lora_slot = -1
+        if self.on_finished is not None:
+            self.on_finished(req)
 
     def finish_loads(self, done: dict[str, int]) -> None:
         """Background loads the workers finished (request id -> leading file blocks that arrived intact).
@@ -193,6 +200,9 @@ class Scheduler:
             if req is None:
                 continue
             first, valid = connector.loaded(rid, num_ok)  # type: ignore[union-attr]
+            if req.kv_load_times is not None:
+                req.kv_load_times = (req.kv_load_times[0], time.monotonic())
+            req.kv_external_blocks += valid
             if req.status == RequestStatus.FINISHED:  # aborted while loading: its blocks were kept
                 req.num_computed_tokens = first * self.kv.block_size
                 self.kv.free(req)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill import tracing
 from tokenmill.config import EngineConfig
 from tokenmill.engine.client import (
     EngineClient,
@@ -102,12 +103,14 @@ class AsyncLLM:
         the client refuses on the spot (the in-process one checks at once) raises, leaving nothing of
         the batch behind."""
         arrival = time.monotonic()
+        trace = tracing.current_carrier()  # the HTTP request's span, the engine's span's parent
         sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), asyncio.Queue(), set())
         proc = sub.proc
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
             req = EngineRequest(
-                cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, kv_transfer, lora
-            )
+                cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, kv_transfer, lora,
+                trace,
+            )  # fmt: skip
             try:
                 self.client.add_request(req, sub.queue)
             except Exception:

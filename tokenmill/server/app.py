@@ -15,8 +15,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import tokenmill
+from tokenmill import tracing
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.models.config import ModelConfig
+from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import Pooling, model_pooling
 from tokenmill.server.admission import Admission, Ticket
 from tokenmill.server.anthropic_protocol import (
@@ -48,6 +50,8 @@ from tokenmill.server.response_store import ResponseStore, owner_of
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.responses_serving import ResponsesServing
 from tokenmill.server.tool_calls import plan_tools, template_messages
+from tokenmill.server.tracing_middleware import TracingMiddleware
+from tokenmill.server.tracing_middleware import observe as observe_span
 
 if TYPE_CHECKING:
     from tokenmill.triton.repository import ModelRepository
@@ -163,6 +167,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * 2**20))
+    if config.engine.otlp_traces_endpoint:
+        _install_tracing(app, state, config)
 
     # -- health and metadata ------------------------------------------------------------------
     @app.get("/health", response_class=Response, responses={200: {"content": {}}, 503: {"content": {}}})
@@ -364,6 +370,20 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         streaming={"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"},
     )
     return app
+
+
+def _install_tracing(app: FastAPI, state: ServerState, config: ServerConfig) -> None:
+    """Spans of the HTTP front (outermost middleware: refusals are traced too), with what the engine
+    reports of each finished request."""
+    tracing.init(config.engine.otlp_traces_endpoint, "front")  # type: ignore[arg-type]
+    app.add_middleware(TracingMiddleware, model=config.model_name)
+    metrics_observe = state.metrics.observe
+
+    def observe(ro: RequestOutput) -> None:
+        metrics_observe(ro)
+        observe_span(ro)
+
+    state.llm.on_finished = observe
 
 
 async def _json_model(request: Request, model: type[BaseModel]) -> Any:

@@ -76,6 +76,8 @@ async def serve(config: ServerConfig, announce: bool = True) -> None:
 
     if config.model_repository:  # said now, not once the engine has loaded (minutes, for a big model)
         require("triton", "serve --model-repository")
+    if config.engine.otlp_traces_endpoint:
+        require("tracing", "serve --otlp-traces-endpoint")
     client = engine_client_for(config)  # the fleet's settings checked before anything starts
     # The ports are taken before the engine loads (minutes, for a big model): one already in use is
     # said at once, not after the load. Connections made meanwhile wait in the backlog.

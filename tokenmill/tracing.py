@@ -1,0 +1,169 @@
+"""OpenTelemetry traces, sent as OTLP over HTTP/protobuf with the official SDK (the `tracing` extra).
+
+Off unless `--otlp-traces-endpoint` names a collector; then each process that handles a request sends
+its own spans there, linked by W3C trace context:
+
+- the HTTP front: one SERVER span per request (`POST /v1/chat/completions`), a child of the client's
+  `traceparent` header when it sends one;
+- the router of a fleet: one `route` span per dispatch (a retry is a second one), naming the worker
+  and the prefix blocks credited there;
+- the engine (its own process, or a worker's): one `llm_request` span per sequence, started when the
+  engine received it, with `queue`, `kv_load`, `prefill` and `decode` children, and the counts the
+  engine knows (cached and loaded blocks, preemptions, tokens) as attributes.
+
+The context crosses the engine protocol as plain data: `EngineRequest.trace_context`, the
+`traceparent` (and `tracestate`) of the span the engine's span hangs from.
+
+Engine timestamps are `time.monotonic()`; spans are stamped in wall-clock nanoseconds by the offset
+between the two clocks read once per span. Nothing here runs when tracing is off: the SDK is imported
+by `init` only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextvars import ContextVar
+from typing import Any
+
+from tokenmill.extras import require
+
+# The trace context a carrier may hold: W3C's two headers, bounded (a malformed one is ignored by the
+# propagator; an oversized one is dropped here before it reaches it).
+CARRIER_KEYS = ("traceparent", "tracestate")
+MAX_CARRIER_VALUE = 512
+
+_tracer: Any = None  # an SDK Tracer once init() ran
+_provider: Any = None
+# The HTTP span of the request being handled: what AsyncLLM.submit hands to the engine as the parent.
+_current: ContextVar[Any] = ContextVar("tokenmill_http_span", default=None)
+
+
+def init(endpoint: str, role: str) -> None:
+    """Send this process's spans to `endpoint` (an OTLP/HTTP traces URL, e.g.
+    http://collector:4318/v1/traces). `role` says which part of tokenmill the process is (front,
+    engine, worker). OTEL_SERVICE_NAME and the SDK's other OTEL_* variables apply."""
+    global _tracer, _provider
+    if _tracer is not None:
+        return
+    require("tracing", "serve --otlp-traces-endpoint")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    import tokenmill
+
+    resource = Resource.create(
+        {
+            "service.name": os.environ.get("OTEL_SERVICE_NAME", "tokenmill"),
+            "service.version": tokenmill.__version__,
+            "tokenmill.role": role,
+            "process.pid": os.getpid(),
+        }
+    )
+    provider = TracerProvider(resource=resource)
+    # Spans leave in batches from the SDK's own thread: a request pays for building its spans, never
+    # for the network.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    _provider, _tracer = provider, provider.get_tracer("tokenmill")
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+def flush() -> None:
+    if _provider is not None:
+        _provider.force_flush()
+
+
+def shutdown() -> None:
+    """Send what is left and stop (a process that ends flushes its last spans)."""
+    global _tracer, _provider
+    if _provider is not None:
+        _provider.shutdown()
+    _tracer = _provider = None
+
+
+def wall_ns(mono: float) -> int:
+    """A time.monotonic() reading as wall-clock nanoseconds since the epoch."""
+    return time.time_ns() - int((time.monotonic() - mono) * 1e9)
+
+
+def clean_carrier(carrier: object) -> dict[str, str] | None:
+    """The trace headers of `carrier` (a client's or a peer's), or None: other keys and oversized or
+    non-string values dropped."""
+    if not isinstance(carrier, dict):
+        return None
+    out = {
+        k: v
+        for k, v in carrier.items()
+        if k in CARRIER_KEYS and isinstance(v, str) and len(v) <= MAX_CARRIER_VALUE
+    }
+    return out or None
+
+
+def _parent(carrier: dict[str, str] | None) -> Any:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier) if carrier else None
+
+
+def carrier_of(span: Any) -> dict[str, str]:
+    """The `traceparent` that makes a span in another process a child of `span`."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+def start_span(
+    name: str,
+    parent: dict[str, str] | None,
+    kind: str = "INTERNAL",
+    start_ns: int | None = None,
+    attributes: dict[str, Any] | None = None,
+) -> Any:
+    """A span (ended by the caller: `span.end(end_time=...)`) under the span `parent` names."""
+    from opentelemetry.trace import SpanKind
+
+    return _tracer.start_span(
+        name, context=_parent(parent), kind=SpanKind[kind], start_time=start_ns, attributes=attributes
+    )
+
+
+def child(parent_span: Any, name: str, start_ns: int, end_ns: int, attributes: dict | None = None) -> None:
+    """A finished child span of `parent_span` over [start_ns, end_ns] (same process)."""
+    from opentelemetry import trace
+
+    span = _tracer.start_span(
+        name, context=trace.set_span_in_context(parent_span), start_time=start_ns, attributes=attributes
+    )
+    span.end(end_time=max(end_ns, start_ns))
+
+
+# -- the HTTP front's current request ---------------------------------------------------------------
+
+
+def set_current(span: Any) -> Any:
+    """Make `span` the current request's (returns the token for reset_current)."""
+    return _current.set(span)
+
+
+def reset_current(token: Any) -> None:
+    _current.reset(token)
+
+
+def current_span() -> Any:
+    return _current.get()
+
+
+def current_carrier() -> dict[str, str] | None:
+    """The trace context an engine request of the current HTTP request carries (None: not traced)."""
+    if _tracer is None:
+        return None
+    span = _current.get()
+    return carrier_of(span) if span is not None else None
