@@ -2,6 +2,7 @@
 
 Works on single-level summaries and on sweeps (levels matched by label, e.g. concurrency8).
 For latencies a ratio below 1 means B is faster; for throughputs a ratio above 1 means B does more.
+`--html` writes the same as one page with both configurations and both curves (html_report.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
-"""What a run leaves behind: summary.json, run.json (every record), CSV, PNG plots, a console table.
+"""What a run leaves behind: summary.json, run.json (every record), CSV, PNG plots, report.html, a
+console table.
 
 One level writes straight into the output folder. A sweep or a goodput search writes each level
 into a sub-folder named after it, and at the top a summary.json with every level's summary under
 "runs", a sweep.csv, and the throughput-versus-interactivity curve: output tokens/s of the system
-against output tokens/s per user, one point per load level.
+against output tokens/s per user, one point per load level. report.html (html_report.py) holds the
+same tables and plots in one file that opens without a notebook or a network.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from tokenmill.bench.runner import BenchResult, LevelResult
 from tokenmill.bench.stats import PERCENTILES
 from tokenmill.extras import require
 
+CURVE_PNG = "throughput_vs_interactivity.png"
 STAT_KEYS = ("mean", "min", "max", "std", *(f"p{p}" for p in PERCENTILES))
 TABLE_METRICS = (
     ("ttft_ms", "TTFT ms"),
@@ -59,24 +63,30 @@ RECORD_COLUMNS = (
 
 
 def write_artifacts(result: BenchResult, out: Path, config: dict[str, Any]) -> list[Path]:
-    """Write everything; return the summary.json paths written (top level first)."""
+    """Write everything; return the top summary.json and report.html."""
     out.mkdir(parents=True, exist_ok=True)
+    # Each plot is drawn once: its PNG goes to a file and, from memory, into report.html.
+    plots: dict[str, bytes | None] = {}  # level label (or CURVE_PNG) -> PNG; None: nothing to plot
     single = len(result.levels) == 1 and result.search is None
     if single:
-        _write_level(result.levels[0], out, config)
-        return [out / "summary.json"]
-    for lv in result.levels:
-        _write_level(lv, out / lv.summary["label"], config)
-    top = {"config": config, "runs": [lv.summary for lv in result.levels]}
-    if result.search is not None:
-        top["goodput_search"] = result.search
-    (out / "summary.json").write_text(json.dumps(top, indent=2))
-    _write_sweep_csv(result.levels, out / "sweep.csv")
-    _plot_curve(result.levels, out / "throughput_vs_interactivity.png")
-    return [out / "summary.json"]
+        plots[result.levels[0].summary["label"]] = _write_level(result.levels[0], out, config)
+    else:
+        for lv in result.levels:
+            plots[lv.summary["label"]] = _write_level(lv, out / lv.summary["label"], config)
+        top = {"config": config, "runs": [lv.summary for lv in result.levels]}
+        if result.search is not None:
+            top["goodput_search"] = result.search
+        (out / "summary.json").write_text(json.dumps(top, indent=2))
+        _write_sweep_csv(result.levels, out / "sweep.csv")
+        plots[CURVE_PNG] = _save(curve_figure([("", [lv.summary for lv in result.levels])]), out / CURVE_PNG)
+    # Imported here: html_report builds on this module's figures and formats, so the import runs one way.
+    from tokenmill.bench.html_report import write_html
+
+    return [out / "summary.json", write_html(out, result, config, plots)]
 
 
-def _write_level(lv: LevelResult, d: Path, config: dict[str, Any]) -> None:
+def _write_level(lv: LevelResult, d: Path, config: dict[str, Any]) -> bytes | None:
+    """Write one level's files; return its distribution plot's PNG (None when it has no latencies)."""
     d.mkdir(parents=True, exist_ok=True)
     level_cfg = {**config, "load": lv.load.__dict__}
     (d / "summary.json").write_text(json.dumps({"config": level_cfg, **lv.summary}, indent=2))
@@ -87,7 +97,7 @@ def _write_level(lv: LevelResult, d: Path, config: dict[str, Any]) -> None:
         w.writeheader()
         for r in lv.records:
             w.writerow(r.to_json())
-    _plot_distributions(lv, d / "latency_distributions.png")
+    return _save(distribution_figure(lv), d / "latency_distributions.png")
 
 
 def _write_sweep_csv(levels: list[LevelResult], path: Path) -> None:
@@ -128,12 +138,29 @@ def _pyplot():
     return plt
 
 
-def _plot_distributions(lv: LevelResult, path: Path) -> None:
+def png_bytes(fig: Any) -> bytes:
+    """A figure as PNG bytes (the figure is closed: pyplot keeps every open figure alive)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def _save(fig: Any, path: Path) -> bytes | None:
+    if fig is None:
+        return None
+    png = png_bytes(fig)
+    path.write_bytes(png)
+    return png
+
+
+def distribution_figure(lv: LevelResult) -> Any:
+    """Histograms of TTFT and ITL with p50 and p99 marked; None when the level has neither."""
     ok = [r for r in lv.records if r.ok and not r.warmup]
     ttft = [v for r in ok if (v := r.metric_ms("ttft")) is not None]
     itl = [v for r in ok if (v := r.metric_ms("itl")) is not None]
     if not ttft and not itl:
-        return
+        return None
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, vals, name in (
@@ -141,7 +168,12 @@ def _plot_distributions(lv: LevelResult, path: Path) -> None:
         (axes[1], itl, "inter-token latency (ms)"),
     ):
         if vals:
-            ax.hist(vals, bins=min(40, max(5, len(vals) // 3)), color="#3b7dd8", edgecolor="white")
+            lo, hi = min(vals), max(vals)
+            # Values equal but for float noise (a server on a fixed schedule): numpy raises when asked to
+            # split a range of a few ulps into bins, so such a range is drawn as equal values are.
+            span = (lo, hi) if hi - lo > 1e-9 * max(abs(hi), 1.0) else (lo - 0.5, hi + 0.5)
+            bins = min(40, max(5, len(vals) // 3))
+            ax.hist(vals, bins=bins, range=span, color="#3b7dd8", edgecolor="white")
             for p, style in ((50, "-"), (99, "--")):
                 x = float(np.percentile(vals, p))
                 ax.axvline(x, color="#d84b3b", linestyle=style, label=f"p{p} {x:.3g}")
@@ -150,34 +182,44 @@ def _plot_distributions(lv: LevelResult, path: Path) -> None:
         ax.set_ylabel("requests")
     fig.suptitle(f"{lv.summary['label']}: {lv.summary['completed']} requests")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _plot_curve(levels: list[LevelResult], path: Path) -> None:
-    pts = [
-        (lv.summary["tps_user"]["p50"], lv.summary["output_token_throughput"], lv.summary["label"])
-        for lv in levels
-        if lv.summary.get("tps_user")
+def curve_points(summaries: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(median tokens/s per user, output tokens/s, label) of each level that has streaming metrics."""
+    return [
+        (s["tps_user"]["p50"], s["output_token_throughput"], s["label"])
+        for s in summaries
+        if s.get("tps_user")
     ]
-    if not pts:
-        return
+
+
+def curve_figure(runs: list[tuple[str, list[dict[str, Any]]]]) -> Any:
+    """The throughput-versus-interactivity curve of each named run (one run: no legend), overlaid on
+    one pair of axes so that runs compare at a glance; None when no level has streaming metrics."""
+    series = [(name, pts) for name, summaries in runs if (pts := curve_points(summaries))]
+    if not series:
+        return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    xs, ys, labels = zip(*pts, strict=True)
-    ax.plot(xs, ys, "o-", color="#3b7dd8")
-    for x, y, label in pts:
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    colors = ("#3b7dd8", "#d84b3b", "#3ba55c", "#8e44ad")
+    for i, (name, pts) in enumerate(series):
+        xs, ys, _ = zip(*pts, strict=True)
+        ax.plot(xs, ys, "o-", color=colors[i % len(colors)], label=name or None)
+        for x, y, label in pts:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.set_xlabel("output tokens/s per user (median of 1/ITL): interactivity")
     ax.set_ylabel("output tokens/s, whole system: throughput")
     ax.set_title("throughput vs interactivity")
     ax.grid(alpha=0.3)
+    if any(name for name, _ in series):
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
+    """A number as the console tables (and report.html) show it."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -195,7 +237,7 @@ def print_level(console: Console, s: dict[str, Any]) -> None:
     for key, name in TABLE_METRICS:
         stats = s.get(key)
         if stats:
-            table.add_row(name, *(_fmt(stats[k]) for k in STAT_KEYS))
+            table.add_row(name, *(fmt(stats[k]) for k in STAT_KEYS))
     console.print(table)
     console.print(
         f"requests: {s['completed']} completed, {s['failed']} failed"
@@ -261,22 +303,22 @@ def print_sweep(console: Console, levels: list[dict[str, Any]]) -> None:
     for s in levels:
 
         def st(m: str, k: str, s=s) -> str:
-            return _fmt((s.get(m) or {}).get(k))
+            return fmt((s.get(m) or {}).get(k))
 
         table.add_row(
             s["label"],
             str(s["completed"]),
             str(s["failed"]),
             str(s.get("cancelled_at_end", 0)),
-            _fmt(s["request_throughput"]),
-            _fmt(s["output_token_throughput"]),
+            fmt(s["request_throughput"]),
+            fmt(s["output_token_throughput"]),
             st("ttft_ms", "p50"),
             st("ttft_ms", "p99"),
             st("itl_ms", "p50"),
             st("itl_ms", "p99"),
             st("tps_user", "p50"),
-            _fmt(s["goodput"]),
-            _fmt(_kept_up(s)),
+            fmt(s["goodput"]),
+            fmt(_kept_up(s)),
         )
     console.print(table)
     for s in levels:

@@ -119,7 +119,7 @@ def bench(
         None, help="artifact folder (default artifacts/bench-<time>)", rich_help_panel=RUN
     ),
 ) -> None:
-    """Run a benchmark; results go to OUTPUT/summary.json, run.json, records.csv and plots."""
+    """Run a benchmark; results go to OUTPUT/summary.json, run.json, records.csv, plots and report.html."""
     if ctx.invoked_subcommand is not None:
         return  # `bench compare` reads two summaries: no extra needed
     need_extra(
@@ -272,7 +272,7 @@ def _run(client_cfg, workload, loads, slos, counter, counter_desc, search, outpu
         "slos": [str(s) for s in slos],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
     }
-    write_artifacts(result, out, config)
+    report = write_artifacts(result, out, config)[-1]
     summaries = [lv.summary for lv in result.levels]
     if len(summaries) == 1 and result.search is None:
         print_level(console, summaries[0])
@@ -286,6 +286,7 @@ def _run(client_cfg, workload, loads, slos, counter, counter_desc, search, outpu
             + (f"[bold]{best:.3g} req/s[/bold]" if best is not None else "[red]none of the rates tried[/red]")
         )
     console.print(f"artifacts: {out}/ (summary.json, run.json, records.csv, plots)", highlight=False)
+    console.print(f"report: {report}", highlight=False)
     empty = [s["label"] for s in summaries if s["completed"] == 0]
     # A goodput search's probes above the server's capacity may complete nothing: that is its answer.
     if empty and (result.search is None or len(empty) == len(summaries)):
@@ -304,10 +305,15 @@ def compare_cmd(
     a: Path = typer.Argument(..., help="summary.json of run A (the baseline)"),
     b: Path = typer.Argument(..., help="summary.json of run B"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the comparison here"),
+    html_out: Path | None = typer.Option(
+        None, "--html", help="also write it as one HTML file: both configurations, tables, overlaid curves"
+    ),
 ) -> None:
     """The same metrics of two runs side by side, with B/A ratios."""
-    from tokenmill.bench.compare import compare, print_comparison
+    from tokenmill.bench.compare import compare, load_summary, print_comparison
 
+    if html_out is not None:  # the curves are drawn with matplotlib; the tables alone need no extra
+        need_extra("bench", "tokenmill bench compare --html")
     try:
         result = compare(a, b)
     except ValueError as e:
@@ -315,3 +321,11 @@ def compare_cmd(
     print_comparison(console, result)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2))
+    if html_out is not None:
+        from tokenmill.bench.html_report import write_compare_html
+
+        try:
+            path = write_compare_html(html_out, result, load_summary(a), load_summary(b))
+        except OSError as e:
+            fail(f"--html {html_out}: {e}")
+        console.print(f"report: {path}", highlight=False)

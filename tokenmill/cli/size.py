@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from tokenmill.cli.common import console, fail, need_extra
+from tokenmill.cli.common import console, err, fail, need_extra
 
 size_app = typer.Typer(
     invoke_without_command=True,
@@ -19,6 +19,9 @@ MODEL_HELP = "catalog name (e.g. llama3-8b, gpt-43b, mixtral-8x7b), config.json 
 
 
 KV_DTYPE_HELP = "the KV cache's own dtype: auto (the precision's), fp16, bf16, fp8, int8 (1 byte)"
+# The key under which `size calibrate --output` keeps the fit's error beside the factors (load_factors
+# reads the factors only), so that a sizing made from them can report its own error.
+FIT_ERROR = "fit_error"
 
 
 def _common(
@@ -91,6 +94,9 @@ def size_cmd(
     gpu_hour_price: float | None = typer.Option(None, help="USD per GPU-hour (default: the catalog's)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     plot: Path | None = typer.Option(None, help="write the throughput-vs-interactivity frontier PNG here"),
+    output: Path | None = typer.Option(
+        None, help="folder for sizing.json (what --json prints), frontier.png and report.html"
+    ),
 ) -> None:
     """How many servers serve this use case inside the limits (and on which shape)."""
     if ctx.invoked_subcommand is not None:
@@ -132,21 +138,48 @@ def size_cmd(
     }
     price = g.gpu_hour_price if gpu_hour_price is None else gpu_hour_price
     s = sizing_summary(result, a, g, precision, f, isl_t, osl_t, avg_rps, price, inputs)
-    if plot is not None:
-        plot_frontier(result, osl_t, plot, f"{a.name} {precision} on {g.name}, ISL {isl_t} / OSL {osl_t}")
+    s["factor_fit_error"] = _fit_error(factors)
+    title = f"{a.name} {precision} on {g.name}, ISL {isl_t} / OSL {osl_t}"
+    png = plot_frontier(result, osl_t, plot, title) if plot is not None or output is not None else None
     if json_out:
         print(json.dumps(s, indent=2))
     else:
         _print_sizing(s, g.gpus_per_server)
+    if output is not None:
+        report = _write_outputs(output, s, png)
+        # Named on stderr under --json: stdout stays one JSON document.
+        (err if json_out else console).print(f"report: {report}", highlight=False)
     if s["servers"] is None:
         raise typer.Exit(1)
 
 
-def _shape(c: dict) -> str:
-    return f"TP{c['tp']}" + (f" x PP{c['pp']}" if c["pp"] > 1 else "") + (" EP" if c["ep"] else "")
+def _fit_error(factors_file: Path | None) -> dict | None:
+    """The calibration fit's error that `size calibrate --output` stored with the factors, if any."""
+    if factors_file is None:
+        return None
+    try:
+        error = json.loads(factors_file.read_text()).get(FIT_ERROR)
+    except (OSError, ValueError, AttributeError):  # load_factors accepted the file: it just keeps no error
+        return None
+    return error if isinstance(error, dict) and all(isinstance(v, dict) for v in error.values()) else None
+
+
+def _write_outputs(out: Path, s: dict, png: bytes | None) -> Path:
+    from tokenmill.sizing.html_report import write_html
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sizing.json").write_text(json.dumps(s, indent=2))
+        if png is not None:
+            (out / "frontier.png").write_bytes(png)
+        return write_html(out, s, png)
+    except OSError as e:
+        fail(f"--output {out}: {e}")
 
 
 def _print_sizing(s: dict, per_server: int) -> None:
+    from tokenmill.sizing.report import shape
+
     i = s["inputs"]
     for note in (i["isl_conversion"], i["osl_conversion"]):
         if note:
@@ -161,7 +194,7 @@ def _print_sizing(s: dict, per_server: int) -> None:
             console.print(f"[red]{n}[/red]")
         return
     c = s["chosen"]
-    shape = _shape(c)
+    label = shape(c)
     console.print(
         f"[bold]{s['servers']} servers[/bold] ({s['gpus']} x {s['gpu']}, {per_server} per server) for "
         f"{s['peak_rps']:g} req/s of {s['model']['name']} in {s['precision']}"
@@ -170,7 +203,7 @@ def _print_sizing(s: dict, per_server: int) -> None:
     rows = [
         (
             "instance",
-            f"{shape}, {c['instances_per_server']} per server, {c['concurrency_per_instance']} in flight",
+            f"{label}, {c['instances_per_server']} per server, {c['concurrency_per_instance']} in flight",
         ),
         ("TTFT", f"{c['ttft_ms']:.0f} ms"),
         ("inter-token latency", f"{c['itl_ms']:.1f} ms ({c['output_tps_per_user']:.0f} tok/s per user)"),
@@ -189,9 +222,8 @@ def _print_sizing(s: dict, per_server: int) -> None:
     console.print(t)
     alt = Table("shape", "in flight", "TTFT ms", "ITL ms", "req/s/server", "servers", title="alternatives")
     for a in s["alternatives"]:
-        shape = _shape(a)
         alt.add_row(
-            shape,
+            shape(a),
             str(a["concurrency_per_instance"]),
             f"{a['ttft_ms']:.0f}",
             f"{a['itl_ms']:.1f}",
@@ -277,7 +309,7 @@ def calibrate_cmd(
 ) -> None:
     """Fit the efficiency factors to benchmark results; report the fit error."""
     need_extra("bench", "tokenmill size calibrate")
-    from tokenmill.sizing.calibrate import fit, measurements_from_summary, save_factors
+    from tokenmill.sizing.calibrate import fit, measurements_from_summary
     from tokenmill.sizing.roofline import Deployment
 
     a, g, start = _common(model, gpu, precision, None, "default")
@@ -289,7 +321,7 @@ def calibrate_cmd(
         fail("calibration needs at least 2 measured load levels (e.g. a --concurrency 1,2,4,8 sweep)")
     result = fit([(Deployment(a, g, precision, start, tp), ms)], start)
     if output is not None:
-        save_factors(result.factors, output)
+        output.write_text(json.dumps({**result.factors.to_dict(), FIT_ERROR: result.errors}, indent=2))
     if json_out:
         print(
             json.dumps(

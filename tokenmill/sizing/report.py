@@ -3,6 +3,7 @@ energy, and the throughput-versus-interactivity frontier of all shapes that met 
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ def sizing_summary(
     return out
 
 
+def shape(c: dict[str, Any]) -> str:
+    """A configuration's parallel shape as the CLI and report.html name it: TP4 x PP2 EP."""
+    return f"TP{c['tp']}" + (f" x PP{c['pp']}" if c["pp"] > 1 else "") + (" EP" if c["ep"] else "")
+
+
 def _alternatives(r: SizingResult, osl: int, gpu: Gpu, n: int = 6) -> list[dict[str, Any]]:
     """The best concurrency of each other parallel shape, fewest servers first."""
     best_of: dict[tuple, Any] = {}
@@ -92,7 +98,9 @@ def _alternatives(r: SizingResult, osl: int, gpu: Gpu, n: int = 6) -> list[dict[
     return rows
 
 
-def plot_frontier(r: SizingResult, osl: int, path: Path, title: str) -> None:
+def plot_frontier(r: SizingResult, osl: int, path: Path | None, title: str) -> bytes | None:
+    """Draw the frontier of the shapes that met the limits; save it at `path` (the format its suffix
+    says) when given, and return it as PNG bytes for report.html; None when no shape met them."""
     require("bench", "the frontier plot (tokenmill size --plot)")
     import matplotlib
 
@@ -101,7 +109,7 @@ def plot_frontier(r: SizingResult, osl: int, path: Path, title: str) -> None:
 
     pts = [(1 / c.prediction.itl_s, c.prediction.rps * osl / c.gpus_per_instance, c) for c in r.feasible]
     if not pts:
-        return
+        return None
     fig, ax = plt.subplots(figsize=(7, 4.8))
     shapes = sorted({(c.tp, c.pp, c.ep) for _, _, c in pts})
     cmap = plt.get_cmap("tab10")
@@ -129,5 +137,9 @@ def plot_frontier(r: SizingResult, osl: int, path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    buf = io.BytesIO()  # drawn once: the same figure goes to the file and into report.html
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    return buf.getvalue()
