@@ -159,6 +159,12 @@ def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> 
             await until(lambda: "unstarted" in router.placements)
             assert router.placements["unstarted"][0] == victim
             os.kill(launcher.proc.pid, signal.SIGKILL)  # ... and dies
+
+            def worker_up() -> dict[str, float]:
+                fam = next(f for f in router.router_metrics("m") if f.name == "tokenmill:router_worker_up")
+                return {s.labels["worker"]: s.value for s in fam.samples}
+
+            name = router.workers[victim].name
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError):
                 async for _ in stream:
@@ -171,9 +177,11 @@ def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> 
             # The router's supervisor takes it out of rotation within its 0.1 s poll; on a fast CPU the
             # retried request can finish before that, so wait for the loss before waiting for the rejoin.
             await until(lambda: router.stats_router.worker_losses >= 1)
+            assert worker_up()[name] == 0.0 and sum(worker_up().values()) == 1.0, "the metric names it"
             # The launcher starts it again and it rejoins rotation, its index rebuilt from its events.
             await until(lambda: router.num_up == 2, timeout=120)
             assert router.restarts == 1
+            assert worker_up() == {w.name: 1.0 for w in router.workers}
             router.set_policy("kv")
             await run(llm, "after", prefix(llm, 3), routing_key=key)
         finally:

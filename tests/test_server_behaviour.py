@@ -202,7 +202,12 @@ def test_engine_death_is_detected() -> None:
         assert httpx.get(f"{base}/health").status_code == 503
         after = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert after.status_code == 503
-        assert re.search(r"tokenmill:engine_healthy\{[^}]*\} 0\.0", httpx.get(f"{base}/metrics").text)
+        text = httpx.get(f"{base}/metrics").text
+        assert re.search(r"tokenmill:engine_healthy\{[^}]*\} 0\.0", text)
+        # Both refusals counted: the one in flight when the engine died and the one after it.
+        assert re.search(
+            r'tokenmill:request_failure_total\{[^}]*kind="engine_unavailable"[^}]*\} 2\.0', text
+        ), text
 
 
 def test_non_streaming_disconnect_aborts(server) -> None:

@@ -327,6 +327,17 @@ class RouterEngineClient(EngineClient):
             )
             fam.add_metric([model], value)
             yield fam
+        # Which worker is down (the counts above say only how many): one series per worker of the fleet,
+        # with its role in a disaggregated one.
+        up = GaugeMetricFamily(
+            "tokenmill:router_worker_up",
+            "1 while the worker is in rotation, 0 while it is down, draining or joining",
+            labels=["model_name", "worker", "role"],
+        )
+        for w in self.workers:
+            if not w.retired:
+                up.add_metric([model, w.name, w.role or ""], 1.0 if w.up and not w.draining else 0.0)
+        yield up
         ev = CounterMetricFamily(
             "tokenmill:router_kv_event_gaps",
             "Gaps in a worker's KV-event stream, by outcome",
