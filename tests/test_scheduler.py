@@ -690,3 +690,30 @@ def test_preempted_requests_come_back_whole_and_finished_ones_are_named() -> Non
     (back,) = out.new_requests
     assert back.request_id == "low" and back.output_token_ids == [9]
     assert back.num_computed_tokens == 4, "its full prompt block is still in the prefix cache"
+
+
+def test_on_finished_is_called_once_per_request_when_it_ends_and_never_before():
+    """The hook the engine's trace spans hang on: not on a preemption, not on an admission the pool could
+    not take, once on the end however it comes (finished, aborted while waiting)."""
+    sched = make_sched(5, prefix_caching=False)
+    seen: list[tuple[str, FinishReason | None, bool]] = []
+    sched.on_finished = lambda r: seen.append((r.request_id, r.finish_reason, r.request_id in sched.requests))
+    a, b, c = make_req("a", 4, max_tokens=3), make_req("b", 6, max_tokens=4), make_req("c", 6, max_tokens=3)
+    for r in (a, b, c):
+        sched.add_request(r)
+    step(sched)
+    sched.add_request(make_req("d", 2, max_tokens=1))
+    assert step(sched).preempted == [c]  # c preempted
+    step(sched)  # c cannot be admitted again yet (2 blocks needed, 1 free): it waits, d behind it
+    assert seen == [("a", FinishReason.LENGTH, False)]
+    sched.add_request(make_req("e", 30, max_tokens=2))  # more blocks than the pool has: it waits
+    assert [r.request_id for r in sched.abort(["e"])] == ["e"]
+    while sched.has_unfinished():
+        step(sched)
+    assert sorted(seen) == [
+        ("a", FinishReason.LENGTH, False),
+        ("b", FinishReason.LENGTH, False),
+        ("c", FinishReason.LENGTH, False),
+        ("d", FinishReason.LENGTH, False),
+        ("e", FinishReason.ABORT, False),
+    ]

@@ -23,6 +23,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: 
 )
 from server_fixture import running_server  # noqa: E402
 
+from tokenmill.tracing import clean_carrier  # noqa: E402
+
 # A bit over 512 tokens: long enough that a 1P1D fleet prefills it on its prefill worker.
 LONG = "A worker keeps the keys and values of every token it has seen in its cache. " * 40
 SLACK_NS = 2_000_000  # children's ends are stamped by separate clock reads: 2 ms of slack
@@ -133,6 +135,23 @@ def _check_engine_span(spans: list[dict], engine: dict, front: dict) -> None:
     assert a["tokenmill.queue_time_s"] >= 0 and a["tokenmill.prefill_time_s"] > 0
 
 
+def test_only_well_formed_trace_context_is_kept() -> None:
+    """Clients and engine-protocol peers choose these values: W3C's forms pass, anything else is dropped
+    before the SDK sees it."""
+    parent = "00-" + "4bf92f3577b34da6a3ce929d0e0e4736" + "-" + "00f067aa0ba902b7" + "-01"
+    assert clean_carrier({"traceparent": parent}) == {"traceparent": parent}
+    state = "rojo=00f067aa0ba902b7, congo=t61rcWkgMzE"
+    assert clean_carrier({"traceparent": parent, "tracestate": state, "x-other": "1"}) == {
+        "traceparent": parent,
+        "tracestate": "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE",
+    }
+    for bad_state in ("BAD KEY=1", ",".join(f"k{i}=v" for i in range(33)), "a=" + "b" * 600, 7):
+        assert clean_carrier({"traceparent": parent, "tracestate": bad_state}) == {"traceparent": parent}
+    for bad in ("00-zz", parent.upper(), "ff" + parent[2:], parent + "-extra", "", None, 3):
+        assert clean_carrier({"traceparent": bad, "tracestate": "a=b"}) is None, bad
+    assert clean_carrier({"tracestate": "a=b"}) is None and clean_carrier(["traceparent"]) is None
+
+
 @pytest.fixture
 def receiver():
     r = Receiver()
@@ -165,6 +184,11 @@ def test_a_request_is_one_trace_from_the_client_through_the_front_to_the_engine(
         ) as s:  # fmt: skip
             assert s.status_code == 200
             chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+        # n=2: two sequences, two engine spans, siblings under the one front span.
+        header3, trace3, _ = _traceparent()
+        two = {**body, "n": 2, "temperature": 1.0, "seed": 3}
+        r = httpx.post(f"{base}/v1/chat/completions", json=two, headers={"traceparent": header3}, timeout=60)
+        assert r.status_code == 200, r.text
         # Not traced: a probe of health. A malformed or oversized traceparent is ignored: the request is
         # answered and starts a trace of its own.
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
@@ -196,6 +220,13 @@ def test_a_request_is_one_trace_from_the_client_through_the_front_to_the_engine(
         assert stream_front["attributes"]["gen_ai.usage.output_tokens"] == 6 and len(chunks) >= 6
         assert _one(spans2, "llm_request")["parent"] == stream_front["span_id"]
         assert not [s for s in receiver.spans if s["attributes"].get("url.path") == "/health"]
+        spans3 = receiver.wait(trace3, {"POST /v1/chat/completions": 1, "llm_request": 2})
+        front3 = _one(spans3, "POST /v1/chat/completions")
+        engines3 = [s for s in spans3 if s["name"] == "llm_request"]
+        assert len(engines3) == 2 and all(s["parent"] == front3["span_id"] for s in engines3)
+        assert front3["attributes"]["gen_ai.usage.output_tokens"] == sum(
+            s["attributes"]["gen_ai.usage.output_tokens"] for s in engines3
+        )
         deadline = time.monotonic() + 30
         while True:  # the two requests with bad headers: roots of new traces, each with its engine span
             with receiver.lock:

@@ -22,16 +22,22 @@ by `init` only.
 from __future__ import annotations
 
 import os
+import re
 import time
 from contextvars import ContextVar
 from typing import Any
 
 from tokenmill.extras import require
 
-# The trace context a carrier may hold: W3C's two headers, bounded (a malformed one is ignored by the
-# propagator; an oversized one is dropped here before it reaches it).
+# The trace context a carrier may hold: W3C's two headers, checked here (anyone may send them: a
+# malformed one is dropped before the SDK, which would log a warning for each).
 CARRIER_KEYS = ("traceparent", "tracestate")
 MAX_CARRIER_VALUE = 512
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+TRACESTATE_MEMBER = re.compile(
+    r"[a-z0-9][a-z0-9_\-*/]{0,255}(@[a-z][a-z0-9_\-*/]{0,13})?=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+MAX_TRACESTATE_MEMBERS = 32
 
 _tracer: Any = None  # an SDK Tracer once init() ran
 _provider: Any = None
@@ -46,7 +52,7 @@ def init(endpoint: str, role: str) -> None:
     global _tracer, _provider
     if _tracer is not None:
         return
-    require("tracing", "serve --otlp-traces-endpoint")
+    require("tracing", "--otlp-traces-endpoint")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -73,9 +79,10 @@ def enabled() -> bool:
     return _tracer is not None
 
 
-def flush() -> None:
+def flush(timeout_s: float = 2.0) -> None:
+    """Send the spans still queued; a collector that does not answer costs at most `timeout_s`."""
     if _provider is not None:
-        _provider.force_flush()
+        _provider.force_flush(timeout_millis=int(timeout_s * 1000))
 
 
 def shutdown() -> None:
@@ -92,16 +99,19 @@ def wall_ns(mono: float) -> int:
 
 
 def clean_carrier(carrier: object) -> dict[str, str] | None:
-    """The trace headers of `carrier` (a client's or a peer's), or None: other keys and oversized or
-    non-string values dropped."""
+    """The trace context of `carrier` (a client's headers, a peer's request), or None: a traceparent of
+    W3C's form, and a tracestate only beside one and only if every member is well formed."""
     if not isinstance(carrier, dict):
         return None
-    out = {
-        k: v
-        for k, v in carrier.items()
-        if k in CARRIER_KEYS and isinstance(v, str) and len(v) <= MAX_CARRIER_VALUE
-    }
-    return out or None
+    parent, state = carrier.get("traceparent"), carrier.get("tracestate")
+    if not isinstance(parent, str) or parent.startswith("ff") or not TRACEPARENT.fullmatch(parent):
+        return None
+    out = {"traceparent": parent}
+    if isinstance(state, str) and len(state) <= MAX_CARRIER_VALUE:
+        members = [m.strip() for m in state.split(",") if m.strip()]
+        if len(members) <= MAX_TRACESTATE_MEMBERS and all(TRACESTATE_MEMBER.fullmatch(m) for m in members):
+            out["tracestate"] = ",".join(members)
+    return out
 
 
 def _parent(carrier: dict[str, str] | None) -> Any:

@@ -186,8 +186,10 @@ class EngineCore:
                     self.executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
                 except Exception:
                     log.exception("could not write the KV cache to the offload tiers at shutdown")
-        self.executor.shutdown()
-        tracing.flush()  # the last spans go out before the process ends
+        try:
+            self.executor.shutdown()
+        finally:
+            tracing.flush()  # the last spans go out before the process ends
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:

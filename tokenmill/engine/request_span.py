@@ -7,17 +7,29 @@ anyway: tracing costs the engine loop nothing per step. Only requests that carry
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from tokenmill import tracing
+from tokenmill.engine.throttled_log import ThrottledWarnings
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
 
+_warn = ThrottledWarnings(logging.getLogger(__name__), every_s=60.0)
+
 
 def emit(req: Request, role: str | None, block_size: int) -> None:
+    """Never raises: it runs inside the engine loop, where an exception would end the engine."""
     if req.trace_context is None or not tracing.enabled():
         return
+    try:
+        _emit(req, role, block_size)
+    except Exception as e:  # the SDK's, on a value it cannot take: the span is lost, not the engine
+        _warn.warning("could not build a request's trace span: %r", e)
+
+
+def _emit(req: Request, role: str | None, block_size: int) -> None:
     end = req.finished_time or req.received_time
     p = req.params
     attributes = {
@@ -43,10 +55,13 @@ def emit(req: Request, role: str | None, block_size: int) -> None:
     if first is not None and token is not None:
         attributes["tokenmill.prefill_time_s"] = token - first
         attributes["tokenmill.decode_time_s"] = end - token
-    span = tracing.start_span(
-        "llm_request", req.trace_context, "SERVER", tracing.wall_ns(req.received_time), attributes
-    )
-    ns = tracing.wall_ns
+    # One offset between the clocks for the span and its children: they nest exactly.
+    offset = tracing.wall_ns(0.0)
+
+    def ns(mono: float) -> int:
+        return offset + int(mono * 1e9)
+
+    span = tracing.start_span("llm_request", req.trace_context, "SERVER", ns(req.received_time), attributes)
     # The phases, each a child over its own interval; one the request never reached is left out.
     queue_end = first if first is not None else end
     if req.kv_load_times is not None:

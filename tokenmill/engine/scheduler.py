@@ -185,8 +185,6 @@ class Scheduler:
         if req.lora_slot >= 0:
             self.loras.release(req.lora_slot)  # type: ignore[union-attr]
             req.lora_slot = -1
-        if self.on_finished is not None:
-            self.on_finished(req)
 
     def finish_loads(self, done: dict[str, int]) -> None:
         """Background loads the workers finished (request id -> leading file blocks that arrived intact).
@@ -386,3 +384,5 @@ class Scheduler:
         self._drop_lora_slot(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
+        if self.on_finished is not None:  # last: the request is done with whatever the hook does
+            self.on_finished(req)

@@ -433,8 +433,10 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
 def _admit(state: ServerState) -> Ticket:
     """A ticket for a generation, or 503 (draining, no engine) or 429 (full)."""
     if state.draining:
+        state.metrics.observe_failure("rejected_draining")
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
     if not state.llm.client.healthy:
+        state.metrics.observe_failure("engine_unavailable")
         raise APIError(503, engine_unavailable(state.llm.client.dead_reason or "not ready"))
     try:
         return state.admission.admit()
@@ -496,6 +498,8 @@ async def _generate(
         state.admission.release(ticket)
         if isinstance(e, APIError) and e.status == 429:
             state.metrics.observe_failure("rejected_overload")
+        elif isinstance(e, APIError) and e.status >= 500:  # the engine failed or died under it
+            state.metrics.observe_failure("engine_unavailable" if e.status == 503 else "engine_error")
         raise
     if isinstance(result, dict):
         state.admission.release(ticket)

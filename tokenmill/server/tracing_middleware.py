@@ -14,8 +14,8 @@ from typing import Any
 from tokenmill import tracing
 from tokenmill.outputs import RequestOutput
 
-# The routes that generate (or pool) with the model; the rest (health, metrics, the console's reads)
-# would only bury the requests in spans.
+# The routes that generate (or pool) with the model; the rest (health and its probe of the model,
+# metrics, the console's reads) would only bury the requests in spans.
 TRACED = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -24,7 +24,6 @@ TRACED = (
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
-    "/health_generate",
 )
 
 
@@ -38,8 +37,14 @@ class TracingMiddleware:
             await self.app(scope, receive, send)
             return
         method = scope.get("method", "")
-        wanted = {b"traceparent", b"tracestate"}
-        carrier = {k.decode(): v.decode("latin-1") for k, v in scope.get("headers", ()) if k in wanted}
+        found: dict[str, list[str]] = {"traceparent": [], "tracestate": []}
+        for k, v in scope.get("headers", ()):
+            if k in (b"traceparent", b"tracestate"):
+                found[k.decode()].append(v.decode("latin-1"))
+        # W3C: two traceparent headers make none; several tracestate headers are one list.
+        carrier = {"tracestate": ",".join(found["tracestate"])}
+        if len(found["traceparent"]) == 1:
+            carrier["traceparent"] = found["traceparent"][0]
         span = tracing.start_span(
             f"{method} {path}",
             tracing.clean_carrier(carrier),
