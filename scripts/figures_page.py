@@ -34,6 +34,7 @@ GROUPS = {
     "prefix_reuse": "Prefix reuse and offload",
     "speculative": "Speculative decoding and structured output",
     "distributed": "Distributed serving",
+    "operations": "Watching it: tracing and the console",
 }
 
 
