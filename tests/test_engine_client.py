@@ -123,3 +123,64 @@ def test_protocol_round_trip() -> None:
     stats = EngineStats(1, 0, 0.25, 64, 10, 5, 0, 3, 30)
     back = decode_from_engine(encode(StepOutputs([out], stats)))
     assert back == StepOutputs([out], stats) and back.outputs[0].finish_reason is FinishReason.LENGTH
+
+
+def test_a_remote_engines_timestamps_are_put_on_the_frontends_clock() -> None:
+    """A worker on another host reads another monotonic clock (here 5000 s ahead): the client shifts its
+    outputs' timestamps by the offset its messages' `sent_at` show, so TTFT and queue time stay true."""
+    import zmq
+
+    from tokenmill.engine.client import ZmqEngineClient
+    from tokenmill.engine.protocol import (
+        AddRequest,
+        EngineCoreOutput,
+        EngineRequest,
+        EngineStats,
+        Hello,
+        Ready,
+        StepOutputs,
+        decode_to_engine,
+        encode,
+    )
+
+    ahead = 5000.0
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.ROUTER)
+    port = engine.bind_to_random_port("tcp://127.0.0.1")
+
+    def fake_engine() -> None:
+        ident, raw = engine.recv_multipart()
+        assert isinstance(decode_to_engine(raw), Hello)
+        engine.send_multipart([ident, encode(Ready({"max_model_len": 64}))])
+        while True:
+            ident, raw = engine.recv_multipart()
+            msg = decode_to_engine(raw)
+            if isinstance(msg, AddRequest):
+                break
+        now = time.monotonic() + ahead  # the worker's clock
+        out = EngineCoreOutput("r", [7], first_scheduled_time=now - 0.2, first_token_time=now - 0.1,
+                               finished_time=now, new_token_times=[now - 0.1, now])  # fmt: skip
+        engine.send_multipart(
+            [ident, encode(StepOutputs([out], EngineStats(0, 0, 0.0, 8, 0, 0, 0, 0, 0), sent_at=now))]
+        )
+
+    async def main() -> EngineCoreOutput:
+        client = ZmqEngineClient(f"tcp://127.0.0.1:{port}", startup_timeout=10, secret=None)
+        server = asyncio.get_running_loop().run_in_executor(None, fake_engine)
+        await client.start()
+        q = client.add_request(EngineRequest("r", [1, 2], SamplingParams(max_tokens=1)))
+        got = await asyncio.wait_for(q.get(), 10)
+        await server
+        await client.shutdown()
+        return got
+
+    try:
+        before = time.monotonic()
+        out = asyncio.run(main())
+        after = time.monotonic()
+    finally:
+        engine.close(0)
+        ctx.term()
+    assert before - 0.2 <= out.first_scheduled_time < out.first_token_time < out.finished_time <= after
+    assert out.new_token_times == [out.first_token_time, out.finished_time]
+    assert abs((out.finished_time - out.first_token_time) - 0.1) < 1e-6, "intervals are kept"

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_clock import EngineClock
 from tokenmill.engine.protocol import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -163,6 +164,7 @@ class ZmqEngineClient(EngineClient):
         self._dead: str | None = None
         self._silent: str | None = None  # why the engine is out of service until it speaks again
         self._last_heard = 0.0
+        self.clock = EngineClock()  # the engine's timestamps on this process's clock
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
 
@@ -217,7 +219,10 @@ class ZmqEngineClient(EngineClient):
             self._last_heard = time.monotonic()
             self._silent = None  # an engine that speaks is back in service
             if isinstance(msg, StepOutputs):
+                shift = self.clock.observe(msg.sent_at, self._last_heard)
                 for out in msg.outputs:
+                    if shift:
+                        EngineClock.translate(out, shift)
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)

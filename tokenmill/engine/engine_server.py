@@ -188,6 +188,8 @@ class _Server:
         self._stopping = threading.Event()
 
     def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead | Challenge) -> None:
+        if isinstance(msg, StepOutputs):
+            msg.sent_at = time.monotonic()
         with contextlib.suppress(zmq.ZMQError):  # a frontend that left: its messages are dropped
             self.sock.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
 

@@ -155,6 +155,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
 
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+    # The engine's time.monotonic() when it sent this: a frontend on another host puts the outputs'
+    # timestamps on its own clock with it (engine/engine_clock.py). 0: not stamped.
+    sent_at: float = 0.0
 
 
 class Rejected(msgspec.Struct, tag="reject", array_like=True):
