@@ -29,6 +29,7 @@ from tokenmill.server.anthropic_protocol import (
 )
 from tokenmill.server.anthropic_serving import MessagesServing
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.console import install_console
 from tokenmill.server.embeddings import EmbeddingRequest, PoolingServing, RerankRequest, ScoreRequest
 from tokenmill.server.errors import APIError, engine_unavailable, error_response
 from tokenmill.server.guards import ApiKeyMiddleware, BodyLimitMiddleware, presented_key
@@ -121,6 +122,7 @@ class ServerState:
         llm.on_finished = self.metrics.observe
         llm.on_aborted = self.metrics.observe_aborted
         self.draining = False
+        self.planner: Any = None  # the planner's loop when one runs (server/main.py): the console reads it
 
 
 def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository | None = None) -> FastAPI:
@@ -348,6 +350,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     install_probes(app, state, llm, config, _json_model)
+    install_console(app, state)
 
     install_openapi(
         app,

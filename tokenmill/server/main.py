@@ -119,6 +119,7 @@ async def _serve(
         )
     app = build_app(llm, config, repo)
     planner = start_planner(config, llm, app.state.tm.metrics) if config.fleet.planner else None
+    app.state.tm.planner = planner
     server = _Server(
         uvicorn.Config(
             app,
