@@ -128,6 +128,40 @@ def keyed(repo: Path):
         yield proc
 
 
+def test_the_live_figures_against_a_hand_count() -> None:
+    """Percentiles by nearest rank, the window's cut-off, and engine counters keyed per engine life."""
+    from types import SimpleNamespace
+
+    from tokenmill.server.console.fleet import worker_name
+    from tokenmill.server.console.live import engine_counters, latency_window, percentiles
+    from tokenmill.server.metrics import Metrics
+
+    assert percentiles([float(x) for x in range(100, 0, -1)]) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0}
+    stats = SimpleNamespace(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1, kv_connector={})
+    m = Metrics(SimpleNamespace(stats=stats, info={}), "m")  # type: ignore[arg-type]
+    now = time.monotonic()
+    # (finished at, tokens, TTFT, ITL) and (finished at, queue, compute): two inside the window, one out.
+    m._latencies.extend([(now - 100, 5, 9.0, 9.0), (now - 2, 5, 0.1, 0.02), (now - 1, 5, 0.3, 0.04)])
+    m._recent.extend([(now - 100, 1.0, 9.0), (now - 2, 0.05, 0.5), (now - 1, 0.15, 0.7)])
+    lat = latency_window(m, 30.0)
+    assert lat["finished"] == 2
+    assert lat["ttft_s"] == {"p50": 0.1, "p90": 0.3, "p99": 0.3}
+    assert lat["itl_s"]["p50"] == 0.02 and lat["e2e_s"]["p99"] == pytest.approx(0.85)
+    assert engine_counters(SimpleNamespace(stats=stats), worker_name)["engine"]["prefix_cache_hits"] == 4
+    w = [
+        SimpleNamespace(
+            name="local-0", url="u0", up=True, retired=False, joins=2, client=SimpleNamespace(stats=stats)
+        ),
+        SimpleNamespace(
+            name="local-1", url="u1", up=False, retired=False, joins=1, client=SimpleNamespace(stats=stats)
+        ),
+    ]
+    fleet = engine_counters(SimpleNamespace(workers=w, worker_stats=lambda: {}), worker_name)
+    assert list(fleet) == ["local-0#2"], "a worker down is left out; a restarted one is a new key"
+
+
 def test_the_page_needs_no_key_and_its_data_does() -> None:
     """In process, no model: build_app wires routes only (the frontend is read when a request comes)."""
     from types import SimpleNamespace
@@ -154,7 +188,17 @@ def test_the_page_needs_no_key_and_its_data_does() -> None:
         r = client.get(f"/ui/static/{asset}")
         assert r.status_code == 200 and KEY not in r.text, asset
     assert client.get("/ui/static/nothing.js").status_code == 404
-    assert client.get("/ui/static/../__init__.py").status_code in (401, 404)  # never a file outside static/
+    # Never a file outside static/: httpx folds a literal "..", so the dots go encoded, as a browser can.
+    for escape in (
+        "/ui/static/%2e%2e/__init__.py",
+        "/ui/static/%2E%2E%2F__init__.py",
+        "/ui/static/..%2fassets.py",
+    ):
+        r = client.get(escape)
+        assert r.status_code == 404 and "ConsoleAssets" not in r.text, escape
+    assert client.get("/ui/static/index.html").status_code == 404, "the page is at /ui only"
+    head = client.head("/ui/static/console.js")
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
     assert client.post("/ui").status_code == 405
     assert client.get("/ui", headers={"If-None-Match": page.headers["etag"]}).status_code == 304
     assert client.get("/v1/console/live").status_code == 401

@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse
 
 import tokenmill
 from tokenmill.server.console.assets import ConsoleAssets
-from tokenmill.server.console.fleet import fleet_view
+from tokenmill.server.console.fleet import fleet_view, worker_name
 from tokenmill.server.console.live import (
     DEFAULT_WINDOW_S,
     cache_counters,
+    engine_counters,
     engine_state,
     latency_window,
     load_now,
@@ -67,6 +68,8 @@ def install_console(app: FastAPI, state: Any) -> None:  # noqa: ANN401 - the ser
             },
             "engine": engine_state(client, state.draining),
             "counters": {**request_counters(metrics), **cache_counters(stats)},
+            # The same engine counters per engine (and per life of it): what the page's rates come from.
+            "engines": engine_counters(client, worker_name),
             "load": load_now(stats, state.admission.sequences),
             "latency": latency_window(metrics, window_s),
             # Over the metrics window (60 s), as /metrics' tokenmill:queue_to_compute_ratio.

@@ -64,7 +64,8 @@ def load_assets() -> dict[str, Asset]:
         rel = path.relative_to(STATIC).as_posix()
         etag = b'"' + hashlib.sha256(body).hexdigest()[:20].encode() + b'"'
         table[PREFIX + rel] = Asset(body, TYPES.get(path.suffix, "application/octet-stream"), etag)
-    page = table.get(PREFIX + "index.html")
+    # The page at /ui only: its relative links would be wrong from /ui/static/index.html.
+    page = table.pop(PREFIX + "index.html", None)
     if page is not None:
         table[PAGE] = page
     root_tag = b'"' + hashlib.sha256(ROOT_PAGE).hexdigest()[:20].encode() + b'"'

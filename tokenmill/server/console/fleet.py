@@ -106,8 +106,9 @@ def planner_view(loop: Any, now: float) -> list[dict[str, Any]]:  # noqa: ANN401
     for pool in getattr(loop, "pools", []):
         planner = getattr(pool, "planner", None)
         config = getattr(planner, "config", None)
-        decisions = list(getattr(planner, "decisions", ()) or ())
-        recent = decisions[-DECISIONS_SCANNED:]
+        # The newest only: the planner keeps up to 100k decisions, and a poll must not copy them all.
+        newest_first = itertools.islice(reversed(getattr(planner, "decisions", ()) or ()), DECISIONS_SCANNED)
+        recent = list(newest_first)[::-1]
         changes = [d for d in reversed(recent) if getattr(d, "current", -1) >= 0 and d.target != d.current]
         try:
             serving, starting, draining = pool.connector.counts()

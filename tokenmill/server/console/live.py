@@ -101,6 +101,21 @@ def cache_counters(stats: Any) -> dict[str, Any]:  # noqa: ANN401 - EngineStats 
     }
 
 
+def engine_counters(client: Any, worker_name: Any) -> dict[str, dict[str, Any]]:  # noqa: ANN401
+    """The engine-side counters of each engine, keyed by which engine and which of its lives: the page
+    takes differences per key, so a fleet whose workers come and go (a restart's counters start again, a
+    joining worker brings its lifetime totals) shows no false spikes."""
+    workers = getattr(client, "workers", None)
+    if workers is None or getattr(client, "worker_stats", None) is None:
+        return {"engine": cache_counters(client.stats)}
+    out = {}
+    for w in list(workers):
+        wc = getattr(w, "client", None)
+        if getattr(w, "up", False) and not getattr(w, "retired", False) and wc is not None:
+            out[f"{worker_name(w)}#{getattr(w, 'joins', 0)}"] = cache_counters(wc.stats)
+    return out
+
+
 def load_now(stats: Any, in_flight: int) -> dict[str, Any]:  # noqa: ANN401 - EngineStats or None
     return {
         "running": getattr(stats, "num_running", 0),

@@ -8,6 +8,7 @@
   const POLL_MS = 1000;
   const POLL_HIDDEN_MS = 5000; // a tab in the background polls less
   const POLL_AUTH_MS = 3000; // waiting for a key: no point in asking every second
+  const POLL_TIMEOUT_MS = 5000; // a server that hangs (stopped, half-open connection) is not waited on
   const KEEP_POINTS = 300; // five minutes at one poll a second
   const WINDOW_S = 30;
   // Rates are over the last few seconds, not between two polls: the counters move when requests finish,
@@ -22,6 +23,7 @@
     tab: "overview",
     authNeeded: false,
     unreachable: false,
+    serverStatus: null, // an answer other than 200 and 401 (a proxy's 502, a 500): said in the banner
     timer: null,
     charts: {},
     bench: [],
@@ -99,8 +101,14 @@
   $("#key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const input = $("#key-input");
-    st.key = input.value.trim();
+    const key = input.value.trim();
     input.value = ""; // kept in sessionStorage only: never left in the page
+    if (/[^\x21-\x7e]/.test(key)) {
+      // An HTTP header carries printable ASCII only: such a key could never be sent.
+      $("#key-state").textContent = "not used: an API key is printable ASCII without spaces";
+      return;
+    }
+    st.key = key;
     if (st.key) sessionStorage.setItem(KEY_STORE, st.key);
     else sessionStorage.removeItem(KEY_STORE);
     st.authNeeded = false;
@@ -123,6 +131,9 @@
     if (st.unreachable) {
       kind = "unreachable";
       text = "Cannot reach the server: retrying every second.";
+    } else if (st.serverStatus !== null) {
+      kind = "unreachable";
+      text = `The server answered ${st.serverStatus} for its live figures: retrying every second.`;
     } else if (st.authNeeded) {
       kind = "auth";
       text = authMessage();
@@ -157,15 +168,30 @@
   }
 
   async function poll() {
+    clearTimeout(st.timer); // one chain of polls, however this one was started
+    const ctl = new AbortController();
+    const timeout = setTimeout(() => ctl.abort(), POLL_TIMEOUT_MS);
+    let live = null;
     try {
-      const res = await api(`v1/console/live?window=${WINDOW_S}`);
+      const res = await api(`v1/console/live?window=${WINDOW_S}`, { signal: ctl.signal });
       st.unreachable = false;
+      st.serverStatus = res.ok || res.status === 401 ? null : res.status;
       if (res.ok) {
         st.authNeeded = false;
-        onLive(await res.json());
+        live = await res.json();
       }
     } catch {
-      st.unreachable = true; // the server is gone (or restarting): the banner says so until it answers
+      st.unreachable = true; // gone, restarting or hung: the banner says so until it answers
+    } finally {
+      clearTimeout(timeout);
+    }
+    // Drawing is not fetching: a fault here is the page's own, logged as such (not "unreachable").
+    if (live !== null) {
+      try {
+        onLive(live);
+      } catch (e) {
+        console.error("tokenmill console: could not show the live figures", e);
+      }
     }
     hooks.polls += 1;
     updateBanner();
@@ -204,13 +230,32 @@
     // The oldest poll within the rate window (none yet: no rates on the first poll).
     st.history = st.history.filter((h) => h.t >= live.time - RATE_WINDOW_S - 0.5 && h.t < live.time);
     const then = st.history[0] || null;
-    st.history.push({ t: live.time, counters: c });
+    st.history.push({ t: live.time, counters: c, engines: live.engines });
     const p = then ? then.counters : null;
     const dt = then ? live.time - then.t : 0;
     const lat = live.latency;
-    const offload = c.offload_loaded_blocks || {};
-    const dq = p ? c.prefix_cache_queries - p.prefix_cache_queries : 0;
-    const dh = p ? c.prefix_cache_hits - p.prefix_cache_hits : 0;
+    // Engine counters differ per engine and per life of it (a fleet's workers come and go, a restart
+    // counts from 0): differences are taken per engine present in both snapshots, then summed.
+    const engineDelta = (get) => {
+      if (!then) return null;
+      let total = 0;
+      for (const [id, now] of Object.entries(live.engines || {})) {
+        const before = (then.engines || {})[id];
+        if (before === undefined) continue;
+        const a = get(now);
+        const b = get(before);
+        if (a !== undefined && b !== undefined && a >= b) total += a - b;
+      }
+      return total;
+    };
+    const tiers = (e) => e.offload_loaded_blocks || {};
+    const dq = engineDelta((e) => e.prefix_cache_queries) || 0;
+    const dh = engineDelta((e) => e.prefix_cache_hits) || 0;
+    const offloadRate = (tier) => {
+      const hasTier = Object.values(live.engines || {}).some((e) => tier in tiers(e));
+      const d = engineDelta((e) => tiers(e)[tier]);
+      return hasTier && d !== null && dt > 0 ? d / dt : null;
+    };
     const point = {
       t: live.time,
       output_tps: p && rate(c.output_tokens, p.output_tokens, dt),
@@ -231,9 +276,9 @@
       kv_pct: 100 * live.load.kv_usage,
       prefix_hit_pct: dq > 0 && dh >= 0 ? (100 * dh) / dq : null, // no lookups: no rate to show
       qc: live.queue_to_compute,
-      off_host: p && rate(offload.host, (p.offload_loaded_blocks || {}).host, dt),
-      off_disk: p && rate(offload.disk, (p.offload_loaded_blocks || {}).disk, dt),
-      off_shared: p && rate(offload.shared, (p.offload_loaded_blocks || {}).shared, dt),
+      off_host: offloadRate("host"),
+      off_disk: offloadRate("disk"),
+      off_shared: offloadRate("shared"),
     };
     for (const name of SERIES) {
       const arr = s[name];
