@@ -212,3 +212,21 @@ def test_oversized_body_gets_413(server) -> None:
         timeout=60,
     )
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_accepted_connections_send_at_once() -> None:
+    """The listening socket has TCP_NODELAY, which connections accepted from it inherit: a body written
+    after its headers is not held by Nagle until the client's delayed ACK (that cost 40 ms on each
+    keep-alive GET after the first few)."""
+    import socket
+
+    from tokenmill.server.main import listen_socket
+
+    server = listen_socket("127.0.0.1", 0, "--port")
+    try:
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+        with client, conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        server.close()

@@ -212,6 +212,11 @@ def bind_socket(host: str, port: int, flag: str) -> socket.socket:
 def listen_socket(host: str, port: int, flag: str) -> socket.socket:
     """bind_socket, listening: the port is this server's from now on (uvicorn serves on the socket)."""
     sock = bind_socket(host, port, flag)
+    # Connections accepted from it inherit TCP_NODELAY (Linux): a response goes out as uvicorn writes it.
+    # Without it, Nagle held a body written after its headers until the client's delayed ACK: 40 ms on
+    # every keep-alive request after the first few (a console polling, a load balancer's probes).
+    with contextlib.suppress(OSError):  # not TCP (a test's stand-in): nothing to set
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.listen(2048)  # uvicorn's own backlog
     return sock
 
