@@ -65,7 +65,7 @@ AVX2_TESTS := tests/test_decode_step.py tests/test_linear.py tests/test_int8_lin
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check tokenmill tests benchmarks examples scripts
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q --durations=40
 	@echo "==> the CPU-dependent tests as an AVX2-only CPU runs them"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 TOKENMILL_MAX_ISA=avx2 \
 	  $(BIN)/pytest -q $(AVX2_TESTS)
