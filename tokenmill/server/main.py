@@ -178,7 +178,8 @@ def _announce(config: ServerConfig, llm: AsyncLLM, port: int) -> None:
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "{config.model_name}", "messages": """
         f"""[{{"role": "user", "content": "Hello!"}}]}}'\n"""
-        f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{key}')",
+        f"  OpenAI client: OpenAI(base_url='{base}/v1', api_key='{key}')\n"
+        f"  console: {base}/ui",
         file=sys.stderr,
         flush=True,
     )
