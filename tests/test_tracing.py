@@ -275,3 +275,35 @@ def test_a_disaggregated_fleet_traces_the_route_and_both_workers(receiver, fast_
         assert decode["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
         load = _one(spans, "kv_load")
         assert load["parent"] == engines["decode"]["span_id"]
+
+
+@pytest.mark.slow
+def test_blocks_loaded_back_from_the_host_tier_are_in_the_engine_span(receiver, fast_export) -> None:
+    """A prompt's blocks evicted to the host tier and loaded back for its second request: that
+    request's engine span counts them (as the offload metric does), and its cached tokens."""
+    small = ["--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--kv-cache-memory-gb", "0.03"]
+    prompt = "In the valley of the three rivers the harvest came late that year, and the mills " * 5
+    with running_server(*small, "--kv-offload", "host=64MB", "--otlp-traces-endpoint", receiver.url) as srv:
+
+        def send(text: str, header: str | None = None) -> dict:
+            body = {"model": "smollm2-135m", "prompt": text, "max_tokens": 1}
+            headers = {"traceparent": header} if header else {}
+            r = httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=headers, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        first = send(prompt)
+        for i in range(12):  # prompts of ~8 blocks through a pool of ~40: the first one's are evicted
+            send(f"Filler prompt number {i}, other words to push the pool's blocks out. " * 7)
+        header, trace_id, _ = _traceparent()
+        again = send(prompt, header)
+        metrics = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
+    full = (first["prompt_tokens"] - 1) // 16
+    assert again["prompt_tokens_details"]["cached_tokens"] == full * 16
+    assert 'tier="host"' in metrics, "blocks came back from the host tier"
+    engine = _one(receiver.wait(trace_id, {"llm_request": 1}), "llm_request")["attributes"]
+    # Here all of them were evicted and come back (seen: `full`); the pool's eviction order decides that, so
+    # the bound is what must hold anywhere: some came from the tier, none beyond the prompt's full blocks.
+    assert 1 <= engine["tokenmill.kv.loaded_blocks"] <= full
+    assert engine["tokenmill.kv.loaded_tokens"] == 16 * engine["tokenmill.kv.loaded_blocks"]
+    assert engine["tokenmill.cached_tokens"] == full * 16
