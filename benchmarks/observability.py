@@ -39,7 +39,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+from browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from machine import cpu_description  # noqa: E402
 from results_log import add_flag, record  # noqa: E402
 from served import serving  # noqa: E402
@@ -47,11 +49,6 @@ from served import serving  # noqa: E402
 WORDS = [
     "the", "engine", "keeps", "a", "cache", "of", "keys", "and", "values", "for", "every", "token", "it",
     "has", "seen", "so", "far",
-]  # fmt: skip
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 
 
@@ -142,7 +139,7 @@ class Watcher:
 
         try:
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
                 page = browser.new_page()
                 page.goto(f"{base}/ui")
                 page.wait_for_load_state("networkidle")

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,22 +28,11 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from server_fixture import example_repository, running_server  # noqa: E402
+
 KEY = "screenshot-key"  # a throwaway: the page never shows it
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
@@ -55,44 +43,14 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def example_repository(dest: Path) -> Path:
-    """examples/model_repository copied under `dest`, with its ONNX model built."""
-    root = dest / "model_repository"
-    shutil.copytree(REPO / "examples" / "model_repository", root)
-    sys.path.insert(0, str(REPO / "examples"))
-    import make_onnx_model
-
-    make_onnx_model.make(root)
-    return root
-
-
 @contextlib.contextmanager
 def server(repository: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.cli.main", "serve", "--port", str(port),
-           "--max-model-len", "1024", "--workers", "2..2", "--planner", "load", "--planner-interval-s", "2",
-           "--model-repository", str(repository), "--model-control-mode", "explicit", "--load-model", "*",
-           "--grpc-port", "0"]  # fmt: skip
-    env = {**os.environ, "TOKENMILL_API_KEY": KEY}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode})")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"{base}/v1/health/ready", timeout=1).status_code == 200
-        return False
-
-    try:
-        wait_for(ready, 300, "the server")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    """A fleet of two workers under the load planner, with the repository and the key."""
+    args = ["--workers", "2..2", "--planner", "load", "--planner-interval-s", "2",
+            "--model-repository", str(repository), "--model-control-mode", "explicit", "--load-model", "*",
+            "--grpc-port", "0"]  # fmt: skip
+    with running_server(*args, api_key=KEY, timeout=300) as proc:
+        yield proc.base_url
 
 
 def bench(base: str, out: Path, isl: int) -> Path:
@@ -179,7 +137,7 @@ def shoot(base: str, out: Path, chromium: str, sweeps: list[Path]) -> list[Path]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "img")
-    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--chromium", default=str(CHROMIUM))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="console-shots-") as tmp:

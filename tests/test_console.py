@@ -21,24 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS
 from procs import session_processes
 from server_fixture import example_repository, running_server
 
 from tokenmill.weights import catalog
 
-CHROMIUM = Path("/usr/bin/chromium")
-
-# Without the background-networking flags Chromium's own connections (updates, sync) fail on a closed
-# network and log errors; none of them is wanted in a test.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 KEY = "console-test-key-5f0c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TABS = ("overview", "fleet", "models", "playground", "bench")

@@ -184,3 +184,14 @@ def test_a_remote_engines_timestamps_are_put_on_the_frontends_clock() -> None:
     assert before - 0.2 <= out.first_scheduled_time < out.first_token_time < out.finished_time <= after
     assert out.new_token_times == [out.first_token_time, out.finished_time]
     assert abs((out.finished_time - out.first_token_time) - 0.1) < 1e-6, "intervals are kept"
+
+
+def test_an_engine_on_this_host_keeps_its_timestamps() -> None:
+    """Same clock: the least shift seen is only transit time, and nothing is shifted."""
+    from tokenmill.engine.engine_clock import EngineClock
+
+    clock = EngineClock()
+    assert clock.observe(100.0, 100.0004) == 0.0 and clock.observe(100.5, 100.5002) == 0.0
+    assert clock.observe(0.0, 7.0) == 0.0, "an unstamped message changes nothing"
+    far = EngineClock()
+    assert far.observe(5100.0, 100.0003) == pytest.approx(-4999.9997)

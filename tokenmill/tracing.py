@@ -41,6 +41,7 @@ MAX_TRACESTATE_MEMBERS = 32
 
 _tracer: Any = None  # an SDK Tracer once init() ran
 _provider: Any = None
+_propagator: Any = None  # W3C trace context, read and written (one, made by init())
 # The HTTP span of the request being handled: what AsyncLLM.submit hands to the engine as the parent.
 _current: ContextVar[Any] = ContextVar("tokenmill_http_span", default=None)
 
@@ -49,7 +50,7 @@ def init(endpoint: str, role: str) -> None:
     """Send this process's spans to `endpoint` (an OTLP/HTTP traces URL, e.g.
     http://collector:4318/v1/traces). `role` says which part of tokenmill the process is (front,
     engine, worker). OTEL_SERVICE_NAME and the SDK's other OTEL_* variables apply."""
-    global _tracer, _provider
+    global _tracer, _provider, _propagator
     if _tracer is not None:
         return
     require("tracing", "--otlp-traces-endpoint")
@@ -57,6 +58,7 @@ def init(endpoint: str, role: str) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     import tokenmill
 
@@ -73,6 +75,7 @@ def init(endpoint: str, role: str) -> None:
     # for the network.
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     _provider, _tracer = provider, provider.get_tracer("tokenmill")
+    _propagator = TraceContextTextMapPropagator()
 
 
 def enabled() -> bool:
@@ -115,18 +118,15 @@ def clean_carrier(carrier: object) -> dict[str, str] | None:
 
 
 def _parent(carrier: dict[str, str] | None) -> Any:
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    return TraceContextTextMapPropagator().extract(carrier) if carrier else None
+    return _propagator.extract(carrier) if carrier else None
 
 
 def carrier_of(span: Any) -> dict[str, str]:
     """The `traceparent` that makes a span in another process a child of `span`."""
     from opentelemetry import trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
+    _propagator.inject(carrier, context=trace.set_span_in_context(span))
     return carrier
 
 

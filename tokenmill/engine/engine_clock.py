@@ -5,8 +5,8 @@ same host reads the same clock; one talking to a worker on another host (`tokenm
 actor on another node) would subtract its own arrival time from the worker's first-token time and get
 hours. So each StepOutputs carries the engine's clock at sending (`sent_at`), and the frontend keeps the
 smallest `received - sent` of the recent messages: the offset between the two clocks plus the least
-transit time seen, which on one host is microseconds. Engine timestamps plus that shift are on the
-frontend's clock.
+transit time seen. Engine timestamps plus that shift are on the frontend's clock. On one host the shift
+is the transit time alone (microseconds), and is not applied.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from collections import deque
 from tokenmill.engine.protocol import EngineCoreOutput
 
 WINDOW = 64  # messages (a heartbeat goes every half second at least): clocks drift by ppm, not faster
+# Below this the clocks are one (the same host: the shift is only the transit time): outputs are left
+# as they are, and the per-output work is skipped where nearly every engine runs.
+SAME_CLOCK_S = 1e-3
 
 
 class EngineClock:
@@ -28,7 +31,8 @@ class EngineClock:
         """Note one message's sending time (the engine's clock); returns the shift now in force."""
         if sent_at > 0:
             self._shifts.append((time.monotonic() if received_at is None else received_at) - sent_at)
-            self.shift = min(self._shifts)
+            least = min(self._shifts)
+            self.shift = 0.0 if abs(least) < SAME_CLOCK_S else least
         return self.shift
 
     @staticmethod
