@@ -25,7 +25,8 @@ def stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`tokenmill worker` on a free loopback port with `args` (and `env` over this environment): its
-    url and process; what it said is printed if the test fails, and it is stopped after."""
+    url and process; what it said is printed if the test fails, and it is stopped after. The process's
+    `said()` returns what it has printed so far."""
     url = f"tcp://127.0.0.1:{free_port()}"
     cmd = [
         sys.executable,
@@ -42,6 +43,13 @@ def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tu
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
         )
+
+        def said() -> str:
+            with open(log.fileno(), closefd=False) as f:
+                f.seek(0)
+                return f.read()
+
+        proc.said = said  # type: ignore[attr-defined]
         try:
             yield url, proc
         except BaseException:

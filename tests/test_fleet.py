@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tokenmill.cluster.fleet import LaunchingRouter, worker_config
-from tokenmill.cluster.policies import _score
+from tokenmill.cluster.policies.session import rendezvous_score
 from tokenmill.cluster.router import RouterSettings
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.client import EngineDeadError, LocalEngineLauncher
@@ -62,7 +62,7 @@ def test_same_prefix_lands_where_it_is_cached_and_salts_stay_apart() -> None:
                 await run(llm, f"g{g}-q0", ids)
                 first[g] = router.placements[f"g{g}-q0"][0]
             # The events reach the router a moment after the step that filled the blocks.
-            await until(lambda: len(router.index) >= 4 * (len(prefix(llm, 0)) // 16))
+            await until(lambda: router.indexed_blocks >= 4 * (len(prefix(llm, 0)) // 16))
             for g in range(4):
                 for q in range(1, 3):
                     ids = prefix(llm, g) + llm.tokenizer.encode(f" Question {q}, a different one?")
@@ -120,7 +120,7 @@ def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
                 real(seq, payload)
 
             sub._on_message = drop_one  # type: ignore[method-assign]
-            before = len(router.index)
+            before = router.indexed_blocks
             router.set_policy("session")  # keep these on the same worker
             key = next(k for k in (f"s{i}" for i in range(100)) if _best(k, 2) == w.slot)
             for i in range(3):
@@ -130,9 +130,9 @@ def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
             await until(lambda: sub.stats.gaps >= 1 and sub.last_seq >= dropped[0] + 1)
             assert sub.stats.lost == 0 and sub.stats.replayed > 0
             blocks = 3 * (len(prefix(llm, 20)) // 16)
-            await until(lambda: len(router.index) >= before + blocks)
+            await until(lambda: router.indexed_blocks >= before + blocks)
             for i in range(3):  # the dropped batch's blocks are in the index all the same
-                assert router.index.overlaps(router._hashes_of(prefix(llm, 20 + i), None), 1 << w.slot)
+                assert router.prefix.events.overlaps_tokens(prefix(llm, 20 + i), None, 1 << w.slot)
         finally:
             await llm.shutdown()
 
@@ -140,7 +140,7 @@ def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
 
 
 def _best(key: str, n: int) -> int:
-    return max(range(n), key=lambda s: _score(key, s))
+    return max(range(n), key=lambda s: rendezvous_score(key, s))
 
 
 def test_killed_worker_retries_unstarted_requests_ends_streams_and_rejoins() -> None:

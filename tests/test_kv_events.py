@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,7 @@ def lost_in_transit(pub: KVEventPublisher, batches: tuple[int, ...]) -> None:
     queue drops them)."""
     for i in batches:
         pub._buffer.append((pub.seq, encode_batch(events_for(i))))
+        pub._held.apply(events_for(i))
         pub.seq += 1
 
 
@@ -355,7 +357,7 @@ def test_gap_in_the_live_stream_is_repaired_by_replay(make_publisher) -> None:
     asyncio.run(main())
 
 
-def test_gap_older_than_the_buffer_drops_the_workers_index(make_publisher) -> None:
+def test_gap_older_than_the_buffer_is_repaired_by_the_workers_state(make_publisher) -> None:
     pub = make_publisher(buffer=2)
 
     async def main() -> None:
@@ -363,9 +365,53 @@ def test_gap_older_than_the_buffer_drops_the_workers_index(make_publisher) -> No
         lost_in_transit(pub, (1, 2, 3))  # and pushed out of a 2-batch buffer
         pub.publish(events_for(4))
         await _until(lambda: sub.last_seq == 4)
-        assert sub.stats.lost == 1
-        # What it held before the loss cannot be trusted any more; what came after is indexed.
-        assert index.overlaps([1000], 1) == {} and index.overlaps([1004], 1) == {0: 1}
+        assert sub.stats.gaps == 1 and sub.stats.lost == 0
+        assert all(index.overlaps([1000 + i], 1) == {0: 1} for i in range(5)) and len(index) == 5
+        await sub.stop()
+
+    asyncio.run(main())
+
+
+def test_a_router_joining_late_gets_the_workers_whole_state(make_publisher) -> None:
+    """A router (re)started after the buffer has turned over: one replay brings exactly what the worker
+    holds now, parents before children, on every tier, and the live stream goes on from there."""
+    pub = make_publisher(buffer=3)
+    rng = random.Random(5)
+    follower = KVIndex()  # what a router that saw every event holds
+
+    def publish(events: list) -> None:
+        pub.publish(events)
+        follower.apply(0, events)
+
+    async def main() -> None:
+        chains: list[tuple[list[int], str]] = []
+        for _ in range(40):
+            hashes = [rng.getrandbits(64) for _ in range(rng.randrange(1, 6))]
+            medium = rng.choice(["GPU", "CPU"])
+            on_tier = [c for c, m in chains if m == medium]
+            parent = rng.choice(on_tier)[-1] if on_tier and rng.random() < 0.5 else None
+            publish([stored(hashes, parent, list(range(4 * len(hashes))), 4, medium=medium)])
+            chains.append((hashes, medium))
+            if rng.random() < 0.3:
+                gone, tier = rng.choice(chains)
+                publish([BlockRemoved(gone[rng.randrange(len(gone)) :], tier)])
+        index = KVIndex()
+        sub = await _subscribe(pub, index)
+        assert sub.stats.lost == 0 and sub.stats.replayed == 1 and sub.last_seq == pub.seq - 1
+        assert index._holders == follower._holders
+        snapshot = pub._held.snapshot()
+        seen: set[tuple[int, str | None]] = set()
+        for ev in snapshot[1:]:  # every block's parent is stored before it, or not held at all
+            assert (
+                ev.parent_block_hash is None
+                or (ev.parent_block_hash, ev.medium) in seen
+                or ((ev.parent_block_hash, ev.medium) not in pub._held._blocks)
+            )
+            seen.update((h, ev.medium) for h in ev.block_hashes)
+        assert len(seen) == len(pub._held)
+        await asyncio.sleep(0.2)
+        publish(events_for(99))
+        await _until(lambda: index.overlaps([1099], 1) == {0: 1})
         await sub.stop()
 
     asyncio.run(main())
@@ -374,8 +420,9 @@ def test_gap_older_than_the_buffer_drops_the_workers_index(make_publisher) -> No
 @pytest.mark.parametrize("start", [0, 2, 1_000, 2**63 - 1])
 def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> None:
     """A DEALER sends [b"", start]; replies are [b"", topic, seq, payload]; the end is seq -1, empty.
-    Asked from a sequence number long gone (0 with a buffer of 3 of 4), it sends what remains; from one
-    not yet reached, only the end marker."""
+    Asked from a sequence number long gone (0 with a buffer of 3 of 4), it sends the worker's whole
+    state as one batch (cleared, then every block held) under the last sequence number; from one not yet
+    reached, only the end marker."""
     pub = make_publisher(buffer=3 if start == 0 else 10_000)
     for i in range(4):
         pub.publish(events_for(i))
@@ -391,8 +438,12 @@ def test_replay_socket_speaks_the_vllm_protocol(make_publisher, start: int) -> N
             assert payload == b""
             break
         seqs.append(n)
-        assert decode_batch(payload).events == events_for(n)
-    assert seqs == (list(range(1, 4)) if start == 0 else list(range(start, 4)))
+        if start == 0:
+            state = [AllBlocksCleared()] + [ev for i in range(4) for ev in events_for(i)]
+            assert decode_batch(payload).events == state
+        else:
+            assert decode_batch(payload).events == events_for(n)
+    assert seqs == ([3] if start == 0 else list(range(start, 4)))
     s.close(0)
 
 

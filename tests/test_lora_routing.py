@@ -63,7 +63,7 @@ def test_prefix_scores_count_only_blocks_of_the_same_adapter() -> None:
         assert base_hashes[0] != sql_hashes[0]
         for worker, hashes in ((0, base_hashes), (1, sql_hashes)):  # the base's on 0, the adapter's on 1
             names = [external_hash(h) for h in hashes]
-            router.index.apply(worker, [stored(names, None, tokens[: 16 * len(names)], 16)])
+            router.prefix.events.apply(worker, [stored(names, None, tokens[: 16 * len(names)], 16)])
         router.add_request(req)
         assert clients[1].sent == ["r"]
 

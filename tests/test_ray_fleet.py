@@ -63,7 +63,7 @@ def test_ray_actors_serve_route_and_come_back(local_ray) -> None:
             base = llm.tokenizer.encode(text)
             await run(llm, "first", base + llm.tokenizer.encode(" One?"))
             home = router.placements["first"][0]
-            await until(lambda: len(router.index) >= len(base) // 16, 30)
+            await until(lambda: router.indexed_blocks >= len(base) // 16, 30)
             await run(llm, "second", base + llm.tokenizer.encode(" Two?"))
             assert router.placements["second"] == (home, len(base) // 16)
 

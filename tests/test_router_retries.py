@@ -49,6 +49,7 @@ def fleet(heard_ago: list[float], **settings: float) -> tuple[RouterEngineClient
         [f"tcp://w{i}:1" for i in range(len(heard_ago))], RouterSettings("kv", **settings)
     )
     router.block_size = 16
+    router.prefix.set_block_size(16)
     clients = []
     for w, ago in zip(router.workers, heard_ago, strict=True):
         c = FakeClient(ago)

@@ -262,13 +262,20 @@ def serve(config: ServerConfig) -> None:
 
 
 def worker(
-    config: EngineConfig, listen: str, secret_file: str | None = None, allow_shutdown: bool = False
+    config: EngineConfig,
+    listen: str,
+    secret_file: str | None = None,
+    allow_shutdown: bool = False,
+    drain_timeout: float = 30.0,
 ) -> None:
     """Serve one engine over the engine protocol, for a front started elsewhere (`serve --worker-url`).
 
     With a shared secret (--secret-file, $TOKENMILL_WORKER_SECRET_FILE or $TOKENMILL_WORKER_SECRET, the
     same on the fronts) only fronts that know it are served. Without one, anyone who can reach the
     address can use the engine: a warning says so unless it listens on loopback or ipc://.
+
+    On SIGTERM it drains: no new requests (a router sends them elsewhere), those it has run to their end
+    within --drain-timeout seconds, then it exits 0.
     """
     import logging
 
@@ -293,7 +300,9 @@ def worker(
             SECRET_ENV,
         )
     try:
-        code = serve_engine(config, listen, secret=secret, allow_shutdown=allow_shutdown)
+        code = serve_engine(
+            config, listen, secret=secret, allow_shutdown=allow_shutdown, drain_timeout_s=drain_timeout
+        )
     except zmq.ZMQError as e:
         fail(f"cannot listen on {listen}: {e}")
     except KeyboardInterrupt:
@@ -345,13 +354,18 @@ _secret_file = typer.Option(
     None, "--secret-file", help="file with the shared secret fronts must know (else $TOKENMILL_WORKER_SECRET)"
 )
 _allow_shutdown = typer.Option(False, "--allow-shutdown", help="obey a front's Shutdown message")
+_drain_timeout = typer.Option(
+    30.0, "--drain-timeout", help="seconds requests get to finish on SIGTERM (new ones go elsewhere)"
+)
 config_command(
     app, "worker", EngineConfig, ENGINE_SECTIONS, worker,
     extra=[inspect.Parameter("listen", inspect.Parameter.KEYWORD_ONLY, default=_listen, annotation=str),
            inspect.Parameter("secret_file", inspect.Parameter.KEYWORD_ONLY, default=_secret_file,
                              annotation=str | None),
            inspect.Parameter("allow_shutdown", inspect.Parameter.KEYWORD_ONLY, default=_allow_shutdown,
-                             annotation=bool)],
+                             annotation=bool),
+           inspect.Parameter("drain_timeout", inspect.Parameter.KEYWORD_ONLY, default=_drain_timeout,
+                             annotation=float)],
     common=WORKER_COMMON,
 )  # fmt: skip
 

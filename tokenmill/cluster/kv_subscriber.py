@@ -4,7 +4,8 @@ PUB/SUB loses messages (a subscriber that joins late, a full queue), so every me
 number is checked: a jump asks the worker's replay socket for what was missed; a replay that cannot
 be had (the worker kept too little, or does not answer) leaves the worker's part of the index
 unknown, so it is dropped rather than trusted. On joining, a replay from 0 brings in what the worker
-already holds.
+already holds: its buffered batches, or, when it has dropped some of them, its whole state in one batch
+(engine/kv_publisher.py) that clears the worker's part of the index and stores it anew.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.cluster.kv_index import KVIndex
-from tokenmill.engine.kv_events import decode_batch
+from tokenmill.engine.kv_events import AllBlocksCleared, EventBatch, decode_batch
 from tokenmill.engine.protocol import secure_socket, worker_secret
 
 log = logging.getLogger(__name__)
@@ -90,16 +91,21 @@ class KVEventSubscriber:
             return
         self._apply(seq, payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _decode(self, payload: bytes) -> EventBatch | None:
         try:
-            batch = decode_batch(payload)
+            return decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, IndexError, TypeError) as e:
             log.warning("worker %d sent a KV-event batch that does not decode: %s", self.slot, e)
-            self.last_seq = seq
-            return
-        self.index.apply(self.slot, batch.events)
+            return None
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._apply_batch(seq, self._decode(payload))
+
+    def _apply_batch(self, seq: int, batch: EventBatch | None) -> None:
+        if batch is not None:
+            self.index.apply(self.slot, batch.events)
+            self.stats.batches += 1
         self.last_seq = seq
-        self.stats.batches += 1
 
     async def _replay(self, start: int) -> None:
         if self.replay_endpoint is None:
@@ -124,11 +130,16 @@ class KVEventSubscriber:
                 seq = int.from_bytes(seq_b, "big", signed=True)
                 if seq == -1 or not payload:
                     return
-                if first and seq > start and start > 0:
+                batch = self._decode(payload)
+                # A whole state (it begins by clearing the worker's blocks) replaces what was missed.
+                whole = (
+                    batch is not None and bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+                )
+                if first and seq > start and start > 0 and not whole:
                     self._lose(start)  # the worker no longer keeps what we missed
                 first = False
                 if seq > self.last_seq:
-                    self._apply(seq, payload)
+                    self._apply_batch(seq, batch)
                     self.stats.replayed += 1
         finally:
             dealer.close(linger=0)

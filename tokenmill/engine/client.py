@@ -81,6 +81,10 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone (or never came up); in-flight requests cannot complete."""
 
 
+class WorkerDrainingError(EngineDeadError):
+    """The engine is shutting down and takes no new requests (it finishes those it has): another may."""
+
+
 class RequestRejectedError(ValueError):
     """The engine refused a request (e.g. a prompt longer than the context)."""
 
@@ -232,7 +236,9 @@ class ZmqEngineClient(EngineClient):
             elif isinstance(msg, Rejected):
                 q = self._queues.pop(msg.request_id, None)
                 if q is not None:
-                    q.put_nowait(RequestRejectedError(msg.message))
+                    q.put_nowait(
+                        WorkerDrainingError(msg.message) if msg.retry else RequestRejectedError(msg.message)
+                    )
             elif isinstance(msg, Dead):
                 self._fail(f"engine died: {msg.message}")
 

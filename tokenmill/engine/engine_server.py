@@ -6,6 +6,12 @@ Ready (or Dead, if the engine could not load). Outputs go to the frontend that a
 while idle, and while a step runs (from a thread of its own: a long prefill takes seconds), every
 frontend gets an empty StepOutputs heartbeat every HEARTBEAT_S, so it can tell a live engine from a hung or
 vanished one. Messages are engine/protocol.py's.
+
+A worker started on its own drains on SIGTERM: its stats say `draining` (a router sends it nothing
+more), a request that still reaches it is refused with `retry` (a router sends it on), the requests it
+has run to their end, and blocks a decode worker has yet to read are kept until read; then it tells its
+frontends it has stopped and exits 0. A drain longer than its timeout aborts what is left; a second
+SIGTERM exits at once.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hmac
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -70,6 +77,7 @@ def serve_engine(
     bound: Callable[[str], None] | None = None,
     secret: bytes | None = None,
     allow_shutdown: bool | None = None,
+    drain_timeout_s: float = 30.0,
 ) -> int:
     """Load the engine, serve it at `address` until told to stop; return an exit code.
 
@@ -78,6 +86,8 @@ def serve_engine(
     dropped. `allow_shutdown`: obey a frontend's Shutdown (default: only when launched by the parent).
     `bound(endpoint)`: called once the socket listens, with the endpoint it took (`tcp://host:*` asks
     for any free port, chosen by the bind itself, so two engines starting at once cannot race for one).
+    `drain_timeout_s`: how long a SIGTERM lets requests finish (an engine of its own; one launched by a
+    parent is stopped by it).
     """
     if launched_by_parent:
         die_with_parent()
@@ -121,6 +131,9 @@ def serve_engine(
     if allow_shutdown is None:
         allow_shutdown = launched_by_parent
     server = _Server(engine, sock, info, parent, publisher, secret=secret, allow_shutdown=allow_shutdown)
+    server.drain_timeout_s = drain_timeout_s
+    if not launched_by_parent and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, server.on_sigterm)
     try:
         server.loop()
     except Exception as e:
@@ -186,6 +199,38 @@ class _Server:
         self.stepping_since: float | None = None  # time.monotonic() the running step began
         self.last_stats = engine.stats()  # what heartbeats during a step carry
         self._stopping = threading.Event()
+        self.drain_timeout_s = 30.0
+        self.drain_asked = False  # set by the SIGTERM handler; the loop starts the drain
+        self.draining_since: float | None = None
+
+    def on_sigterm(self, signum: int, frame: object) -> None:
+        if self.drain_asked:  # a second signal: stop now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.drain_asked = True
+
+    def _drained(self, now: float, outputs: list[EngineCoreOutput]) -> bool:
+        """Start a drain that was asked for; True once it is over (nothing left, or out of time)."""
+        engine = self.engine
+        if self.draining_since is None:
+            self.draining_since = now
+            self.last_stats.draining = True
+            n = len(getattr(engine.scheduler, "requests", ()))
+            log.info("SIGTERM: draining (%d requests to finish, at most %.0fs)", n, self.drain_timeout_s)
+        held = getattr(engine.scheduler, "held", None)
+        if not engine.has_unfinished() and not held:
+            log.info("drained in %.1fs: stopping", now - self.draining_since)
+            return True
+        if now - self.draining_since > self.drain_timeout_s:
+            left = list(getattr(engine.scheduler, "requests", {}))
+            log.warning(
+                "the drain timed out after %.0fs: %d requests aborted", self.drain_timeout_s, len(left)
+            )
+            outputs.extend(engine.abort(left))
+            self.deliver(outputs, now)
+            outputs.clear()
+            return True
+        return False
 
     def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead | Challenge) -> None:
         if isinstance(msg, StepOutputs):
@@ -244,6 +289,9 @@ class _Server:
         while True:
             busy = engine.has_unfinished()
             outputs: list[EngineCoreOutput] = []
+            if self.drain_asked and self._drained(time.monotonic(), outputs):
+                self.broadcast(Dead("the worker was stopped (SIGTERM) and has drained"))
+                return
             if self.sock.poll(0 if busy else int(HEARTBEAT_S * 1000)):
                 while True:
                     try:
@@ -283,6 +331,11 @@ class _Server:
                               type(msg).__name__)  # fmt: skip
         elif isinstance(msg, AddRequest):
             req = msg.request
+            if self.draining_since is not None:
+                self.send(
+                    ident, Rejected(req.request_id, "the worker is shutting down (draining)", retry=True)
+                )
+                return True
             if self.owner.get(req.request_id, ident) != ident:  # another frontend's request id
                 self.send(ident, Rejected(req.request_id, "request id already in use"))
                 return True
@@ -341,6 +394,7 @@ class _Server:
         if not by_client and not due:
             return
         stats = self.last_stats = self.engine.stats()
+        stats.draining = self.draining_since is not None
         for ident, outs in by_client.items():
             self.send(ident, StepOutputs(outs, stats))
             self.clients[ident] = now

@@ -7,6 +7,11 @@ everything from a sequence number on: `[identity, b"", start (8 bytes)]` is answ
 `[identity, b"", topic, seq, payload]` message per buffered batch and an end marker whose sequence
 is -1 with an empty payload. The replay socket is served by a thread of its own, so a consumer
 catching up never waits behind a forward pass.
+
+The buffer keeps the last `kv_events_buffer_steps` batches. A consumer asking for more than it holds (a
+router started, or restarted, long after this worker) gets the worker's whole state instead: one batch
+that clears and then stores every block held now, under the sequence number of the last batch
+published, so it goes on from the live stream. That state is kept from the events themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 import zmq
 
 from tokenmill.config import KVEventsConfig
-from tokenmill.engine.kv_events import KVEvent, encode_batch
+from tokenmill.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, encode_batch
 from tokenmill.engine.protocol import secure_socket, worker_secret
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ class KVEventPublisher:
             maxlen=config.kv_events_buffer_steps
         )
         self._lock = threading.Lock()
+        self._held = HeldBlocks()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -67,6 +73,7 @@ class KVEventPublisher:
         self.seq += 1
         with self._lock:
             self._buffer.append((seq, payload))
+            self._held.apply(events)
         with contextlib.suppress(zmq.Again):  # past the high-water mark PUB drops; replay recovers it
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
 
@@ -83,7 +90,10 @@ class KVEventPublisher:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
             with self._lock:
-                batches = [(s, p) for s, p in self._buffer if s >= start]
+                if self._buffer and self._buffer[0][0] > start:  # some of what it asks for is gone
+                    batches = [(self.seq - 1, encode_batch(self._held.snapshot()))]
+                else:
+                    batches = [(s, p) for s, p in self._buffer if s >= start]
             try:
                 for s, p in batches:
                     self.replay.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
@@ -97,6 +107,69 @@ class KVEventPublisher:
             self._thread.join(timeout=1)
             self.replay.close(linger=0)
         self.pub.close(linger=0)
+
+
+class HeldBlocks:
+    """The blocks a worker holds now, per tier, as its events say: what a snapshot stores."""
+
+    def __init__(self) -> None:
+        # (hash, medium) -> (parent hash, tokens, block size, lora id, lora name, extra key)
+        self._blocks: dict[tuple[int, str | None], tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def apply(self, events: list[KVEvent]) -> None:
+        blocks = self._blocks
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                bs, extra = ev.block_size, ev.extra_keys
+                parent = ev.parent_block_hash
+                for i, h in enumerate(ev.block_hashes):
+                    key = extra[i] if extra is not None and i < len(extra) else None
+                    tokens = ev.token_ids[i * bs : (i + 1) * bs]
+                    blocks[(h, ev.medium)] = (parent, tokens, bs, ev.lora_id, ev.lora_name, key)
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    blocks.pop((h, ev.medium), None)
+            elif isinstance(ev, AllBlocksCleared):
+                blocks.clear()
+
+    def snapshot(self) -> list[KVEvent]:
+        """AllBlocksCleared, then every held block stored after its parent, in runs of a chain."""
+        blocks = self._blocks
+        order: list[tuple[int, str | None]] = []
+        placed: set[tuple[int, str | None]] = set()
+        for key in blocks:
+            chain = []
+            k: tuple[int, str | None] | None = key
+            while k is not None and k in blocks and k not in placed:  # up to a parent already placed
+                chain.append(k)
+                placed.add(k)
+                parent = blocks[k][0]
+                k = (parent, k[1]) if parent is not None else None
+            order.extend(reversed(chain))
+        events: list[KVEvent] = [AllBlocksCleared()]
+        run: BlockStored | None = None
+        for h, medium in order:
+            parent, tokens, bs, lora_id, lora_name, extra = blocks[(h, medium)]
+            if (
+                run is not None
+                and run.block_hashes[-1] == parent
+                and (run.medium, run.lora_id, run.lora_name, run.block_size)
+                == (medium, lora_id, lora_name, bs)
+                and (run.extra_keys is None) == (extra is None)
+            ):
+                run.block_hashes.append(h)
+                run.token_ids.extend(tokens)
+                if run.extra_keys is not None:
+                    run.extra_keys.append(extra)
+            else:
+                extras = [extra] if extra is not None else None
+                run = BlockStored([h], parent, list(tokens), bs, lora_id, medium, lora_name, extras)
+                events.append(run)
+        return events
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:

@@ -109,6 +109,9 @@ class EngineStats:
     lora_resident: list[str] = field(default_factory=list)
     lora_running: list[str] = field(default_factory=list)  # of those, the ones admitted requests hold
     lora_free_slots: int = 0
+    # The worker was told to stop (SIGTERM): it takes no new requests and finishes those it has; a
+    # router stops sending it any as soon as it hears this.
+    draining: bool = False
 
 
 # -- frontend -> engine ---------------------------------------------------------------------------
@@ -163,6 +166,8 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
 class Rejected(msgspec.Struct, tag="reject", array_like=True):
     request_id: str
     message: str
+    # Not the request's fault: another engine can take it (this one is draining). A router sends it on.
+    retry: bool = False
 
 
 class Dead(msgspec.Struct, tag="dead", array_like=True):

@@ -1,0 +1,111 @@
+"""A fleet that changes without losing requests: a worker told to stop (SIGTERM) drains under load, and a
+router killed and started again rebuilds its prefix index from the workers before it serves.
+
+Real processes throughout: two `tokenmill worker`s, the router as `tokenmill serve --worker-url ...`,
+clients over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from procs import worker_process
+from server_fixture import free_port, running_server
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 24
+
+
+def events_args() -> list[str]:
+    ev, rp = free_port(), free_port()
+    return [
+        "--kv-events",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{ev}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{rp}",
+    ]
+
+
+def metric(base: str, name: str) -> float:
+    """The sum of a metric's series on the server's /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(
+        float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
+
+
+async def stream_until(base: str, stop: asyncio.Event, results: list[str], prompt: str) -> None:
+    """One client: streamed completions, one after another, until told to stop; each ends "ok" (all its
+    tokens and a finish reason) or with what went wrong."""
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        while not stop.is_set():
+            body = {
+                "model": "smollm2-135m",
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            chunks, finish = 0, None
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        results.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                        continue
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            if '"error"' in line:
+                                finish = line
+                                break
+                            chunks += 1
+                            if '"finish_reason":"length"' in line.replace(" ", ""):
+                                finish = "length"
+            except httpx.HTTPError as e:
+                results.append(f"{type(e).__name__}: {e}")
+                continue
+            results.append("ok" if finish == "length" and chunks == MAX_TOKENS else f"cut: {chunks} {finish}")
+
+
+def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
+    with (
+        worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_a, _),
+        worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_b, proc_b),
+        running_server("--worker-url", url_a, "--worker-url", url_b, "--router", "round-robin") as server,
+    ):
+        base = server.base_url
+
+        async def main() -> list[str]:
+            stop, results = asyncio.Event(), []
+            clients = [
+                asyncio.create_task(stream_until(base, stop, results, f"Story {i}: once upon a time"))
+                for i in range(16)
+            ]
+            deadline = time.monotonic() + 120
+            while len(results) < 16:  # every client has finished a request: both workers are busy
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            proc_b.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc_b.wait, 150)
+            after = len(results)
+            while len(results) < after + 16:  # the fleet goes on with one worker
+                assert time.monotonic() < deadline + 150
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*clients)
+            assert code == 0, proc_b.said()[-3000:]
+            return results
+
+        results = asyncio.run(main())
+        failed = [r for r in results if r != "ok"]
+        assert not failed, failed[:5]
+        said = proc_b.said()
+        m = re.search(r"SIGTERM: draining \((\d+) requests to finish", said)
+        assert m and int(m.group(1)) > 0, said[-3000:]  # it was stopped with requests under way
+        assert "drained in" in said
+        assert metric(base, "tokenmill:router_worker_losses_total") == 0  # a planned departure

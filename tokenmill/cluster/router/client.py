@@ -1,0 +1,294 @@
+"""The router as an EngineClient: each request to the worker its policy picks, sent on when that worker
+is lost before the first token, and its load kept for the next decision.
+
+The jobs live beside it: who is in the fleet and whether they answer (membership.py), the candidates kept
+ready for new requests (board.py), how much of a prompt each worker holds (prefix_index.py), the policies
+(cluster/policies/), prefill/decode orchestration (pd.py), and the router's own metrics (metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import zmq.asyncio
+from prometheus_client.core import Metric
+
+from tokenmill import tracing
+from tokenmill.cluster.discovery import Discovery
+from tokenmill.cluster.policies import Candidates, make_policy
+from tokenmill.cluster.router.board import Board
+from tokenmill.cluster.router.membership import Membership
+from tokenmill.cluster.router.metrics import RouterStats, router_metrics
+from tokenmill.cluster.router.pd import PDOrchestrator
+from tokenmill.cluster.router.prefix_index import PrefixIndex
+from tokenmill.cluster.router.relay import Relay
+from tokenmill.cluster.router.settings import RETRY_POLL_S, RouterSettings
+from tokenmill.cluster.router.worker import Active, Worker, fits
+from tokenmill.engine.client import EngineClient, EngineDeadError, destroy_context
+from tokenmill.engine.protocol import EngineRequest, EngineStats
+
+
+class RouterEngineClient(Membership, EngineClient):
+    def __init__(
+        self,
+        urls: list[str],
+        settings: RouterSettings | None = None,
+        startup_timeout: float = 600.0,
+        heartbeat_timeout: float | None = None,  # None: default_heartbeat_timeout()
+        names: list[str] | None = None,
+        discovery: Discovery | None = None,
+        discovery_interval_s: float = 5.0,
+    ) -> None:
+        if not urls and discovery is None:
+            raise ValueError("the router needs at least one worker, or a way to discover them")
+        self.discovery, self.discovery_interval_s = discovery, discovery_interval_s
+        self._last_discovery = 0.0
+        self.settings = s = settings or RouterSettings()
+        self.policy = make_policy(s.policy, s.temperature, s.prefill_weight, s.seed)
+        self.workers = [Worker(i, u, names[i] if names else u) for i, u in enumerate(urls)]
+        self.prefix = PrefixIndex(s.approx_ttl_s if s.policy == "kv-approx" else None)
+        self.board = Board(s.prefill_weight)
+        self.pd = PDOrchestrator(self, s.disagg) if s.disagg is not None else None
+        self.stats_router = RouterStats()
+        self.startup_timeout, self.heartbeat_timeout = startup_timeout, heartbeat_timeout
+        self.info = {}
+        self.block_size = 0
+        self._where: dict[str, Relay] = {}
+        self._joins: set[asyncio.Task] = set()
+        # (time, prompt tokens) of recent requests: the arrival rate the planner forecasts from.
+        self.arrivals: collections.deque[tuple[float, int]] = collections.deque(maxlen=200_000)
+        self._siblings: OrderedDict[str, int] = OrderedDict()  # parent request id -> slot (n > 1)
+        # Where recent requests went, and the blocks credited there (for logs, tests and debugging).
+        self.placements: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def stats(self) -> EngineStats | None:  # type: ignore[override]
+        """The fleet's stats: counts summed, KV usage averaged over the workers that are up."""
+        got = list(self.worker_stats().values())
+        if not got:
+            return None
+        return EngineStats(
+            num_running=sum(s.num_running for s in got),
+            num_waiting=sum(s.num_waiting for s in got),
+            kv_cache_usage=sum(s.kv_cache_usage for s in got) / len(got),
+            num_blocks=sum(s.num_blocks for s in got),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in got),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in got),
+            num_preemptions=sum(s.num_preemptions for s in got),
+            num_steps=sum(s.num_steps for s in got),
+            num_batched_tokens_total=sum(s.num_batched_tokens_total for s in got),
+            spec_num_drafts=sum(s.spec_num_drafts for s in got),
+            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in got),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in got),
+            spec_accepted_per_pos=[
+                sum(col)
+                for col in itertools.zip_longest(*(s.spec_accepted_per_pos for s in got), fillvalue=0)
+            ],
+            kv_connector=dict(sum((collections.Counter(s.kv_connector) for s in got), collections.Counter())),
+        )
+
+    def worker_stats(self) -> dict[str, EngineStats]:
+        return {w.name: w.client.stats for w in self.workers if w.up and w.client and w.client.stats}
+
+    def router_metrics(self, model: str) -> Iterator[Metric]:
+        """Prometheus families of the router's own (decisions, overlap credited, retries, workers)."""
+        return router_metrics(self, model)
+
+    @property
+    def indexed_blocks(self) -> int:
+        return len(self.prefix)
+
+    def set_policy(self, policy: str) -> None:
+        """Route by another policy from now on (kv-approx's own index only exists if started with it)."""
+        if policy == "kv-approx" and self.prefix.approx is None:
+            raise ValueError("kv-approx must be chosen when the router starts")
+        s = self.settings
+        self.policy = make_policy(policy, s.temperature, s.prefill_weight, s.seed)
+        s.policy = policy
+
+    # -- choosing a worker ------------------------------------------------------------------------
+    def pick(self, relay: Relay, exclude: set[int], role: str | None = None) -> tuple[Worker, int]:
+        """The worker for a request (and the prompt blocks it holds). A retry goes only to a worker that
+        answers now, and not again to one it was lost on (unless that worker has rejoined since)."""
+        now = time.monotonic()
+        req = relay.req
+        if relay.tries == 0 and not exclude and not relay.failed:
+            cands = self.board.candidates(self.workers, role, now)
+        else:
+            cands = self._retry_candidates(relay, exclude, role, now)
+        if cands is None:
+            raise EngineDeadError("no worker is up")
+        parent = req.request_id.split("#", 1)[0]
+        if role != "prefill" and parent != req.request_id and parent in self._siblings:
+            w = cands.by_slot.get(self._siblings[parent])
+            if w is not None:  # the siblings of an n > 1 request share their prompt's blocks
+                return w, 0
+        overlaps = self.prefix.overlaps(relay, cands.mask, now) if self.policy.uses_prefix else {}
+        blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
+        w = self.policy.choose(cands, overlaps, blocks, req)
+        if w.client is None or w.client.dead_reason is not None:  # died since the candidates were kept
+            self.board.invalidate()
+            return self.pick(relay, exclude | {w.slot}, role)
+        if role != "prefill" and parent != req.request_id:
+            self._siblings[parent] = w.slot
+            if len(self._siblings) > 4096:
+                self._siblings.popitem(last=False)
+        self.prefix.placed(w.slot, relay, now)
+        return w, overlaps.get(w.slot, 0)
+
+    def _retry_candidates(
+        self, relay: Relay, exclude: set[int], role: str | None, now: float
+    ) -> Candidates | None:
+        ups = [
+            w
+            for w in self.workers
+            if w.usable()
+            and w.slot not in exclude
+            and fits(w, role)
+            and (w.slot, w.joins) not in relay.failed
+        ]
+        # A worker silent for a while gets no new requests; all of them silent: a long step, not death
+        # (settings.lost_after_s bounds the wait). A retry never waits on one that has not proven it answers.
+        answering = [w for w in ups if w.answering(now)]
+        if not answering and relay.tries == 0:
+            answering = ups
+        if not answering:
+            if ups:
+                raise EngineDeadError("no worker answers")
+            return None
+        return Candidates(answering)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self.arrivals.append((time.monotonic(), len(req.prompt_token_ids)))
+        relay = Relay(self, req, q)
+        if self.pd is None or not self.pd.start(relay):
+            self.dispatch(relay, set())
+        return q
+
+    def dispatch(self, relay: Relay, exclude: set[int], role: str | None = None) -> None:
+        if role is None and self.pd is not None:
+            role = "decode"  # a fleet split into prefill and decode workers decodes on decode workers
+        w, overlap = self.pick(relay, exclude, role)
+        req = relay.req
+        blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
+        was = relay.slot
+        relay.slot, relay.tries = w.slot, relay.tries + 1
+        st = self.stats_router
+        st.decisions[self.settings.policy] += 1
+        st.overlap_blocks += overlap
+        st.request_blocks += blocks
+        w.add_active(req.request_id, Active(max(blocks - overlap, 0), blocks))
+        self.placements[req.request_id] = (w.slot, overlap)
+        if len(self.placements) > 10_000:
+            self.placements.popitem(last=False)
+        self._where[req.request_id] = relay
+        relay.sent_at = time.monotonic()
+        assert w.client is not None
+        if req.trace_context is not None and tracing.enabled():
+            req = self._route_span(req, w, overlap, relay.tries)
+        try:
+            w.client.add_request(req, relay)  # type: ignore[arg-type]
+        except Exception:  # not sent (its client has just failed): as if never picked
+            w.drop_active(req.request_id)
+            self._where.pop(req.request_id, None)
+            relay.slot, relay.tries = was, relay.tries - 1
+            raise
+
+    def _route_span(self, req: EngineRequest, w: Worker, overlap: int, tries: int) -> EngineRequest:
+        """The routing decision as a span (the worker's engine span hangs from it); a retry is another."""
+        attributes = {
+            "tokenmill.worker": w.url,
+            "tokenmill.router.policy": self.settings.policy,
+            "tokenmill.router.overlap_blocks": overlap,
+            "tokenmill.router.try": tries,
+        }
+        if w.role:
+            attributes["tokenmill.kv_role"] = w.role
+        span = tracing.start_span("route", req.trace_context, "INTERNAL", attributes=attributes)
+        span.end()
+        return dataclasses.replace(req, trace_context=tracing.carrier_of(span))
+
+    def redispatch(self, relay: Relay) -> None:
+        """Send a request lost before its first token to a worker that answers now; with none, look
+        again every RETRY_POLL_S (the loop goes on meanwhile) for settings.retry_wait_s, then end the
+        request with EngineDeadError."""
+        rid = relay.req.request_id
+        if self._where.get(rid) is not relay:
+            return  # aborted while the retry waited
+        now = time.monotonic()
+        if relay.wait_until is None:
+            relay.wait_until = now + self.settings.retry_wait_s
+        try:
+            self.dispatch(relay, set())
+        except EngineDeadError as e:
+            if now < relay.wait_until:
+                self._where[rid] = relay  # still findable for abort while it waits
+                asyncio.get_running_loop().call_later(RETRY_POLL_S, self.redispatch, relay)
+                return
+            self._where.pop(rid, None)
+            wait = self.settings.retry_wait_s
+            relay.queue.put_nowait(EngineDeadError(f"{e} within {wait:g}s to take the request over"))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            self._where.pop(rid, None)
+            relay.queue.put_nowait(EngineDeadError(str(e)))
+
+    def started(self, relay: Relay) -> None:
+        self.workers[relay.slot].start_active(relay.req.request_id)
+
+    def release(self, relay: Relay) -> None:
+        self.workers[relay.slot].drop_active(relay.req.request_id)
+        if self._where.get(relay.req.request_id) is relay:
+            del self._where[relay.req.request_id]
+
+    def forward(self, request_ids: list[str], finish: bool) -> None:
+        """Abort (or finish) requests on the workers that have them."""
+        by_worker: dict[int, list[str]] = {}
+        for rid in request_ids:
+            relay = self._where.pop(rid, None)
+            if relay is None:
+                continue
+            self.workers[relay.slot].drop_active(rid)
+            by_worker.setdefault(relay.slot, []).append(rid)
+        for slot, ids in by_worker.items():
+            c = self.workers[slot].client
+            if c is not None and c.dead_reason is None:
+                (c.finish if finish else c.abort)(ids)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.pd is not None:
+            self.pd.abort(request_ids)
+        self.forward(request_ids, finish=False)
+
+    def finish(self, request_ids: list[str]) -> None:
+        self.forward(request_ids, finish=True)
+
+    def reset_prefix_cache(self) -> None:
+        """Every live worker forgets its free cached blocks (their removals reach the KV index)."""
+        for w in self.workers:
+            if w.client is not None and w.client.dead_reason is None:
+                w.client.reset_prefix_cache()
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for w in self.workers:
+            if w.subscriber is not None:
+                await w.subscriber.stop()
+            if w.client is not None:
+                await w.client.shutdown()
+        if self._ctx is not None:
+            destroy_context(self._ctx)

@@ -1,0 +1,73 @@
+"""The router's own counts, and their Prometheus families (decisions, overlap credited, retries,
+workers up and down, KV-event gaps)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from tokenmill.cluster.router.client import RouterEngineClient
+
+
+@dataclass
+class RouterStats:
+    decisions: Counter = field(default_factory=Counter)  # by policy
+    overlap_blocks: int = 0  # prompt blocks credited as already held by the chosen worker
+    request_blocks: int = 0
+    retries: int = 0
+    worker_losses: int = 0
+    disaggregated: int = 0  # requests whose prompt a prefill worker computed
+    disagg_fallbacks: int = 0  # ... that was tried and failed: the decode worker computed it
+
+
+def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
+    st = router.stats_router
+    d = CounterMetricFamily(
+        "tokenmill:router_decisions", "Routing decisions, by policy", labels=["model_name", "policy"]
+    )
+    for policy, n in sorted(st.decisions.items()):
+        d.add_metric([model, policy], n)
+    yield d
+    for name, doc, value, kind in (
+        ("router_overlap_blocks", "Prompt blocks the chosen worker already held", st.overlap_blocks, 0),
+        ("router_request_blocks", "Prompt blocks routed", st.request_blocks, 0),
+        ("router_retries", "Requests sent again after their worker was lost", st.retries, 0),
+        ("router_worker_losses", "Times a worker left rotation", st.worker_losses, 0),
+        ("router_disaggregated", "Requests prefilled on a prefill worker", st.disaggregated, 0),
+        ("router_disagg_fallbacks", "Remote prefills that failed (computed locally)", st.disagg_fallbacks, 0),
+        ("router_workers_up", "Workers in rotation", router.num_up, 1),
+        ("router_workers_answering", "Workers heard from within the last second", router.num_answering, 1),
+        ("router_indexed_blocks", "Distinct KV blocks in the router's index", router.indexed_blocks, 1),
+    ):
+        fam = (CounterMetricFamily if kind == 0 else GaugeMetricFamily)(
+            f"tokenmill:{name}", doc, labels=["model_name"]
+        )
+        fam.add_metric([model], value)
+        yield fam
+    # Which worker is down (the counts above say only how many): one series per worker of the fleet,
+    # with its role in a disaggregated one.
+    up = GaugeMetricFamily(
+        "tokenmill:router_worker_up",
+        "1 while the worker is in rotation, 0 while it is down, draining or joining",
+        labels=["model_name", "worker", "role"],
+    )
+    for w in router.workers:
+        if not w.retired:
+            up.add_metric([model, w.name, w.role or ""], 1.0 if w.up and not w.draining else 0.0)
+    yield up
+    ev = CounterMetricFamily(
+        "tokenmill:router_kv_event_gaps",
+        "Gaps in a worker's KV-event stream, by outcome",
+        labels=["model_name", "worker", "outcome"],
+    )
+    for w in router.workers:
+        if w.subscriber is not None:
+            sst = w.subscriber.stats
+            ev.add_metric([model, w.name, "seen"], sst.gaps)
+            ev.add_metric([model, w.name, "lost"], sst.lost)
+    yield ev

@@ -1,0 +1,51 @@
+"""A request on its way through the router: stands in for the caller's queue at a worker's client, so the
+router sees each output (or error) first: the first token moves the request's blocks from prefill to
+decode load, the last frees them, and a worker lost before the first token sends the request on."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from tokenmill.cluster.router.settings import MAX_RETRIES
+from tokenmill.engine.client import EngineDeadError
+from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
+
+if TYPE_CHECKING:
+    from tokenmill.cluster.router.client import RouterEngineClient
+
+
+class Relay:
+    __slots__ = (
+        "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
+    )  # fmt: skip
+
+    def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
+        self.router, self.req, self.queue = router, req, queue
+        self.slot = -1
+        self.started = False
+        self.tries = 0
+        self.hashes: list[int] | None = None  # the prompt's block names, when an index needed them
+        self.sent_at = 0.0  # time.monotonic() of the last dispatch
+        self.failed: set[tuple[int, int]] = set()  # (slot, joins) of the workers it was lost on
+        self.wait_until: float | None = None  # a retry waiting for a worker that answers: until then
+
+    def put_nowait(self, item: object) -> None:
+        r = self.router
+        if isinstance(item, EngineCoreOutput):
+            if not self.started and item.new_token_ids:
+                self.started = True
+                r.started(self)
+            if item.finish_reason is not None:
+                r.release(self)
+        elif isinstance(item, EngineDeadError) and not self.started and self.tries <= MAX_RETRIES:
+            w = r.workers[self.slot]
+            w.drop_active(self.req.request_id)  # stays findable for abort
+            self.failed.add((w.slot, w.joins))  # not sent there again (but after it rejoins)
+            self.wait_until = None
+            r.stats_router.retries += 1
+            asyncio.get_running_loop().call_soon(r.redispatch, self)
+            return
+        elif isinstance(item, Exception):
+            r.release(self)
+        self.queue.put_nowait(item)
