@@ -254,7 +254,9 @@ def test_a_disaggregated_fleet_traces_the_route_and_both_workers(receiver, fast_
         )
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
-        spans = receiver.wait(trace_id, {"route": 2, "llm_request": 2, "kv_load": 1})
+        spans = receiver.wait(
+            trace_id, {"POST /v1/completions": 1, "route": 2, "llm_request": 2, "kv_load": 1}
+        )
         front = _one(spans, "POST /v1/completions")
         assert front["parent"] == client_span
         routes = {s["attributes"]["tokenmill.kv_role"]: s for s in spans if s["name"] == "route"}
