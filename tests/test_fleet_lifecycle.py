@@ -109,3 +109,53 @@ def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
         assert m and int(m.group(1)) > 0, said[-3000:]  # it was stopped with requests under way
         assert "drained in" in said
         assert metric(base, "tokenmill:router_worker_losses_total") == 0  # a planned departure
+
+
+def test_a_killed_router_started_again_has_its_index_before_it_serves() -> None:
+    """The workers keep their caches while the router is gone; the new router reads each worker's whole
+    state (their replay buffers have long turned over: 4 batches) before it reports ready, and credits
+    cached prefixes from its first request."""
+    stories = [
+        f"Chapter {i}. " + "The river ran past the mill and the miller counted sacks of grain. " * 12
+        for i in range(3)
+    ]
+    args = ("--kv-events-buffer-steps", "4", "--max-num-seqs", "8")
+    with (
+        worker_process(*args, *events_args()) as (url_a, _),
+        worker_process(*args, *events_args()) as (url_b, _),
+    ):
+        fleet = ("--worker-url", url_a, "--worker-url", url_b)
+        with running_server(*fleet) as first:
+            for story in stories:
+                for question in ("Who counted?", "What ran past?"):
+                    body = {"model": "smollm2-135m", "prompt": story + question, "max_tokens": 2}
+                    assert (
+                        httpx.post(f"{first.base_url}/v1/completions", json=body, timeout=120).status_code
+                        == 200
+                    )
+            held = metric(first.base_url, "tokenmill:router_indexed_blocks")
+            assert held >= 3 * 8  # each story is some 10 blocks of 16 tokens
+            first.kill()  # no goodbye: the workers see their front vanish
+            first.wait(30)
+        started = time.monotonic()
+        with running_server(*fleet) as second:
+            ready_s = time.monotonic() - started
+            base = second.base_url
+            assert metric(base, "tokenmill:router_indexed_blocks") == held  # before any request
+            credited = metric(base, "tokenmill:router_overlap_blocks_total")
+
+            async def load() -> list[int]:
+                async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+                    bodies = [
+                        {"model": "smollm2-135m", "prompt": s + "Where was the mill?", "max_tokens": 4}
+                        for s in stories
+                    ] * 3
+                    return [
+                        r.status_code
+                        for r in await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+                    ]
+
+            assert asyncio.run(load()) == [200] * 9
+            # every story's prefix was credited where it is cached: prefix hits resume at once
+            assert metric(base, "tokenmill:router_overlap_blocks_total") - credited >= 9 * 8
+        print(f"router restarted: ready in {ready_s:.1f}s with {held:.0f} blocks indexed")
