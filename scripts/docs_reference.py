@@ -237,6 +237,7 @@ def config_page() -> str:
             flag = "--" + (f.metadata.get("flag") or f.name).replace("_", "-")
             if hints[f.name] is bool:
                 flag += f" / --no-{flag[2:]}"
+            flag += "".join(f" / --{a}" for a in f.metadata.get("aliases", ()))
             default = _field_default(f)
             shown = "unset" if default is None else code(_yaml_value(default))
             help_text = md(f.metadata.get("help", ""))

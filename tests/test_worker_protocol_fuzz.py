@@ -410,7 +410,7 @@ def _base_messages(block_size: int, kv_endpoint: str) -> list[tuple[ToEngine, Pa
                             logit_bias={5: 0.5}, seed=3, logprobs=2, min_tokens=1, top_k=4,
                             structured=StructuredOutputs(regex="[a-z ]+"))  # fmt: skip
     req = EngineRequest("base", list(range(20, 40)), params, eos_token_ids=frozenset({2}), cache_salt="s",
-                        routing_key="k", priority=1)  # fmt: skip
+                        routing_key="k", priority=1, tenant="t")  # fmt: skip
     # A decode worker's request pointing at this worker's own transfer port with a grant it never gave:
     # the read is refused at once and the prompt recomputed (no timeout to wait for).
     remote = RemoteBlocks(kv_endpoint, "nobody", [0, 1], block_size, "1.000.9999999999.000." + "0" * 64)

@@ -14,9 +14,10 @@ from tokenmill.weights.catalog import DEFAULT_MODEL
 
 
 def setting(default: Any = MISSING, *, help: str, flag: str | None = None, envvar: str | None = None,
-            default_factory: Any = MISSING) -> Any:  # fmt: skip
-    """A config field with its command-line help (and, when the flag is not the field name, its flag)."""
-    meta = {"help": help, "flag": flag, "envvar": envvar}
+            default_factory: Any = MISSING, aliases: tuple[str, ...] = ()) -> Any:  # fmt: skip
+    """A config field with its command-line help (and, when the flag is not the field name, its flag;
+    `aliases`: other flag names it also answers to)."""
+    meta = {"help": help, "flag": flag, "envvar": envvar, "aliases": aliases}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -28,8 +29,28 @@ class SchedulerConfig:
         2048, help="token budget of one step (prefill chunks + decode tokens)"
     )
     max_num_seqs: int = setting(256, help="requests running at once")
-    policy: str = setting("fcfs", help='"fcfs", or "priority": lower priority values first, preempted last')
+    policy: str = setting(
+        "fcfs",
+        aliases=("scheduling-policy",),
+        help='"fcfs"; "priority": lower priority values first, preempted last; "fair": as priority, and '
+        "within a priority the tenant served fewest tokens first (virtual token counters)",
+    )
     long_prefill_token_threshold: int | None = setting(None, help="cap one request's tokens per step")
+    # The fair policy (engine/fairness.py, docs/guides/fairness.md).
+    tenant_weights: str | None = setting(
+        None, help='fair: tenants\' shares, e.g. "a=2,b=1" (a tenant not named weighs 1)'
+    )
+    fair_input_weight: float = setting(1.0, help="fair: what one prompt token computed costs a tenant")
+    fair_output_weight: float = setting(2.0, help="fair: what one generated token costs a tenant")
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f'policy must be "fcfs", "priority" or "fair", got {self.policy!r}')
+        if not (self.fair_input_weight >= 0 and self.fair_output_weight >= 0):
+            raise ValueError("fair_input_weight and fair_output_weight must be at least 0")
+        from tokenmill.engine.fairness import parse_tenant_weights
+
+        parse_tenant_weights(self.tenant_weights)  # a bad spec fails when the config is built
 
 
 @dataclass

@@ -78,8 +78,9 @@ def _flags(sections: list[Section], common: tuple[str, ...] = ()) -> list[_Flag]
             name = (f.metadata.get("flag") or f.name).replace("_", "-")
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             decl = f"--{name}/--no-{name}" if hints[f.name] is bool else f"--{name}"
+            aliases = [f"--{a}" for a in f.metadata.get("aliases", ())]  # other names of a non-bool flag
             opt = typer.Option(
-                default, decl, help=f.metadata.get("help", ""), envvar=f.metadata.get("envvar"),
+                default, decl, *aliases, help=f.metadata.get("help", ""), envvar=f.metadata.get("envvar"),
                 rich_help_panel=None if name in common else sec.title,
                 show_default=default is not None and default != [],
             )  # fmt: skip

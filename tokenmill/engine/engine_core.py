@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenmill import tracing
 from tokenmill.config import EngineConfig
 from tokenmill.engine import request_span
+from tokenmill.engine.fairness import MAX_TENANT_NAME
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.offload_connector import OffloadConnector
 from tokenmill.engine.pd_connector import PDConnector, validate_kv_transfer
@@ -212,6 +213,8 @@ class EngineCore:
                 raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")
         if req.cache_salt is not None and "\x00" in req.cache_salt:
             raise ValueError("cache_salt may not contain a NUL character")
+        if req.tenant is not None and len(req.tenant) > MAX_TENANT_NAME:
+            raise ValueError(f"a tenant name has at most {MAX_TENANT_NAME} characters")
         if req.lora is not None and self.scheduler.loras is None:
             raise ValueError(f"the request names LoRA adapter {req.lora.lora_name!r}, but LoRA is off here")
         if req.trace_context is not None:  # only W3C's two keys, bounded
@@ -386,6 +389,7 @@ class EngineCore:
             kv_connector=self._connector_counters(),
             engine_threads=threads,
             engine_thread_changes=thread_changes,
+            tenant_tokens=self.scheduler.tenants.snapshot(),
             **self._lora_stats(),
         )
 

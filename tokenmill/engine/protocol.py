@@ -51,6 +51,9 @@ class EngineRequest:
     # W3C trace context (traceparent, tracestate) of the span the engine's span hangs from; None: the
     # request is not traced (tokenmill/tracing.py).
     trace_context: dict[str, str] | None = None
+    # Who the request is served for (the server's API key name or tenant header): the fair policy's
+    # shares and the per-tenant token counts (engine/fairness.py). None: the tenant "default".
+    tenant: str | None = None
 
 
 @dataclass
@@ -109,6 +112,8 @@ class EngineStats:
     lora_resident: list[str] = field(default_factory=list)
     lora_running: list[str] = field(default_factory=list)  # of those, the ones admitted requests hold
     lora_free_slots: int = 0
+    # Tokens served per tenant since start: [prompt tokens computed, tokens generated] (fairness.py).
+    tenant_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The worker was told to stop (SIGTERM): it takes no new requests and finishes those it has; a
     # router stops sending it any as soon as it hears this.
     draining: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from tokenmill.engine.fairness import DEFAULT_TENANT
 from tokenmill.engine.protocol import EngineRequest, FinishReason
 from tokenmill.lora.request import kv_salt
 
@@ -28,6 +29,10 @@ class Request:
         self.eos_token_ids = req.eos_token_ids
         self.arrival_time = req.arrival_time
         self.priority = req.priority
+        # Who it is served for (the scheduler names it: fairness.py), and how many of its prompt tokens
+        # have been counted as served to them (recomputing after a preemption counts nothing again).
+        self.tenant = req.tenant or DEFAULT_TENANT
+        self.num_prompt_charged = 0
         self.cache_salt = req.cache_salt
         self.lora = req.lora
         self.lora_slot = -1  # the LoRA slot it holds while admitted (-1: none)

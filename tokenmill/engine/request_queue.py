@@ -1,17 +1,28 @@
-"""The waiting queue: first come first served, or by (priority, arrival time)."""
+"""The waiting queue: first come first served, by (priority, arrival time), or fair shares between
+tenants within priority bands (engine/fairness.py)."""
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
 
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.fairness import FairQueue, parse_tenant_weights
 from tokenmill.engine.request import Request
+
+
+def make_waiting_queue(config: SchedulerConfig) -> WaitingQueue | FairQueue[Request]:
+    if config.policy == "fair":
+        return FairQueue(
+            parse_tenant_weights(config.tenant_weights), config.fair_input_weight, config.fair_output_weight
+        )
+    return WaitingQueue(config.policy)
 
 
 class WaitingQueue:
     def __init__(self, policy: str) -> None:
         if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+            raise ValueError(f"scheduling policy must be 'fcfs', 'priority' or 'fair', got {policy!r}")
         self.by_priority = policy == "priority"
         self._fcfs: deque[Request] = deque()
         self._sorted: list[tuple[tuple[int, float], int, Request]] = []
@@ -42,6 +53,13 @@ class WaitingQueue:
 
     def pop(self) -> Request:
         return self._sorted.pop(0)[2] if self.by_priority else self._fcfs.popleft()
+
+    def victim_key(self, req: Request) -> tuple[int, float]:
+        """Priority preemption pushes out the least urgent, latest arrived request first."""
+        return req.sort_key()
+
+    def charge(self, req: Request, n_in: int, n_out: int) -> None:
+        """Service is not what orders this queue."""
 
     def remove(self, req: Request) -> bool:
         if self.by_priority:

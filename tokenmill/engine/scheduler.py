@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.fairness import TenantLedger
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import FinishReason, Request, RequestStatus
-from tokenmill.engine.request_queue import WaitingQueue
+from tokenmill.engine.request_queue import make_waiting_queue
 from tokenmill.lora.slots import LoRASlots
 from tokenmill.worker.step import NewRequestData, RunningRequestData, SchedulerOutput
 
@@ -39,7 +40,8 @@ class Scheduler:
         self.loras = LoRASlots(max_loras) if max_loras else None
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue(config.policy)
+        self.waiting = make_waiting_queue(config)
+        self.tenants = TenantLedger()  # tokens served per tenant (and the fair queue's counters, charged)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Requests waiting for a KV connector's background load, holding their blocks.
@@ -57,6 +59,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
+        req.tenant = self.tenants.name(req.tenant)
         self.waiting.push(req)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
@@ -105,6 +108,7 @@ class Scheduler:
                 # The budget may have cut into the drafts: verify only those that fit.
                 del req.spec_token_ids[max(n - (req.num_tokens - req.num_computed_tokens), 0) :]
                 scheduled[req.request_id] = _Scheduled(req, n, req.num_computed_tokens)
+                self._prompt_served(req, req.num_computed_tokens, n)
                 budget -= n
                 i += 1
 
@@ -166,6 +170,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled[req.request_id] = _Scheduled(req, n, hit)
+            self._prompt_served(req, hit, n)  # counted now: the next pick of this step sees it
             budget -= n
         for req in reversed(no_slot):
             self.waiting.push_front(req)
@@ -253,9 +258,9 @@ class Scheduler:
         return out
 
     def _make_room_for_urgent(self) -> list[Request]:
-        """Priority policy: preempt running requests of strictly lower priority (larger value) while the
-        most urgent waiting request lacks a slot or blocks. Done before anything is allocated this step,
-        so no block named in this step is ever given up."""
+        """Priority and fair policies: preempt running requests of strictly lower priority (larger value:
+        a higher band) while the most urgent waiting request lacks a slot or blocks. Done before anything
+        is allocated this step, so no block named in this step is ever given up."""
         victims: list[Request] = []
         if not self.waiting.by_priority:
             return victims
@@ -280,8 +285,21 @@ class Scheduler:
 
     def _pick_victim(self, running: list[Request]) -> Request:
         if self.waiting.by_priority:
-            return max(running, key=Request.sort_key)  # least urgent, latest arrived
+            return max(running, key=self.waiting.victim_key)  # least urgent (fair: served most), latest
         return running[-1]  # last admitted
+
+    def _prompt_served(self, req: Request, start: int, n: int) -> None:
+        """Count the prompt tokens of a scheduled chunk to its tenant, each once (prefix-cache hits and
+        recomputation after a preemption count nothing)."""
+        end = min(start + n, req.num_prompt_tokens)
+        fresh = end - max(start, req.num_prompt_charged)
+        if fresh > 0:
+            req.num_prompt_charged = end
+            self._served(req, fresh, 0)
+
+    def _served(self, req: Request, n_in: int, n_out: int) -> None:
+        self.tenants.add(req.tenant, n_in, n_out)
+        self.waiting.charge(req, n_in, n_out)
 
     def _preempt(self, victim: Request, scheduled: dict[str, _Scheduled]) -> int:
         """Free the victim's blocks and requeue it; return the token budget it had been given this step."""
@@ -336,6 +354,7 @@ class Scheduler:
                     break
             if kept:
                 touched.append((req, kept))
+                self._served(req, 0, kept)
             if not req.is_finished:
                 req.spec_token_ids = self._usable_drafts(req, drafts.get(rid, []))
         return touched

@@ -7,9 +7,11 @@ process; the engine core only ever sees token ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,46 @@ class Submitted:
     proc: OutputProcessor
     queue: asyncio.Queue
     live: set[str]  # engine ids of their sequences still running
+    started: bool = False  # an output arrived: the engine is past queueing them
+
+
+class RequestShedError(RuntimeError):
+    """The server gave this request's place to a more urgent one while it was still queued."""
+
+
+@dataclass
+class RequestScope:
+    """One API request as the server sees it beyond its body: the tenant its sequences are served for,
+    and the sequences it submitted, so that it can be shed while none of them has produced anything.
+    Requests submitted while a scope is current (`request_scope`) join it."""
+
+    tenant: str | None = None
+    subs: list[Submitted] = field(default_factory=list)
+    shed: Exception | None = None
+
+    @property
+    def started(self) -> bool:
+        return any(s.started for s in self.subs)
+
+    def cut_off(self, error: Exception) -> None:
+        """End its sequences with `error` (raised in their streams, which abort them in the engine); what
+        it submits from now on is refused with it."""
+        self.shed = error
+        for sub in self.subs:
+            sub.queue.put_nowait(error)
+
+
+_SCOPE: ContextVar[RequestScope | None] = ContextVar("tokenmill_request_scope", default=None)
+
+
+@contextlib.contextmanager
+def request_scope(scope: RequestScope) -> Iterator[RequestScope]:
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        with contextlib.suppress(ValueError):  # an async generator closed from another context
+            _SCOPE.reset(token)
 
 
 class AsyncLLM:
@@ -97,11 +139,18 @@ class AsyncLLM:
         into: Submitted | None = None,
         lora: LoRARequest | None = None,
         kv_transfer: dict[str, Any] | None = None,
+        tenant: str | None = None,
     ) -> Submitted:
         """Hand a request's n sequences to the engine; `stream` then yields its outputs. With `into`, the
         request joins that batch (one queue, one output processor: the offline API's way). A request
         the client refuses on the spot (the in-process one checks at once) raises, leaving nothing of
-        the batch behind."""
+        the batch behind. The current RequestScope, if any, gives the tenant (unless one is given) and
+        takes the request in."""
+        scope = _SCOPE.get()
+        if scope is not None:
+            if scope.shed is not None:
+                raise scope.shed
+            tenant = tenant if tenant is not None else scope.tenant
         arrival = time.monotonic()
         trace = tracing.current_carrier()  # the HTTP request's span, the engine's span's parent
         sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), asyncio.Queue(), set())
@@ -109,7 +158,7 @@ class AsyncLLM:
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
             req = EngineRequest(
                 cid, prompt_ids, cp, self.eos, arrival, priority, cache_salt, routing_key, kv_transfer, lora,
-                trace,
+                trace, tenant,
             )  # fmt: skip
             try:
                 self.client.add_request(req, sub.queue)
@@ -117,6 +166,8 @@ class AsyncLLM:
                 self.client.abort(sorted(sub.live))
                 raise
             sub.live.add(cid)
+        if scope is not None and into is None:
+            scope.subs.append(sub)
         return sub
 
     async def stream(
@@ -136,6 +187,7 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                sub.started = True
                 batch: list[EngineCoreOutput] = [item]
                 while not queue.empty():  # several sequences may have advanced in one engine step
                     nxt = queue.get_nowait()
@@ -177,11 +229,12 @@ class AsyncLLM:
         routing_key: str | None = None,
         lora: LoRARequest | None = None,
         kv_transfer: dict[str, Any] | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """submit + stream: what the server calls for each API request."""
         sub = self.submit(
             request_id, prompt_ids, params, prompt, priority, cache_salt, routing_key, lora=lora,
-            kv_transfer=kv_transfer,
+            kv_transfer=kv_transfer, tenant=tenant,
         )  # fmt: skip
         async for ro in self.stream(sub):
             yield ro

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill import tracing
-from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.async_llm import AsyncLLM, RequestScope, request_scope
 from tokenmill.models.config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import Pooling, model_pooling
@@ -50,6 +50,7 @@ from tokenmill.server.probes import install_probes
 from tokenmill.server.response_store import ResponseStore, owner_of
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.responses_serving import ResponsesServing
+from tokenmill.server.tenants import tenant_of
 from tokenmill.server.tool_calls import plan_tools, template_messages
 from tokenmill.server.tracing_middleware import TracingMiddleware
 from tokenmill.server.tracing_middleware import observe as observe_span
@@ -87,7 +88,9 @@ class ServerState:
         self.llm = llm
         self.config = config
         self.admission = Admission(
-            config.engine.scheduler.max_num_seqs + config.max_queued_requests, config.max_pending_tokens
+            config.engine.scheduler.max_num_seqs + config.max_queued_requests,
+            config.max_pending_tokens,
+            on_shed=lambda ticket: self.metrics.observe_shed(ticket.band),
         )
         self.serving = OpenAIServing(
             llm, config.model_name, self.admission, config.tool_call_parser, config.reasoning_parser
@@ -268,13 +271,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     async def completions(request: Request) -> Response:
         body = await _json_model(request, CompletionRequest)
         _session_header(request, body)
-        return await _generate(request, state, lambda t: state.serving.completions(body, t))
+        return await _generate(request, state, lambda t: state.serving.completions(body, t), body.priority)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_model(request, ChatCompletionRequest)
         _session_header(request, body)
-        return await _generate(request, state, lambda t: state.serving.chat(body, t))
+        return await _generate(request, state, lambda t: state.serving.chat(body, t), body.priority)
 
     # -- the Responses API -------------------------------------------------------------------------
     def owner(request: Request) -> str:
@@ -284,8 +287,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     async def responses(request: Request) -> Response:
         body = await _json_model(request, ResponsesRequest)
         if body.background:
-            return await _background(state, body, owner(request))
-        return await _generate(request, state, lambda t: state.responses.create(body, t, owner(request)))
+            return await _background(request, state, body, owner(request))
+        return await _generate(
+            request, state, lambda t: state.responses.create(body, t, owner(request)), body.priority
+        )
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> dict:
@@ -312,7 +317,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     def generation_route(path: str, summary: str, model: type[BaseModel], run: Callable) -> None:
         async def handler(request: Request) -> Response:
             body = await _json_model(request, model)
-            return await _generate(request, state, lambda t: run(body, t))
+            return await _generate(request, state, lambda t: run(body, t), getattr(body, "priority", 0))
 
         app.post(path, summary=summary)(handler)
 
@@ -433,8 +438,9 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
 
 
-def _admit(state: ServerState) -> Ticket:
-    """A ticket for a generation, or 503 (draining, no engine) or 429 (full)."""
+def _admit(state: ServerState, band: int = 0, scope: RequestScope | None = None) -> Ticket:
+    """A ticket for a generation, or 503 (draining, no engine) or 429 (full, and no request of a higher
+    band to shed)."""
     if state.draining:
         state.metrics.observe_failure("rejected_draining")
         raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
@@ -442,20 +448,27 @@ def _admit(state: ServerState) -> Ticket:
         state.metrics.observe_failure("engine_unavailable")
         raise APIError(503, engine_unavailable(state.llm.client.dead_reason or "not ready"))
     try:
-        return state.admission.admit()
+        return state.admission.admit(band, scope)
     except APIError:
         state.metrics.observe_failure("rejected_overload")
         raise
 
 
-async def _background(state: ServerState, body: ResponsesRequest, owner: str) -> Response:
+def _scope(request: Request, state: ServerState) -> RequestScope:
+    """The request's scope: its tenant (server/tenants.py), and what it submits (so it can be shed)."""
+    return RequestScope(tenant_of(request.scope, state.config.tenant_header))
+
+
+async def _background(request: Request, state: ServerState, body: ResponsesRequest, owner: str) -> Response:
     """A background response: admitted like any generation, answered at once (queued); its task
     gives the ticket back when it ends."""
-    ticket = _admit(state)
+    scope = _scope(request, state)
+    ticket = _admit(state, body.priority, scope)
     try:
-        run = await state.responses.prepare(body, owner)
-        state.admission.add_work(ticket, 1, len(run.prep.ids))
-        return JSONResponse(state.responses.start_background(run, ticket))
+        with request_scope(scope):  # the task copies it: its sequences join the scope
+            run = await state.responses.prepare(body, owner)
+            state.admission.add_work(ticket, 1, len(run.prep.ids))
+            return JSONResponse(state.responses.start_background(run, ticket))
     except BaseException:
         state.admission.release(ticket)
         raise
@@ -492,14 +505,19 @@ def _page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
 
 
 async def _generate(
-    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]]
+    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]], band: int = 0
 ) -> Response:
-    ticket = _admit(state)
+    """Admit a generation (of priority `band`), run it in its scope, answer it whole or as a stream."""
+    scope = _scope(request, state)
+    ticket = _admit(state, band, scope)
     try:
-        result = await _cancel_on_disconnect(request, make(ticket))
+        with request_scope(scope):  # the task running `make` copies it
+            result = await _cancel_on_disconnect(request, make(ticket))
     except BaseException as e:
         state.admission.release(ticket)
-        if isinstance(e, APIError) and e.status == 429:
+        if ticket.shed:
+            pass  # counted where it was shed
+        elif isinstance(e, APIError) and e.status == 429:
             state.metrics.observe_failure("rejected_overload")
         elif isinstance(e, APIError) and e.status >= 500:  # the engine failed or died under it
             state.metrics.observe_failure("engine_unavailable" if e.status == 503 else "engine_error")
@@ -510,8 +528,9 @@ async def _generate(
 
     async def stream() -> AsyncIterator[str]:
         try:
-            async for chunk in result:  # cancelled by Starlette when the client goes away
-                yield chunk
+            with request_scope(scope):  # the sequences a stream submits join the request's scope
+                async for chunk in result:  # cancelled by Starlette when the client goes away
+                    yield chunk
         finally:
             await result.aclose()
             state.admission.release(ticket)

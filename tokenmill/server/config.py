@@ -80,7 +80,15 @@ class ServerConfig:
     port: int = setting(8000, help="HTTP port")
     served_model_name: str | None = setting(None, help="the model name clients use (default: --model)")
     api_key: str | None = setting(
-        None, envvar="TOKENMILL_API_KEY", help="require this API key (several: comma-separated)"
+        None,
+        envvar="TOKENMILL_API_KEY",
+        help="require this API key (several: comma-separated); NAME:KEY names the tenant the key's "
+        "requests are served for",
+    )
+    tenant_header: str | None = setting(
+        None,
+        help="header naming the tenant of requests whose API key has no name, e.g. x-tenant-id (set it "
+        "from a trusted gateway)",
     )
     # Admission: requests beyond max_num_seqs that may wait in the engine; more get 429.
     max_queued_requests: int = setting(256, help="requests that may wait beyond max-num-seqs (then 429)")

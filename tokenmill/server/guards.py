@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.anthropic_protocol import anthropic_error_response, is_anthropic_path
 from tokenmill.server.errors import error_response
+from tokenmill.server.tenants import KEY_NAME_SCOPE, parse_api_keys
 
 OPEN_PATHS = {
     "/health",
@@ -49,21 +50,29 @@ def presented_key(headers: dict[bytes, bytes]) -> str | None:
 
 class ApiKeyMiddleware:
     """An API key on every path but health, metrics and version: one of `keys` (comma-separated), as
-    `Authorization: Bearer <key>` or `x-api-key: <key>`."""
+    `Authorization: Bearer <key>` or `x-api-key: <key>`. An entry NAME:KEY is a named key (the tenant
+    NAME, server/tenants.py): KEY is accepted, and so is the entry whole (a plain key holding a colon)."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
-        self.keys = [k.strip().encode() for k in key.split(",") if k.strip()]
+        self.keys: list[tuple[str | None, bytes]] = []
+        for name, k in parse_api_keys(key):
+            self.keys.append((name, k.encode()))
+            if name is not None:
+                self.keys.append((name, f"{name}:{k}".encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             key = (presented_key(dict(scope["headers"])) or "").encode("latin-1", "replace")
             # Every key compared, in constant time each: which one matched does not show in the timing.
-            matched = [hmac.compare_digest(key, k) for k in self.keys]
+            matched = [hmac.compare_digest(key, k) for _, k in self.keys]
             if not any(matched):
                 msg = "invalid or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
                 await protocol_error(scope["path"], 401, msg)(scope, receive, send)
                 return
+            name = self.keys[matched.index(True)][0]
+            if name is not None:
+                scope[KEY_NAME_SCOPE] = name
         await self.app(scope, receive, send)
 
 

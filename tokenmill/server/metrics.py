@@ -22,6 +22,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
+# Bands (priorities) past these count under the nearest one, so that no client grows the label set.
+BAND_LABEL_RANGE = (-10, 10)
+
+
+def band_label(band: int) -> str:
+    lo, hi = BAND_LABEL_RANGE
+    return str(min(max(band, lo), hi))
+
+
 class Metrics:
     def __init__(self, client: EngineClient, model_name: str, window_s: float = 60.0) -> None:
         self.registry = CollectorRegistry()
@@ -40,6 +49,13 @@ class Metrics:
         )
         self.failure = Counter(
             "tokenmill:request_failure", "Requests that failed", [*labels, "kind"], registry=r
+        )
+        # Requests shed under overload for a more urgent one (server/admission.py), by band (priority).
+        self.shed = Counter(
+            "tokenmill:requests_shed",
+            "Queued requests shed under overload for more urgent ones, by band (priority)",
+            [*labels, "band"],
+            registry=r,
         )
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter(
@@ -90,6 +106,9 @@ class Metrics:
 
     def observe_failure(self, kind: str) -> None:
         self.failure.labels(self.model, kind).inc()
+
+    def observe_shed(self, band: int) -> None:
+        self.shed.labels(self.model, band_label(band)).inc()
 
     def latency_window(self, window_s: float) -> dict[str, float | None]:
         """Over requests finished in the last `window_s`: mean output tokens and p95 TTFT and ITL (per
@@ -221,6 +240,8 @@ class _EngineCollector(Collector):
             "tokenmill:prefix_cache_hits", "Prompt tokens found cached", lambda s: s.prefix_cache_hits
         )
         yield counter("tokenmill:num_preemptions", "Requests preempted", lambda s: s.num_preemptions)
+        # Steps that computed something: the engine's own clock (what tokens per step are counted in).
+        yield counter("tokenmill:engine_steps", "Engine steps run", lambda s: s.num_steps)
         # One fewer than the configured count while a neighbour crowds the cores (thread_governor.py).
         yield gauge(
             "tokenmill:engine_threads",
@@ -276,6 +297,18 @@ class _EngineCollector(Collector):
             yield info
             yield vinfo
         yield from self._connector(names, series)
+        # What each tenant was served (the engine's counts: prompt tokens as computed, generated tokens):
+        # the shares the fair policy keeps, and what any other policy gave.
+        tenants = CounterMetricFamily(
+            "tokenmill:tenant_tokens",
+            "Tokens served per tenant: input (prompt tokens computed) and output (tokens generated)",
+            labels=[*names, "tenant", "kind"],
+        )
+        for labels, st in series:
+            for tenant, (n_in, n_out) in sorted((st.tenant_tokens if st else {}).items()):
+                tenants.add_metric([*labels, tenant, "input"], n_in)
+                tenants.add_metric([*labels, tenant, "output"], n_out)
+        yield tenants
         router_metrics = getattr(self.client, "router_metrics", None)
         if router_metrics is not None:
             yield from router_metrics(m)

@@ -22,7 +22,7 @@ from tokenmill.engine.client import (
     RequestRejectedError,
 )
 from tokenmill.engine.protocol import worker_secret
-from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.async_llm import AsyncLLM, RequestShedError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import kv_transfer_params
@@ -452,7 +452,7 @@ class OpenAIServing:
         try:
             async for ro in self._generate(rid, ids, p, req):
                 last = ro
-        except (RequestRejectedError, EngineDeadError, RequestFailedError) as e:
+        except (RequestRejectedError, EngineDeadError, RequestFailedError, RequestShedError) as e:
             raise generation_error(e) from e
         assert last is not None
         return last
@@ -734,6 +734,8 @@ def generation_error(e: Exception) -> APIError:
     """The client's error for an engine error while generating."""
     if isinstance(e, EngineDeadError):  # its reason may name the engine's ipc:// socket: not for clients
         return APIError(503, engine_unavailable(e))
+    if isinstance(e, RequestShedError):  # queued, and its place given to a more urgent request
+        return APIError(503, str(e), headers={"Retry-After": "1"})
     if isinstance(e, RequestRejectedError | RequestInvalidError):  # invalid: its grammar gave out
         return APIError(400, str(e))
     if isinstance(e, RequestFailedError):

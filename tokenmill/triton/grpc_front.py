@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 import tokenmill
+from tokenmill.server.tenants import parse_api_keys
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.http import EXTENSIONS, UNSUPPORTED
@@ -210,8 +211,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     sends with `headers={"authorization": ...}`), as the HTTP front requires the same header."""
 
     def __init__(self, key: str) -> None:
-        # Several keys, comma-separated, as on HTTP.
-        self.expected = [f"Bearer {k.strip()}".encode() for k in key.split(",") if k.strip()]
+        # Several keys, comma-separated, as on HTTP (a named one, NAME:KEY, by its key or whole).
+        keys = [(f"{name}:{k}" if name else k, k) for name, k in parse_api_keys(key)]
+        self.expected = [f"Bearer {k}".encode() for pair in keys for k in dict.fromkeys(pair)]
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
             msg = "invalid or missing API key: send `authorization: Bearer <key>`"

@@ -1,0 +1,258 @@
+"""Fair shares between tenants: virtual token counters over priority bands (the `fair` policy).
+
+A tenant is a name a request carries (`EngineRequest.tenant`: the server sets it from the API key's
+name or a header); requests without one are the tenant `default`. Each request's `priority` is its
+band: a lower band is always served first, as with the `priority` policy. Within a band, the waiting
+queue serves the tenant that has been served least, by a virtual token counter per tenant (Sheng et
+al., "Fairness in Serving Large Language Models", OSDI 2024):
+
+- a tenant's counter grows by the tokens it is served, weighted: prompt tokens as they are computed
+  (chunk by chunk; prefix-cache hits cost nothing) times `input_weight`, generated tokens step by step
+  times `output_weight`, all divided by the tenant's share weight (`a=2` gets twice the service of a
+  tenant of weight 1 before they are even);
+- the backlogged tenant (one with a request waiting in the band) with the smallest counter goes first;
+  its oldest waiting request is the one admitted;
+- a tenant that becomes backlogged again is lifted to the smallest counter among the band's backlogged
+  tenants (to the counter of the last tenant that left the backlog when there are none), so that time
+  spent idle banks no credit.
+
+Each band keeps counters of its own: service in one band is not held against a tenant in another.
+Nothing here knows the engine: items need `priority`, `tenant` and `arrival_time`, so a router can
+order its own queue with the same class.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+DEFAULT_TENANT = "default"
+OTHER_TENANT = "other"  # where the tenants past MAX_TENANTS are counted
+MAX_TENANTS = 256  # distinct tenant names one engine keeps apart (metrics and counters stay bounded)
+MAX_TENANT_NAME = 128  # characters
+# Counters of tenants that left their band's backlog are pruned past this many (only those a lift would
+# raise anyway, so nothing is lost), and idle bands past MAX_BANDS.
+PRUNE_AT = 1024
+MAX_BANDS = 64
+
+_WEIGHT_NAME = re.compile(r"[^\s=,]+")
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """`a=2,b=1` -> {"a": 2.0, "b": 1.0}; ValueError naming a bad entry. Tenants not named weigh 1."""
+    weights: dict[str, float] = {}
+    for entry in (text or "").split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, value = (s.strip() for s in entry.partition("="))
+        try:
+            weight = float(value) if sep else float("nan")
+        except ValueError:
+            weight = float("nan")
+        if not _WEIGHT_NAME.fullmatch(name) or not 0 < weight < float("inf"):
+            raise ValueError(
+                f"tenant weights are NAME=WEIGHT (a positive number), comma-separated: {entry!r}"
+            )
+        weights[name] = weight
+    return weights
+
+
+class Fairable(Protocol):
+    priority: int
+    tenant: str
+    arrival_time: float
+
+
+T = TypeVar("T", bound=Fairable)
+
+
+class BandCounters:
+    """The virtual token counters of one band, and who is backlogged in it."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.backlogged: set[str] = set()
+        self.last_left: str | None = None
+
+    def value(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def level(self) -> float | None:
+        """What a tenant becoming backlogged is lifted to (None: nobody to compare with yet)."""
+        if self.backlogged:
+            return min(self.value(t) for t in self.backlogged)
+        return None if self.last_left is None else self.value(self.last_left)
+
+    def join(self, tenant: str) -> None:
+        """`tenant` has a request waiting in the band and had none: lift it, so idle time banks nothing."""
+        level = self.level()
+        if level is not None and self.value(tenant) < level:
+            self.counters[tenant] = level
+        self.backlogged.add(tenant)
+
+    def leave(self, tenant: str) -> None:
+        self.backlogged.discard(tenant)
+        self.last_left = tenant
+        if len(self.counters) > PRUNE_AT:
+            self.prune()
+
+    def charge(self, tenant: str, cost: float) -> None:
+        self.counters[tenant] = self.value(tenant) + cost
+
+    def prune(self) -> None:
+        """Forget idle tenants a lift would raise to the level anyway (the level never falls)."""
+        level = self.level()
+        if level is None:
+            return
+        keep = self.backlogged | {self.last_left}
+        for t in [t for t, c in self.counters.items() if c <= level and t not in keep]:
+            del self.counters[t]
+
+
+class FairQueue(Generic[T]):
+    """The waiting queue of the `fair` policy: lowest band first, then the backlogged tenant with the
+    smallest virtual token counter, then that tenant's oldest request (preempted ones go back first).
+
+    `charge` is how service is counted; the scheduler calls it as tokens are scheduled and generated."""
+
+    # The scheduler's priority preemption applies: a waiting request of a lower band may push out
+    # running requests of a higher band.
+    by_priority = True
+
+    def __init__(
+        self,
+        weights: dict[str, float] | None = None,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+    ) -> None:
+        self.weights = dict(weights or {})
+        self.input_weight, self.output_weight = input_weight, output_weight
+        self._bands: dict[int, BandCounters] = {}
+        self._queues: dict[int, dict[str, deque[T]]] = {}  # band -> tenant -> its waiting requests
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[T]:
+        """In band order (within a band, tenant by tenant: not the order they will be served in)."""
+        for band in sorted(self._queues):
+            for q in self._queues[band].values():
+                yield from q
+
+    def band(self, band: int) -> BandCounters:
+        state = self._bands.get(band)
+        if state is None:
+            if len(self._bands) >= MAX_BANDS:
+                for b in [b for b in self._bands if b not in self._queues]:
+                    del self._bands[b]
+            state = self._bands[band] = BandCounters()
+        return state
+
+    def counter(self, item: T) -> float:
+        state = self._bands.get(item.priority)
+        return 0.0 if state is None else state.value(item.tenant)
+
+    def _put(self, item: T, front: bool) -> None:
+        queues = self._queues.setdefault(item.priority, {})
+        q = queues.get(item.tenant)
+        if q is None:
+            q = queues[item.tenant] = deque()
+            self.band(item.priority).join(item.tenant)
+        if front:
+            q.appendleft(item)
+        else:
+            q.append(item)
+        self._len += 1
+
+    def push(self, item: T) -> None:
+        self._put(item, front=False)
+
+    def push_front(self, item: T) -> None:
+        """Put back a preempted request: first of its tenant's in its band."""
+        self._put(item, front=True)
+
+    def _head(self) -> tuple[int, str]:
+        if not self._len:
+            raise IndexError("the waiting queue is empty")
+        band = min(self._queues)
+        queues, state = self._queues[band], self._bands[band]
+        tenant = min(queues, key=lambda t: (state.value(t), queues[t][0].arrival_time, t))
+        return band, tenant
+
+    def peek(self) -> T:
+        band, tenant = self._head()
+        return self._queues[band][tenant][0]
+
+    def pop(self) -> T:
+        band, tenant = self._head()
+        q = self._queues[band][tenant]
+        item = q.popleft()
+        self._taken(band, tenant, q)
+        return item
+
+    def remove(self, item: T) -> bool:
+        q = self._queues.get(item.priority, {}).get(item.tenant)
+        if q is None:
+            return False
+        try:
+            q.remove(item)
+        except ValueError:
+            return False
+        self._taken(item.priority, item.tenant, q)
+        return True
+
+    def _taken(self, band: int, tenant: str, q: deque[T]) -> None:
+        self._len -= 1
+        if q:
+            return
+        queues = self._queues[band]
+        del queues[tenant]
+        if not queues:
+            del self._queues[band]
+        self._bands[band].leave(tenant)
+
+    def cost(self, tenant: str, n_in: int, n_out: int) -> float:
+        return (n_in * self.input_weight + n_out * self.output_weight) / self.weights.get(tenant, 1.0)
+
+    def charge(self, item: T, n_in: int, n_out: int) -> None:
+        """`item` was served n_in prompt tokens and n_out generated ones."""
+        self.band(item.priority).charge(item.tenant, self.cost(item.tenant, n_in, n_out))
+
+    def victim_key(self, item: T) -> tuple[int, float, float]:
+        """What preemption pushes out first (the largest): the highest band, then the tenant served
+        most there, then the latest arrival."""
+        return (item.priority, self.counter(item), item.arrival_time)
+
+
+class TenantLedger:
+    """Tokens served per tenant since start (prompt tokens computed, tokens generated): the engine's
+    per-tenant counters. Names past MAX_TENANTS are counted (and scheduled) as OTHER_TENANT."""
+
+    def __init__(self, limit: int = MAX_TENANTS) -> None:
+        self.limit = limit
+        self.tokens: dict[str, list[int]] = {}
+        self._names: set[str] = {DEFAULT_TENANT, OTHER_TENANT}
+
+    def name(self, tenant: str | None) -> str:
+        if not tenant:
+            return DEFAULT_TENANT
+        if tenant in self._names:
+            return tenant
+        if len(self._names) - 2 >= self.limit:
+            return OTHER_TENANT
+        self._names.add(tenant)
+        return tenant
+
+    def add(self, tenant: str, n_in: int, n_out: int) -> None:
+        row = self.tokens.get(tenant)
+        if row is None:
+            row = self.tokens[tenant] = [0, 0]
+        row[0] += n_in
+        row[1] += n_out
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {t: list(row) for t, row in self.tokens.items()}
