@@ -37,6 +37,9 @@ def worker_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tu
         url,
         "--max-model-len",
         "512",
+        # stop() ends it with SIGTERM: a short drain (a test that drains sets its own, later on the line)
+        "--drain-timeout",
+        "5",
         *args,
     ]
     with tempfile.TemporaryFile(mode="w+") as log:

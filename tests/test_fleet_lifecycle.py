@@ -7,6 +7,7 @@ clients over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
@@ -51,30 +52,34 @@ async def stream_until(base: str, stop: asyncio.Event, results: list[str], promp
                 "max_tokens": MAX_TOKENS,
                 "ignore_eos": True,
                 "stream": True,
+                "stream_options": {"include_usage": True},
             }
-            chunks, finish = 0, None
+            tokens, finish = 0, None
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
                         results.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                         continue
                     async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            if '"error"' in line:
-                                finish = line
-                                break
-                            chunks += 1
-                            if '"finish_reason":"length"' in line.replace(" ", ""):
-                                finish = "length"
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[len("data: ") :])
+                        if "error" in chunk:
+                            finish = line
+                            break
+                        if chunk.get("usage"):  # the last chunk: the tokens the stream carried
+                            tokens = chunk["usage"]["completion_tokens"]
+                        for choice in chunk.get("choices", []):
+                            finish = choice.get("finish_reason") or finish
             except httpx.HTTPError as e:
                 results.append(f"{type(e).__name__}: {e}")
                 continue
-            results.append("ok" if finish == "length" and chunks == MAX_TOKENS else f"cut: {chunks} {finish}")
+            results.append("ok" if finish == "length" and tokens == MAX_TOKENS else f"cut: {tokens} {finish}")
 
 
 def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
     with (
-        worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_a, _),
+        worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_a, proc_a),
         worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_b, proc_b),
         running_server("--worker-url", url_a, "--worker-url", url_b, "--router", "round-robin") as server,
     ):
@@ -109,6 +114,11 @@ def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
         assert m and int(m.group(1)) > 0, said[-3000:]  # it was stopped with requests under way
         assert "drained in" in said
         assert metric(base, "tokenmill:router_worker_losses_total") == 0  # a planned departure
+        # Stopping an idle worker is planned too: it says it drains before it goes.
+        proc_a.send_signal(signal.SIGTERM)
+        assert proc_a.wait(60) == 0
+        time.sleep(1.0)
+        assert metric(base, "tokenmill:router_worker_losses_total") == 0
 
 
 def test_a_killed_router_started_again_has_its_index_before_it_serves() -> None:
@@ -133,7 +143,12 @@ def test_a_killed_router_started_again_has_its_index_before_it_serves() -> None:
                         httpx.post(f"{first.base_url}/v1/completions", json=body, timeout=120).status_code
                         == 200
                     )
-            held = metric(first.base_url, "tokenmill:router_indexed_blocks")
+            held, seen = -1.0, time.monotonic()
+            while time.monotonic() - seen < 1.0:  # the last events have arrived: no change for a second
+                now = metric(first.base_url, "tokenmill:router_indexed_blocks")
+                if now != held:
+                    held, seen = now, time.monotonic()
+                time.sleep(0.1)
             assert held >= 3 * 8  # each story is some 10 blocks of 16 tokens
             first.kill()  # no goodbye: the workers see their front vanish
             first.wait(30)

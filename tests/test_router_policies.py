@@ -57,7 +57,7 @@ def test_the_fast_kv_choice_is_the_lowest_of_every_cost() -> None:
         ws = [worker(i, rng.randrange(0, 6), rng.randrange(0, 6), rng.randrange(0, 3)) for i in range(n)]
         blocks = rng.randrange(0, 8)
         overlaps = {i: rng.randrange(1, blocks + 2) for i in rng.sample(range(n), rng.randrange(0, n + 1))}
-        pw = rng.choice([1.0, 0.5, 2.0])
+        pw = rng.choice([1.0, 0.5, 2.0, 0.1, 0.3, 0.0])
         costs = kv_costs(
             [(overlaps.get(w.slot, 0), w.prefill_blocks, w.decode_blocks) for w in ws], blocks, pw
         )

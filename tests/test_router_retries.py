@@ -165,3 +165,29 @@ def test_a_new_request_to_an_all_silent_fleet_is_sent_but_its_wait_is_bounded() 
         assert not router._where and not any(w.active for w in router.workers)
 
     asyncio.run(main())
+
+
+def test_a_draining_workers_refusals_go_elsewhere_without_costing_tries() -> None:
+    """A worker that has begun to drain refuses with retry: the request goes to another worker, as many
+    times as workers refuse (each once), and the retry budget is left for real failures."""
+    from tokenmill.engine.client import WorkerDrainingError
+    from tokenmill.engine.protocol import EngineStats
+
+    async def main() -> None:
+        router, clients = fleet([0.0] * 5, retry_wait_s=0.5)
+        router.set_policy("round-robin")
+        q = router.add_request(request("r"))
+        for _ in range(4):  # four workers in turn refuse: more than MAX_RETRIES
+            c = next(c for c in clients if "r" in c.queues)
+            c.queues.pop("r").put_nowait(WorkerDrainingError("draining"))
+            await asyncio.sleep(0.05)
+        last = next(c for c in clients if "r" in c.queues)
+        assert sum(len(c.sent) for c in clients) == 5 and all(len(c.sent) == 1 for c in clients)
+        assert router._where["r"].tries == 1 and q.empty()
+        # A worker whose stats say draining gets no new request at all.
+        last.stats = EngineStats(0, 0, 0.0, 1, 0, 0, 0, 0, 0, draining=True)
+        router.board.invalidate()
+        router.add_request(request("s"))
+        assert "s" not in last.sent
+
+    asyncio.run(main())

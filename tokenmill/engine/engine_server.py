@@ -214,23 +214,42 @@ class _Server:
         engine = self.engine
         if self.draining_since is None:
             self.draining_since = now
-            self.last_stats.draining = True
+            self.info["draining"] = True  # a front that says Hello from now on is told at once
             n = len(getattr(engine.scheduler, "requests", ()))
             log.info("SIGTERM: draining (%d requests to finish, at most %.0fs)", n, self.drain_timeout_s)
-        held = getattr(engine.scheduler, "held", None)
-        if not engine.has_unfinished() and not held:
+            # Every front hears it now (a router stops sending here before the drain can end), even if
+            # nothing is left to finish: its leaving is then planned, not a loss.
+            self.last_stats = engine.stats()
+            self.last_stats.draining = True
+            self.broadcast(StepOutputs([], self.last_stats))
+        if not engine.has_unfinished() and not self._holding():
             log.info("drained in %.1fs: stopping", now - self.draining_since)
             return True
         if now - self.draining_since > self.drain_timeout_s:
-            left = list(getattr(engine.scheduler, "requests", {}))
+            requests = getattr(engine.scheduler, "requests", {})
+            # Requests that have no token yet are handed back (a router sends them elsewhere); the rest end.
+            fresh = [rid for rid, r in requests.items() if not r.output_token_ids]
+            left = [rid for rid in requests if rid not in fresh]
             log.warning(
-                "the drain timed out after %.0fs: %d requests aborted", self.drain_timeout_s, len(left)
-            )
+                "the drain timed out after %.0fs: %d requests handed back, %d aborted",
+                self.drain_timeout_s, len(fresh), len(left),
+            )  # fmt: skip
+            engine.abort(fresh)
+            for rid in fresh:
+                ident = self.owner.pop(rid, None)
+                if ident is not None:
+                    self.send(
+                        ident, Rejected(rid, "the worker stopped before this request began", retry=True)
+                    )
             outputs.extend(engine.abort(left))
             self.deliver(outputs, now)
             outputs.clear()
             return True
         return False
+
+    def _holding(self) -> bool:
+        """Finished requests' blocks kept for a reader (a decode worker) that has not said it is done."""
+        return bool(getattr(self.engine.scheduler, "held", None))
 
     def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead | Challenge) -> None:
         if isinstance(msg, StepOutputs):
@@ -302,7 +321,9 @@ class _Server:
                         continue  # not [identity, message]
                     if not self.handle(ident, data, outputs):
                         return
-            if engine.has_unfinished():
+            # Steps also run while blocks are held for a reader: its "done" (and the holds' expiry) is
+            # taken in a step, and a draining prefill worker waits for it.
+            if engine.has_unfinished() or self._holding():
                 outputs.extend(self._step())
             if self.publisher is not None:
                 self.publisher.publish(engine.kv.take_events())

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import logging
 import threading
+from array import array
 
 import zmq
 
@@ -69,9 +70,9 @@ class KVEventPublisher:
         if not events:
             return
         payload = encode_batch(events)
-        seq = self.seq
-        self.seq += 1
-        with self._lock:
+        with self._lock:  # the number, the buffer and the state change together: a snapshot sees all or none
+            seq = self.seq
+            self.seq += 1
             self._buffer.append((seq, payload))
             self._held.apply(events)
         with contextlib.suppress(zmq.Again):  # past the high-water mark PUB drops; replay recovers it
@@ -89,11 +90,17 @@ class KVEventPublisher:
                 log.warning("ignored a malformed KV-event replay request (%d frames)", len(frames))
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            state = None
             with self._lock:
-                if self._buffer and self._buffer[0][0] > start:  # some of what it asks for is gone
-                    batches = [(self.seq - 1, encode_batch(self._held.snapshot()))]
+                # Some of what it asks for is no longer buffered: the state instead, copied under the lock
+                # (the engine's publish waits only for the copy; the state is built and encoded after).
+                if start < self.seq and (not self._buffer or self._buffer[0][0] > start):
+                    state, state_seq = self._held.copy(), self.seq - 1
+                    batches = []
                 else:
                     batches = [(s, p) for s, p in self._buffer if s >= start]
+            if state is not None:
+                batches = [(state_seq, encode_batch(state.snapshot()))]
             try:
                 for s, p in batches:
                     self.replay.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
@@ -112,9 +119,12 @@ class KVEventPublisher:
 class HeldBlocks:
     """The blocks a worker holds now, per tier, as its events say: what a snapshot stores."""
 
-    def __init__(self) -> None:
-        # (hash, medium) -> (parent hash, tokens, block size, lora id, lora name, extra key)
-        self._blocks: dict[tuple[int, str | None], tuple] = {}
+    def __init__(self, blocks: dict | None = None) -> None:
+        # (hash, medium) -> (parent hash, tokens (int64 bytes), block size, lora id, lora name, extra key)
+        self._blocks: dict[tuple[int, str | None], tuple] = blocks if blocks is not None else {}
+
+    def copy(self) -> HeldBlocks:
+        return HeldBlocks(dict(self._blocks))
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -127,7 +137,9 @@ class HeldBlocks:
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
                     key = extra[i] if extra is not None and i < len(extra) else None
-                    tokens = ev.token_ids[i * bs : (i + 1) * bs]
+                    tokens = array(
+                        "q", ev.token_ids[i * bs : (i + 1) * bs]
+                    ).tobytes()  # a fifth of a list's size
                     blocks[(h, ev.medium)] = (parent, tokens, bs, ev.lora_id, ev.lora_name, key)
                     parent = h
             elif isinstance(ev, BlockRemoved):
@@ -162,12 +174,14 @@ class HeldBlocks:
                 and (run.extra_keys is None) == (extra is None)
             ):
                 run.block_hashes.append(h)
-                run.token_ids.extend(tokens)
+                run.token_ids.extend(array("q", tokens))
                 if run.extra_keys is not None:
                     run.extra_keys.append(extra)
             else:
                 extras = [extra] if extra is not None else None
-                run = BlockStored([h], parent, list(tokens), bs, lora_id, medium, lora_name, extras)
+                run = BlockStored(
+                    [h], parent, array("q", tokens).tolist(), bs, lora_id, medium, lora_name, extras
+                )
                 events.append(run)
         return events
 

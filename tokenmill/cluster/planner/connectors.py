@@ -50,7 +50,7 @@ class FleetConnector:
             live = [
                 w
                 for w in self.router.workers
-                if not w.retired and not w.draining and w.up and in_pool(w, self.pool)
+                if not w.retired and not w.draining and not w.stopping() and w.up and in_pool(w, self.pool)
             ]
             # The least busy workers go first: the least to wait for, the least KV lost.
             for w in sorted(live, key=lambda w: (len(w.active), -w.slot))[: current - target]:

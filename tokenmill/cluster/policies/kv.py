@@ -32,8 +32,11 @@ def kv_costs(
 ) -> list[float]:
     """The cost of sending a request of `request_blocks` to each worker, given per worker (blocks of the
     request it holds, its active prefill blocks, its active decode blocks): the reference the fast
-    path is tested against."""
-    return [prefill_weight * (e if (e := p + request_blocks - o) > 0 else 0.0) + d for o, p, d in loads]
+    path is tested against. Written as the worker's base (prefill_weight x p + d) plus the prompt's
+    uncached part, pw x (B - min(o, p + B)) = pw x max(0, p + B - o) - pw x p: the fast path adds the
+    same floats, so both round alike and ties are ties in both."""
+    pw, b = prefill_weight, request_blocks
+    return [(pw * p + d) + pw * (b - (o if o < p + b else p + b)) for o, p, d in loads]
 
 
 def lora_miss(w: Worker, name: str) -> float:
@@ -57,18 +60,18 @@ class KVPolicy(RoutingPolicy):
             return self._every_cost(cands, overlaps, blocks, req)
         bases = cands.bases
         low = min(bases)
-        best = pw * blocks + low  # the cheapest worker that holds nothing (or a holder, at most this)
+        best = low + pw * blocks  # the cheapest worker that holds nothing (or a holder, at most this)
         by_slot = cands.by_slot
         held: list[tuple[float, Worker]] = []
         for slot, o in overlaps.items():
             w = by_slot[slot]
-            e = w.prefill_blocks + blocks - o
-            cost = pw * (e if e > 0 else 0.0) + w.decode_blocks
+            top = w.prefill_blocks + blocks
+            cost = w.base + pw * (blocks - (o if o < top else top))
             held.append((cost, w))
             if cost < best:
                 best = cost
         tied = [w for cost, w in held if cost == best]
-        if pw * blocks + low == best:  # workers holding nothing at the lowest base tie too
+        if low + pw * blocks == best:  # workers holding nothing at the lowest base tie too
             if bases.count(low) == 1 and not tied:
                 return cands.workers[bases.index(low)]
             tied += [

@@ -34,6 +34,11 @@ from tokenmill.engine.client import EngineClient, EngineDeadError, destroy_conte
 from tokenmill.engine.protocol import EngineRequest, EngineStats
 
 
+def _alive(w: Worker) -> bool:
+    """Connected, not known dead, not draining: what a kept candidate must still be when chosen."""
+    return w.usable()
+
+
 class RouterEngineClient(Membership, EngineClient):
     def __init__(
         self,
@@ -129,12 +134,12 @@ class RouterEngineClient(Membership, EngineClient):
         parent = req.request_id.split("#", 1)[0]
         if role != "prefill" and parent != req.request_id and parent in self._siblings:
             w = cands.by_slot.get(self._siblings[parent])
-            if w is not None:  # the siblings of an n > 1 request share their prompt's blocks
+            if w is not None and _alive(w):  # the siblings of an n > 1 request share their prompt's blocks
                 return w, 0
         overlaps = self.prefix.overlaps(relay, cands.mask, now) if self.policy.uses_prefix else {}
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         w = self.policy.choose(cands, overlaps, blocks, req)
-        if w.client is None or w.client.dead_reason is not None:  # died since the candidates were kept
+        if not _alive(w):  # died (or began to drain) since the candidates were kept
             self.board.invalidate()
             return self.pick(relay, exclude | {w.slot}, role)
         if role != "prefill" and parent != req.request_id:
@@ -176,8 +181,11 @@ class RouterEngineClient(Membership, EngineClient):
         return q
 
     def dispatch(self, relay: Relay, exclude: set[int], role: str | None = None) -> None:
-        if role is None and self.pd is not None:
-            role = "decode"  # a fleet split into prefill and decode workers decodes on decode workers
+        if role is None:
+            # a fleet split into prefill and decode workers decodes on decode workers; a retry keeps the
+            # role of its first try (a prefill leg goes to another prefill worker)
+            role = relay.role or ("decode" if self.pd is not None else None)
+        relay.role = role
         w, overlap = self.pick(relay, exclude, role)
         req = relay.req
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))

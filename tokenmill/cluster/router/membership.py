@@ -62,9 +62,9 @@ class Membership:
         yet, and those finishing their requests before they stop; of one pool of a disaggregated fleet
         ("prefill" or "decode") when `pool` is given."""
         live = [w for w in self.workers if not w.retired and in_pool(w, pool)]
-        serving = sum(1 for w in live if w.up and not w.draining)
+        serving = sum(1 for w in live if w.up and not w.draining and not w.stopping())
         starting = sum(1 for w in live if not w.up and not w.draining)
-        return serving, starting, sum(1 for w in live if w.draining)
+        return serving, starting, sum(1 for w in live if w.draining or (w.up and w.stopping()))
 
     def join_new(self, w: Worker) -> None:
         """Join a worker just launched, allowing it the whole start-up time (a rejoin allows 5 s)."""
@@ -86,9 +86,7 @@ class Membership:
             )
         w.retired = True
         if w.up:
-            losses = self.stats_router.worker_losses
-            await self._leave(w, "drained (scaled down)")
-            self.stats_router.worker_losses = losses  # a planned departure, not a loss
+            await self._leave(w, "drained (scaled down)", planned=True)
         if w.subscriber is not None:
             await w.subscriber.stop()
             w.subscriber = None
@@ -150,9 +148,17 @@ class Membership:
             return
         current = {w.url: w for w in self.workers if not w.retired}
         for url, w in current.items():
-            if w.discovered and url not in found:
+            if w.discovered and url not in found and not w.draining:
+                if w.up and w.active:
+                    # A terminating pod leaves discovery at once but drains on its SIGTERM: its streams
+                    # finish there, and it gets nothing new meanwhile.
+                    log.info("worker %s is no longer discovered: draining it", url)
+                    task = asyncio.get_running_loop().create_task(self.drain(w))
+                    self._joins.add(task)
+                    task.add_done_callback(self._joins.discard)
+                    continue
                 if w.up:
-                    await self._leave(w, "no longer discovered")
+                    await self._leave(w, "no longer discovered", planned=True)
                 w.retired = True
         for url in sorted(found - current.keys()):
             free = next((w.slot for w in self.workers if w.retired), len(self.workers))
@@ -188,12 +194,17 @@ class Membership:
         try:
             await client.start()
             info = client.info
+            if w.retired:
+                raise EngineDeadError("dropped from the fleet while it joined")
+            if info.get("draining"):
+                raise EngineDeadError("it is draining (stopping)")
             bs = int(info.get("block_size", 0))
             if self.block_size and bs != self.block_size:
                 raise EngineDeadError(f"block size {bs} differs from the fleet's {self.block_size}")
+            self.block_size = self.block_size or bs or 16  # the first to join says it: the rest must match
             if self.info and info.get("model") != self.info.get("model"):
                 raise EngineDeadError(f"serves {info.get('model')!r}, the fleet {self.info.get('model')!r}")
-            self.prefix.set_block_size(bs or 16)
+            self.prefix.set_block_size(self.block_size)
             self.prefix.remove_worker(w.slot)
             ev = info.get("kv_events")
             if ev and self.settings.policy == "kv":
@@ -213,24 +224,26 @@ class Membership:
                 log.warning("worker %s publishes no KV events: routed by load alone", w.url)
         except (EngineDeadError, OSError, zmq.ZMQError) as e:
             w.last_error = str(e)
-            if report:
-                log.warning("worker %s is not up: %s", w.url, e)
+            if report:  # (quietly after it left as planned: it was stopped, not lost)
+                (log.debug if w.left_planned else log.warning)("worker %s is not up: %s", w.url, e)
             client.fail(f"not joined: {e}")  # and so not told to shut down: it may be starting still
             await client.shutdown()
             w.joining = False
             return
         if not self.info:
             self.info = dict(info)
-            self.block_size = int(info.get("block_size", 16))
         self.info["max_model_len"] = min(int(self.info["max_model_len"]), int(info["max_model_len"]))
         w.client, w.info, w.up, w.joining = client, info, True, False
         w.joins += 1
+        w.left_planned = False
+        w.weigh(self.settings.prefill_weight)
         self.info["workers"] = sum(x.up for x in self.workers)
         self.board.invalidate()
         log.info("worker %s joined (slot %d)", w.url, w.slot)
 
-    async def _leave(self, w: Worker, reason: str) -> None:
-        if w.stopping():  # it drained on a SIGTERM: a planned departure
+    async def _leave(self, w: Worker, reason: str, planned: bool = False) -> None:
+        w.left_planned = planned or w.stopping()  # scaled down, or drained on a SIGTERM: not a loss
+        if w.left_planned:
             log.info("worker %s left rotation: %s", w.url, reason)
         else:
             log.warning("worker %s left rotation: %s", w.url, reason)

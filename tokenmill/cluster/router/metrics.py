@@ -58,7 +58,8 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
     )
     for w in router.workers:
         if not w.retired:
-            up.add_metric([model, w.name, w.role or ""], 1.0 if w.up and not w.draining else 0.0)
+            serving = w.up and not w.draining and not w.stopping()
+            up.add_metric([model, w.name, w.role or ""], 1.0 if serving else 0.0)
     yield up
     ev = CounterMetricFamily(
         "tokenmill:router_kv_event_gaps",

@@ -52,7 +52,7 @@ class PDOrchestrator:
         if params.prompt_only or params.prompt_logprobs is not None:
             return False  # nothing to decode (embeddings, scoring), or rows a prefill worker keeps to itself
         now = time.monotonic()
-        prefill = [w for w in r.workers if w.up and fits(w, "prefill")]
+        prefill = [w for w in r.workers if w.usable() and fits(w, "prefill")]
         # An idle worker is heard from every half second: silence alone does not rule it out (as in pick).
         prefill = [w for w in prefill if w.answering(now)] or prefill
         if not any(len(w.active) < d.max_prefill_inflight for w in prefill):

@@ -32,7 +32,8 @@ class PrefixIndex:
         self._hasher: PrefixHasher | None = None
 
     def set_block_size(self, block_size: int) -> None:
-        if self.events is None or self.block_size != block_size:
+        """Made once, when the first worker joins (the router refuses workers of another block size)."""
+        if self.events is None:
             self.block_size = block_size
             self.events = EventIndex(block_size)
             self._hasher = PrefixHasher(block_size)

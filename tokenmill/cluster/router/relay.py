@@ -8,7 +8,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from tokenmill.cluster.router.settings import MAX_RETRIES
-from tokenmill.engine.client import EngineDeadError
+from tokenmill.engine.client import EngineDeadError, WorkerDrainingError
 from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class Relay:
     __slots__ = (
         "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
+        "role",
     )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
@@ -29,6 +30,7 @@ class Relay:
         self.sent_at = 0.0  # time.monotonic() of the last dispatch
         self.failed: set[tuple[int, int]] = set()  # (slot, joins) of the workers it was lost on
         self.wait_until: float | None = None  # a retry waiting for a worker that answers: until then
+        self.role: str | None = None  # the pool its first try went to ("prefill", "decode"; None: any)
 
     def put_nowait(self, item: object) -> None:
         r = self.router
@@ -38,12 +40,20 @@ class Relay:
                 r.started(self)
             if item.finish_reason is not None:
                 r.release(self)
-        elif isinstance(item, EngineDeadError) and not self.started and self.tries <= MAX_RETRIES:
+        elif (
+            isinstance(item, EngineDeadError)
+            and not self.started
+            and (
+                self.tries <= MAX_RETRIES or isinstance(item, WorkerDrainingError)  # a refusal costs no try
+            )
+        ):
             w = r.workers[self.slot]
             w.drop_active(self.req.request_id)  # stays findable for abort
             self.failed.add((w.slot, w.joins))  # not sent there again (but after it rejoins)
             self.wait_until = None
             r.stats_router.retries += 1
+            if isinstance(item, WorkerDrainingError):
+                self.tries -= 1  # the worker is leaving: the request has not failed anywhere
             asyncio.get_running_loop().call_soon(r.redispatch, self)
             return
         elif isinstance(item, Exception):

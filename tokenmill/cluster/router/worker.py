@@ -39,6 +39,7 @@ class Worker:
     draining: bool = False  # gets no new requests: it finishes what it has, then leaves (the planner)
     role: str | None = None  # its part in a disaggregated fleet, as launched (known before it joins)
     launched_at: float = field(default_factory=time.monotonic)
+    left_planned: bool = False  # its last departure was planned (scaled down, drained on SIGTERM)
     # Running sums over `active` (kept, not recomputed: a decision must not cost O(requests)), read
     # through the properties below: uncached prompt blocks of requests without a token yet, and blocks
     # of requests that are generating.
