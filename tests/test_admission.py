@@ -120,3 +120,105 @@ def test_shedding_happens_only_if_it_makes_room() -> None:
     with pytest.raises(APIError) as e:
         a2.add_work(t2, 5, 10)
     assert e.value.status == 429 and not q.shed and not r.shed and a2.sequences == 3
+
+
+def test_shedding_is_off_unless_bands_are_served_first() -> None:
+    """Under fcfs the engine does not serve a lower band first, so a low `priority` sheds nothing."""
+    shed = []
+    a = Admission(max_sequences=2, max_tokens=10**6, on_shed=shed.append, shedding=False)
+    a.admit(5, Scope())
+    a.admit(5, Scope())
+    with pytest.raises(APIError) as e:
+        a.admit(-100, Scope())
+    assert e.value.status == 429 and shed == []
+
+
+def test_a_place_alone_is_what_the_admit_path_needs() -> None:
+    """A lone request over the token limit holds more than max_tokens: a new request that wants only a
+    place (its tokens are counted later) sheds a queued one for it, rather than being refused on tokens."""
+    shed = []
+    a = Admission(max_sequences=2, max_tokens=100, on_shed=shed.append)
+    big = a.admit(0, Scope(started=True))
+    a.add_work(big, 1, 500)  # alone: admitted over the limit
+    queued = a.admit(5, Scope())
+    urgent = a.admit(0, Scope())
+    assert shed == [queued] and not urgent.shed and a.sequences == 2
+
+
+def test_shedding_passes_over_requests_that_free_nothing_of_what_is_short() -> None:
+    shed = []
+    a = Admission(max_sequences=10, max_tokens=100, on_shed=shed.append)
+    holder = a.admit(0, Scope(started=True))
+    a.add_work(holder, 1, 60)
+    with_tokens = a.admit(5, Scope())
+    a.add_work(with_tokens, 1, 30)
+    without_tokens = a.admit(5, Scope())  # the latest arrival of band 5, holding no tokens yet
+    t = a.admit(0, Scope())
+    a.add_work(t, 1, 35)  # only tokens are short: the one holding none would free nothing
+    assert shed == [with_tokens] and not without_tokens.shed and a.tokens == 95
+
+
+def test_an_output_that_arrived_unread_starts_a_request_and_is_never_lost() -> None:
+    """A request is started (never shed) as soon as an engine output of it arrives, read or not; a scope
+    cut off ends only its sequences that produced nothing; outputs that arrived before an error are
+    handed out before the error is raised."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.client import EngineDeadError
+    from tokenmill.engine.protocol import EngineCoreOutput
+    from tokenmill.frontend.async_llm import AsyncLLM, RequestScope, RequestShedError, request_scope
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.weights import catalog
+    from tokenmill.weights.tokenizer_source import load_tokenizer
+
+    class Client:
+        def __init__(self) -> None:
+            self.queues: dict = {}
+            self.aborted: list[str] = []
+
+        def add_request(self, req, queue):  # noqa: ANN001, ANN202
+            self.queues[req.request_id] = queue
+            self.priority = req.priority
+            return queue
+
+        def abort(self, ids: list[str]) -> None:
+            self.aborted += ids
+
+        def finish(self, ids: list[str]) -> None: ...
+
+    async def main() -> None:
+        client = Client()
+        llm = AsyncLLM(client, load_tokenizer(catalog.resolve(EngineConfig().model), None))  # type: ignore[arg-type]
+        scope = RequestScope("t", floor=-2)
+        with request_scope(scope):
+            sub = llm.submit("r", [1, 2, 3], SamplingParams(max_tokens=4), priority=-9)
+            idle = llm.submit("s", [1, 2, 3], SamplingParams(max_tokens=4))
+        assert client.priority == 0 and not scope.started
+        (rid, queue), (sid, idle_queue) = client.queues.items()
+        assert rid != sid
+        # Below the floor: raised to it.
+        with request_scope(RequestScope("t", floor=-2)):
+            llm.submit("u", [1, 2, 3], SamplingParams(max_tokens=4), priority=-9)
+        assert client.priority == -2
+        queue.put_nowait(EngineCoreOutput(rid, [42]))
+        assert scope.started  # not read yet
+        a = Admission(max_sequences=1, max_tokens=10**6, on_shed=lambda t: None)
+        a.admit(5, scope)
+        with pytest.raises(APIError):  # started: not shed
+            a.admit(0, Scope())
+        scope.cut_off(RequestShedError("shed"))  # by hand: only the sequence with no output hears it
+        assert queue.qsize() == 1 and idle_queue.qsize() == 1
+        with pytest.raises(RequestShedError):
+            async for _ in llm.stream(idle):
+                pass
+        # An output, then an error (the engine died): the output first, then the error.
+        queue.put_nowait(EngineCoreOutput(rid, [43]))
+        queue.put_nowait(EngineDeadError("gone"))
+        got = []
+        with pytest.raises(EngineDeadError):
+            async for ro in llm.stream(sub):
+                got += ro.outputs[0].delta_token_ids
+        assert got == [42, 43] and rid in client.aborted
+
+    asyncio.run(main())

@@ -1,10 +1,12 @@
 """Fair shares between tenants (engine/fairness.py, the `fair` policy).
 
 - The queue of virtual token counters against a small reference model of the algorithm (Sheng et al.,
-  OSDI'24, with priority bands), on seeded random sequences of arrivals, admissions, aborts, preemptions
-  and service; and its rules one by one: order, the lift rule, share weights, bands.
+  OSDI'24, with priority bands), on seeded random sequences of arrivals, admissions, aborts, preemptions,
+  completions and service; and its rules one by one: order, the lift rule (a tenant idle in the band is
+  lifted, a request going back to the queue lifts nothing), share weights, bands (bounded, clamped).
 - The scheduler counts service as the rule says (prompt chunks as scheduled, cache hits and recomputation
-  free, generated tokens per step) and keeps priority preemption correct under `fair`.
+  free, generated tokens per step), lifts no tenant whose request it puts back (preempted, no LoRA slot),
+  keeps priority preemption correct under `fair`, and keeps tenant names bounded.
 - Behaviour in the real engine core (a tiny random model, no HTTP), measured in engine steps so that a
   slow shared CPU changes nothing: tenant A offers ten times its share continuously, tenant B stays
   within its share; under `fair` B's served tokens per step and its wait for a first token stay within
@@ -26,13 +28,18 @@ from weights_caches import drop_weights_caches
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.fairness import (
+    BAND_RANGE,
     DEFAULT_TENANT,
     OTHER_TENANT,
     FairQueue,
     TenantLedger,
+    parse_tenant_names,
     parse_tenant_weights,
 )
+from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import EngineRequest, Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -45,24 +52,38 @@ class Item:
 
 
 # -- the reference model ----------------------------------------------------------------------------
+def ref_band(priority: int) -> int:
+    return max(BAND_RANGE[0], min(BAND_RANGE[1], priority))
+
+
 class Reference:
-    """The algorithm written as plainly as possible: a list of waiting items, counters per band and
-    tenant, every decision recomputed from scratch."""
+    """The algorithm written as plainly as possible: a list of waiting items, the items admitted and
+    not done, counters per band and tenant, every decision recomputed from scratch."""
 
     def __init__(self, weights: dict[str, float], w_in: float, w_out: float) -> None:
         self.weights, self.w_in, self.w_out = weights, w_in, w_out
         self.waiting: list[tuple[int, Item]] = []  # (position, item): position orders a tenant's items
+        self.elsewhere: list[Item] = []  # admitted (running), not done
         self.counter: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.last_left: dict[int, str] = {}
         self.position = itertools.count()
         self.front = itertools.count(-1, -1)
 
     def backlogged(self, band: int) -> set[str]:
-        return {it.tenant for _, it in self.waiting if it.priority == band}
+        return {it.tenant for _, it in self.waiting if ref_band(it.priority) == band}
+
+    def active(self, band: int) -> set[str]:
+        """Tenants with a request in the band, waiting or running."""
+        running = {it.tenant for it in self.elsewhere if ref_band(it.priority) == band}
+        return self.backlogged(band) | running
 
     def push(self, item: Item, front: bool = False) -> None:
-        band, c = item.priority, self.counter[item.priority]
-        if item.tenant not in self.backlogged(band):
+        """A new request (`front`: one going back to the queue, which lifts nothing)."""
+        band = ref_band(item.priority)
+        c = self.counter[band]
+        if front:
+            self.elsewhere.remove(item)
+        elif item.tenant not in self.active(band):
             others = self.backlogged(band)
             if others:
                 level = min(c[t] for t in others)
@@ -74,9 +95,9 @@ class Reference:
         self.waiting.append((next(self.front) if front else next(self.position), item))
 
     def head(self) -> Item:
-        band = min(it.priority for _, it in self.waiting)
+        band = min(ref_band(it.priority) for _, it in self.waiting)
         c = self.counter[band]
-        in_band = [(pos, it) for pos, it in self.waiting if it.priority == band]
+        in_band = [(pos, it) for pos, it in self.waiting if ref_band(it.priority) == band]
         first = {}
         for _, it in sorted(in_band, key=lambda e: e[0]):
             first.setdefault(it.tenant, it)
@@ -85,17 +106,23 @@ class Reference:
 
     def take(self, item: Item) -> None:
         self.waiting = [(p, it) for p, it in self.waiting if it is not item]
-        if item.tenant not in self.backlogged(item.priority):
-            self.last_left[item.priority] = item.tenant
+        band = ref_band(item.priority)
+        if item.tenant not in self.backlogged(band):
+            self.last_left[band] = item.tenant
 
     def pop(self) -> Item:
         item = self.head()
         self.take(item)
+        self.elsewhere.append(item)
         return item
+
+    def finish(self, item: Item) -> None:
+        """A running item ends."""
+        self.elsewhere.remove(item)
 
     def charge(self, item: Item, n_in: int, n_out: int) -> None:
         cost = (n_in * self.w_in + n_out * self.w_out) / self.weights.get(item.tenant, 1.0)
-        self.counter[item.priority][item.tenant] += cost
+        self.counter[ref_band(item.priority)][item.tenant] += cost
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -112,9 +139,8 @@ def test_the_queue_matches_the_reference_model(seed: int) -> None:
     for _ in range(400):
         op = rng.random()
         if op < 0.35 or not waiting:
-            item = Item(
-                f"r{next(clock)}", rng.choice(tenants), rng.choice([0, 0, 0, 1, 2]), rng.randint(0, 50)
-            )
+            band = rng.choice([0, 0, 0, 1, 2, 2, BAND_RANGE[1] + 5, BAND_RANGE[0] - 7])  # past the range too
+            item = Item(f"r{next(clock)}", rng.choice(tenants), band, rng.randint(0, 50))
             q.push(item)
             ref.push(item)
             waiting.append(item)
@@ -127,12 +153,16 @@ def test_the_queue_matches_the_reference_model(seed: int) -> None:
             n_in = rng.randint(0, 40)
             q.charge(got, n_in, 0)
             ref.charge(got, n_in, 0)
-        elif op < 0.8 and taken:
+        elif op < 0.75 and taken:
             item = rng.choice(taken)
             n_out = rng.randint(1, 8)
             q.charge(item, 0, n_out)
             ref.charge(item, 0, n_out)
-        elif op < 0.9 and taken:
+        elif op < 0.82 and taken:
+            item = taken.pop(rng.randrange(len(taken)))  # finished while running
+            q.done(item)
+            ref.finish(item)
+        elif op < 0.92 and taken:
             item = taken.pop(rng.randrange(len(taken)))  # preempted: back first of its tenant's
             q.push_front(item)
             ref.push(item, front=True)
@@ -140,11 +170,12 @@ def test_the_queue_matches_the_reference_model(seed: int) -> None:
         else:
             item = waiting.pop(rng.randrange(len(waiting)))  # aborted while waiting
             assert q.remove(item)
+            q.done(item)
             ref.take(item)
             assert not q.remove(item)
         assert len(q) == len(waiting) == len(ref.waiting)
         for it in waiting + taken:
-            assert q.counter(it) == pytest.approx(ref.counter[it.priority][it.tenant])
+            assert q.counter(it) == pytest.approx(ref.counter[ref_band(it.priority)][it.tenant])
     while waiting:
         got = q.pop()
         assert got is ref.pop()
@@ -251,7 +282,8 @@ def test_preemption_pushes_out_the_highest_band_then_the_tenant_served_most() ->
 
 def test_tenant_weights_are_checked() -> None:
     assert parse_tenant_weights(None) == {} and parse_tenant_weights(" a=1.5 ,, b=2") == {"a": 1.5, "b": 2}
-    for bad in ("a", "a=0", "a=-1", "a=x", "=2", "a=inf", "a b=1"):
+    # Names as a tenant's name must be (what the header and the keys' names are checked against).
+    for bad in ("a", "a=0", "a=-1", "a=x", "=2", "a=inf", "a b=1", "a:b=1", "é=1", 'a"=1', "x" * 129 + "=1"):
         with pytest.raises(ValueError, match="NAME=WEIGHT"):
             parse_tenant_weights(bad)
     with pytest.raises(ValueError, match="policy"):
@@ -280,14 +312,138 @@ def test_the_flags() -> None:
     assert r.exit_code != 0 and "NAME=WEIGHT" in r.output
 
 
-def test_the_ledger_keeps_a_bounded_number_of_tenants() -> None:
-    ledger = TenantLedger(limit=2)
-    assert [ledger.name(t) for t in (None, "", "x", "y", "z", "x", "default")] == [
-        DEFAULT_TENANT, DEFAULT_TENANT, "x", "y", OTHER_TENANT, "x", DEFAULT_TENANT,
+def test_the_tenant_flags_of_serve() -> None:
+    """Named keys (repeated, or space-separated in the environment), priority floors, the tenant header:
+    checked when the config is built, and the configured names handed to the engine as known tenants."""
+    from test_config_options import capture
+    from typer.testing import CliRunner
+
+    app, got = capture()
+    args = ["serve", "--api-key", "plain:with:colons", "--policy", "fair"]
+    args += ["--tenant-priority-floor", "ops=-5,default=-1", "--tenant-weights", "w=2"]
+    r = CliRunner().invoke(app, args, env={"TOKENMILL_NAMED_API_KEYS": "bob=kb carol=kc"})
+    assert r.exit_code == 0, r.output
+    args = ["serve", "--named-api-key", "alice=k=1", "--named-api-key", "dave=kd"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    first, second = got
+    assert first.named_api_key == ["bob=kb", "carol=kc"] and second.named_api_key == ["alice=k=1", "dave=kd"]
+    assert first.api_keys() == [(None, b"plain:with:colons"), ("bob", b"kb"), ("carol", b"kc")]
+    assert second.api_keys() == [("alice", b"k=1"), ("dave", b"kd")]  # split at the first `=`
+    assert first.engine.scheduler.known_tenants == "bob,carol,ops"  # default is the engine's own
+    assert second.engine.scheduler.known_tenants == "alice,dave"
+    bad = {
+        ("--named-api-key", "alice"): "NAME=KEY",
+        ("--named-api-key", "=k"): "NAME=KEY",
+        ("--named-api-key", "a b=k"): "NAME=KEY",
+        ("--named-api-key", "other=k"): "tenant of its own",
+        ("--named-api-key", "default=k"): "tenant of its own",
+        ("--tenant-priority-floor", "a=high"): "NAME=PRIORITY",
+        ("--tenant-priority-floor", "other=-1"): "NAME=PRIORITY",
+        ("--tenant-header", "authorization"): "credentials",
+        ("--tenant-header", "X-Api-Key"): "credentials",
+        ("--tenant-header", "api-key"): "credentials",
+        ("--tenant-header", "x tenant"): "header's name",
+    }
+    for argv, message in bad.items():
+        r = CliRunner().invoke(app, ["serve", *argv])
+        assert r.exit_code != 0 and message in r.output, (argv, r.output)
+    # A key given twice (plain and named, or named twice) is refused, and never printed.
+    for argv in (
+        ["--api-key", "s3cret", "--named-api-key", "alice=s3cret"],
+        ["--named-api-key", "alice=s3cret", "--named-api-key", "bob=s3cret"],
+        ["--api-key", "s3cret,s3cret"],
+    ):
+        r = CliRunner().invoke(app, ["serve", *argv])
+        assert r.exit_code != 0 and "configured twice" in r.output and "s3cret" not in r.output, argv
+
+
+def test_the_ledger_keeps_a_bounded_number_of_tenants_and_frees_idle_ones() -> None:
+    ledger = TenantLedger(limit=2, known=["k1", "k2"])
+    # Known names, default and other take none of the 2 places.
+    assert [ledger.enter(t) for t in (None, "", "default", "k1", "k2", "x", "y")] == [
+        DEFAULT_TENANT, DEFAULT_TENANT, DEFAULT_TENANT, "k1", "k2", "x", "y",
     ]  # fmt: skip
+    assert ledger.enter("z") == OTHER_TENANT  # x and y both have requests: z is counted as other
     ledger.add("x", 3, 1)
     ledger.add("x", 2, 0)
-    assert ledger.snapshot() == {"x": [5, 1]}
+    ledger.add("y", 1, 1)
+    assert ledger.snapshot() == {"x": [5, 1], "y": [1, 1]}
+    ledger.leave("x")  # x is idle now: the next new name takes its place, and x's counts go
+    assert ledger.enter("z") == "z" and "x" not in ledger.snapshot()
+    assert ledger.enter("x") == OTHER_TENANT  # y and z busy
+    # Least recently used first among the idle: y (entered before z) goes, z stays.
+    ledger.leave("y")
+    ledger.leave("z")
+    assert ledger.enter("y2") == "y2" and ledger.enter("z") == "z"
+    assert ledger.enter("k1") == "k1" and ledger.enter("w") == OTHER_TENANT  # known names stay
+    # However many names pass, the kept ones are bounded: limit + known + default and other.
+    for i in range(1000):
+        ledger.leave(ledger.enter(f"t{i}"))
+    assert len(ledger._lru) == 2 and ledger.known == {"k1", "k2", DEFAULT_TENANT, OTHER_TENANT}
+
+
+def test_configured_tenant_names_are_known_to_the_engine() -> None:
+    cfg = SchedulerConfig(policy="fair", tenant_weights="w=2", known_tenants="alice, bob")
+    sched = Scheduler(cfg, KVCacheManager(64, 4), 512)
+    assert {"alice", "bob", "w"} <= sched.tenants.known
+    assert parse_tenant_names(" a ,,b ") == ["a", "b"]
+    for bad in ("a b", "a=1", "x" * 129):
+        with pytest.raises(ValueError, match="tenant name"):
+            parse_tenant_names(bad)
+    with pytest.raises(ValueError, match="tenant name"):
+        SchedulerConfig(known_tenants="bad name")
+
+
+def test_a_request_back_in_the_queue_lifts_nothing() -> None:
+    """Only a tenant with nothing waiting or running in the band is lifted: one whose request is preempted
+    (or goes back for a LoRA slot, or after a KV load) keeps its counter, however far below the others'."""
+    q: FairQueue[Item] = FairQueue(input_weight=1, output_weight=1)
+    a, b1, b2 = Item("a", "a"), Item("b1", "b"), Item("b2", "b")
+    q.push(a)
+    q.push(b1)
+    assert q.pop() is a
+    q.charge(a, 5, 0)
+    assert q.pop() is b1
+    q.charge(b1, 500, 0)
+    q.push(b2)  # b is running b1: it is not idle, so not lifted (it is above a anyway)
+    q.push_front(a)  # preempted: back in the queue, its counter as it was
+    assert q.counter(a) == 5 and q.peek() is a
+    q.pop()
+    q.push_front(a)  # and again (a LoRA request finding no slot goes back each step)
+    assert q.counter(a) == 5
+    # A new request of a tenant still running one lifts nothing either.
+    q.pop()
+    q.push(Item("a2", "a"))
+    assert q.counter(a) == 5
+    # Once all of a's requests are done, a new one is lifted (to b's 500: b is backlogged).
+    q.remove(q.peek())  # a2, aborted while waiting
+    q.done(Item("a2", "a"))
+    q.done(a)
+    q.push(Item("a3", "a"))
+    assert q.counter(a) == 500
+
+
+def test_bands_past_the_range_are_its_end_bands_and_no_band_forgets_its_counters() -> None:
+    lo, hi = BAND_RANGE
+    q: FairQueue[Item] = FairQueue(input_weight=1, output_weight=1)
+    hog = Item("hog", "hog", priority=0)
+    q.push(hog)
+    q.charge(q.pop(), 1000, 0)
+    # Requests in 200 bands: they share the range's bands, and band 0 keeps the hog's counter.
+    for p in range(-100, 100):
+        it = Item(f"r{p}", "t", priority=p)
+        q.push(it)
+        q.charge(q.pop(), 1, 0)
+        q.done(it)
+    assert len(q._bands) == hi - lo + 1 and q.counter(hog) == 1000
+    far, near = (
+        Item("far", "f", priority=hi + 1000, arrival_time=0),
+        Item("near", "n", priority=hi, arrival_time=1),
+    )
+    q.push(far)
+    q.push(near)
+    assert q.counter(far) == q.counter(near)  # one band: the lift put them level
+    assert max([far, near], key=q.victim_key) is near  # same band and counter: the later arrival
 
 
 # -- the scheduler's accounting ----------------------------------------------------------------------
@@ -362,6 +518,65 @@ def test_fair_priority_preemption_takes_the_higher_band_first() -> None:
     same = sched.requests["same"]
     assert sched.waiting.counter(b) == 8 and sched.waiting.counter(same) == 6
     assert sched.waiting.peek() is same
+
+
+def test_a_preempted_request_keeps_its_tenants_counter() -> None:
+    """Pushed out for a more urgent request, a's request goes back to band 2's queue: its tenant was being
+    served all along, so it keeps its counter (not lifted to b's, which is far above it)."""
+    sched = make_sched(policy="fair", max_num_seqs=1, prefix_caching=False)
+    a = tenant_req("a", "A", 4, priority=2, arrival=0.0, max_tokens=50)
+    sched.add_request(a)
+    step(sched)
+    step(sched)
+    b = tenant_req("b", "B", 4, priority=2, arrival=1.0)
+    sched.add_request(b)  # waits (the one place is a's)
+    sched.waiting.band(2).charge("B", 1000)  # as if B had been served much in band 2 before
+    counter_a = sched.waiting.counter(a)
+    assert counter_a == 4 + 2 * 2 < sched.waiting.counter(b)
+    urgent = tenant_req("urgent", "C", 4, priority=0, arrival=2.0, max_tokens=1)
+    sched.add_request(urgent)
+    out = step(sched)
+    assert out.preempted == [a] and urgent.is_finished
+    assert sched.waiting.counter(a) == counter_a
+    assert plan(step(sched)) == [("a", 0, 6, True)]  # back first: the smaller counter
+    assert sched.waiting.counter(a) == counter_a + 2  # its next token; the recomputed prompt is free
+
+
+def lora_req(rid: str, tenant: str, lora: LoRARequest | None, n_prompt: int, max_tokens: int) -> Request:
+    er = EngineRequest(rid, prompt_of(n_prompt), SamplingParams(max_tokens=max_tokens), tenant=tenant,
+                       lora=lora)  # fmt: skip
+    return Request(er, 512)
+
+
+def test_a_lora_request_without_a_slot_keeps_its_tenants_counter() -> None:
+    """A request whose adapter finds no free slot goes back to the queue every step: that lifts nothing.
+    A's counter is what A was served, while B (served every step) runs far ahead of it."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, policy="fair")
+    sched = Scheduler(cfg, KVCacheManager(256, 4), 512, max_loras=1)
+    x, y = LoRARequest("x", 1, "/x"), LoRARequest("y", 2, "/y")
+    sched.add_request(lora_req("a1", "A", x, 4, 30))  # holds the only slot for 30 steps
+    step(sched)
+    a2 = lora_req("a2", "A", y, 4, 4)
+    sched.add_request(a2)
+    for i in range(4):
+        sched.add_request(lora_req(f"b{i}", "B", None, 8, 30))
+    for _ in range(6):
+        out = step(sched)
+        assert "a2" not in out.out.num_scheduled_tokens and a2.status == RequestStatus.WAITING
+    n_in, n_out = sched.tenants.tokens["A"]
+    assert sched.waiting.counter(a2) == n_in + 2 * n_out == 4 + 2 * 7  # A's own service, no lift
+    assert sched.waiting.counter(a2) < sched.waiting.band(0).value("B")
+
+
+def test_fair_clamps_bands_to_the_range() -> None:
+    sched = make_sched(policy="fair")
+    far = tenant_req("far", "t", priority=BAND_RANGE[1] + 10**9)
+    sched.add_request(far)
+    assert far.priority == BAND_RANGE[1]
+    plain = make_sched(policy="priority")
+    far2 = tenant_req("far2", "t", priority=10**9)
+    plain.add_request(far2)
+    assert far2.priority == 10**9  # the priority policy keeps every priority apart
 
 
 @pytest.mark.parametrize(

@@ -42,15 +42,22 @@ class SchedulerConfig:
     )
     fair_input_weight: float = setting(1.0, help="fair: what one prompt token computed costs a tenant")
     fair_output_weight: float = setting(2.0, help="fair: what one generated token costs a tenant")
+    known_tenants: str | None = setting(
+        None,
+        help="tenant names this engine keeps apart for good besides --tenant-weights', comma-separated "
+        "(other names share 256 places, freed when idle); `serve` adds its --named-api-key and "
+        "--tenant-priority-floor names",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f'policy must be "fcfs", "priority" or "fair", got {self.policy!r}')
         if not (self.fair_input_weight >= 0 and self.fair_output_weight >= 0):
             raise ValueError("fair_input_weight and fair_output_weight must be at least 0")
-        from tokenmill.engine.fairness import parse_tenant_weights
+        from tokenmill.engine.fairness import parse_tenant_names, parse_tenant_weights
 
         parse_tenant_weights(self.tenant_weights)  # a bad spec fails when the config is built
+        parse_tenant_names(self.known_tenants)
 
 
 @dataclass

@@ -42,7 +42,8 @@ class WaitingQueue:
             self._fcfs.append(req)
 
     def push_front(self, req: Request) -> None:
-        """Put back a preempted request: it goes before every request that arrived after it."""
+        """Put back a request that had left the queue (preempted, loaded, no LoRA slot yet): it goes
+        before every request that arrived after it."""
         if self.by_priority:
             self.push(req)  # its (priority, arrival) key already places it
         else:
@@ -60,6 +61,9 @@ class WaitingQueue:
 
     def charge(self, req: Request, n_in: int, n_out: int) -> None:
         """Service is not what orders this queue."""
+
+    def done(self, req: Request) -> None:
+        """Nothing is kept of a request once it leaves this queue."""
 
     def remove(self, req: Request) -> bool:
         if self.by_priority:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.fairness import TenantLedger
+from tokenmill.engine.fairness import TenantLedger, band_of, parse_tenant_names, parse_tenant_weights
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import FinishReason, Request, RequestStatus
 from tokenmill.engine.request_queue import make_waiting_queue
@@ -41,7 +41,10 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = make_waiting_queue(config)
-        self.tenants = TenantLedger()  # tokens served per tenant (and the fair queue's counters, charged)
+        # Tenant names and tokens served per tenant (the fair queue's counters are charged alongside):
+        # the configured names are kept for good, others while they have requests (fairness.py).
+        known = [*parse_tenant_names(config.known_tenants), *parse_tenant_weights(config.tenant_weights)]
+        self.tenants = TenantLedger(known=known)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Requests waiting for a KV connector's background load, holding their blocks.
@@ -59,7 +62,9 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
-        req.tenant = self.tenants.name(req.tenant)
+        req.tenant = self.tenants.enter(req.tenant)
+        if self.config.policy == "fair":
+            req.priority = band_of(req.priority)  # bands past the fair queue's range are its end bands
         self.waiting.push(req)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
@@ -402,6 +407,8 @@ class Scheduler:
             self.kv.free(req)
         self._drop_lora_slot(req)
         self.requests.pop(req.request_id, None)
+        self.tenants.leave(req.tenant)
+        self.waiting.done(req)  # its tenant's last request in its band: the tenant may be lifted again
         self._finished_ids.append(req.request_id)
         if self.on_finished is not None:  # last: the request is done with whatever the hook does
             self.on_finished(req)

@@ -33,6 +33,18 @@ from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights import catalog
 
 
+class OutputQueue(asyncio.Queue):
+    """The queue a request's engine outputs arrive on; it notes when the first of them has arrived,
+    read or not."""
+
+    arrived = False
+
+    def put_nowait(self, item: Any) -> None:
+        if not isinstance(item, BaseException):
+            self.arrived = True
+        super().put_nowait(item)
+
+
 @dataclass
 class Submitted:
     """Requests handed to the engine (one, or a batch added to the same Submitted): their frontend
@@ -40,9 +52,13 @@ class Submitted:
 
     request_id: str  # the first one's
     proc: OutputProcessor
-    queue: asyncio.Queue
+    queue: OutputQueue
     live: set[str]  # engine ids of their sequences still running
-    started: bool = False  # an output arrived: the engine is past queueing them
+
+    @property
+    def started(self) -> bool:
+        """An engine output arrived (whether read yet or not): the engine is past queueing them."""
+        return self.queue.arrived
 
 
 class RequestShedError(RuntimeError):
@@ -52,23 +68,33 @@ class RequestShedError(RuntimeError):
 @dataclass
 class RequestScope:
     """One API request as the server sees it beyond its body: the tenant its sequences are served for,
-    and the sequences it submitted, so that it can be shed while none of them has produced anything.
-    Requests submitted while a scope is current (`request_scope`) join it."""
+    the most urgent priority they may have (`floor`: a lower one is raised to it), and the sequences it
+    submitted, so that it can be shed while it has not started. Requests submitted while a scope is
+    current (`request_scope`) join it."""
 
     tenant: str | None = None
+    floor: int = 0
     subs: list[Submitted] = field(default_factory=list)
     shed: Exception | None = None
+    # Its answer has begun (a stream's 200, a background response's id): a client told "200" is not
+    # told "retry" afterwards, so it is never shed.
+    responded: bool = False
+
+    def clamp(self, priority: int) -> int:
+        return max(priority, self.floor)
 
     @property
     def started(self) -> bool:
-        return any(s.started for s in self.subs)
+        """Its answer has begun, or any engine output of it has arrived (read or not)."""
+        return self.responded or any(s.started for s in self.subs)
 
     def cut_off(self, error: Exception) -> None:
-        """End its sequences with `error` (raised in their streams, which abort them in the engine); what
-        it submits from now on is refused with it."""
+        """End its sequences that have produced nothing with `error` (raised in their streams, which
+        abort them in the engine); what it submits from now on is refused with it."""
         self.shed = error
         for sub in self.subs:
-            sub.queue.put_nowait(error)
+            if not sub.started:
+                sub.queue.put_nowait(error)
 
 
 _SCOPE: ContextVar[RequestScope | None] = ContextVar("tokenmill_request_scope", default=None)
@@ -144,16 +170,17 @@ class AsyncLLM:
         """Hand a request's n sequences to the engine; `stream` then yields its outputs. With `into`, the
         request joins that batch (one queue, one output processor: the offline API's way). A request
         the client refuses on the spot (the in-process one checks at once) raises, leaving nothing of
-        the batch behind. The current RequestScope, if any, gives the tenant (unless one is given) and
-        takes the request in."""
+        the batch behind. The current RequestScope, if any, gives the tenant (unless one is given),
+        raises the priority to its floor, and takes the request in."""
         scope = _SCOPE.get()
         if scope is not None:
             if scope.shed is not None:
                 raise scope.shed
             tenant = tenant if tenant is not None else scope.tenant
+            priority = scope.clamp(priority)
         arrival = time.monotonic()
         trace = tracing.current_carrier()  # the HTTP request's span, the engine's span's parent
-        sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), asyncio.Queue(), set())
+        sub = into or Submitted(request_id, OutputProcessor(self.tokenizer), OutputQueue(), set())
         proc = sub.proc
         for cid, cp in proc.add_request(request_id, prompt, prompt_ids, params, arrival):
             req = EngineRequest(
@@ -177,8 +204,10 @@ class AsyncLLM:
         with `final_only` once per request, when it has finished.
 
         A sequence the engine failed on raises RequestFailedError, or with `errors_as_outputs` ends
-        with finish reason "error" like any other. If the consumer stops early (a client
-        disconnected), the request is aborted in the engine.
+        with finish reason "error" like any other. An error put in the queue (the engine died, the
+        request was shed) is raised after the outputs that arrived before it, unless those finished
+        the request. If the consumer stops early (a client disconnected), the request is aborted in
+        the engine.
         """
         queue, live, proc = sub.queue, sub.live, sub.proc
         self._in_flight[id(sub)] = sub
@@ -187,12 +216,13 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                sub.started = True
                 batch: list[EngineCoreOutput] = [item]
+                error: Exception | None = None
                 while not queue.empty():  # several sequences may have advanced in one engine step
                     nxt = queue.get_nowait()
                     if isinstance(nxt, Exception):
-                        raise nxt
+                        error = nxt  # after what arrived before it
+                        break
                     batch.append(nxt)
                 for out in batch:
                     if out.finish_reason is not None:
@@ -211,6 +241,8 @@ class AsyncLLM:
                     if ro.finished and self.on_finished is not None:
                         self.on_finished(ro)
                     yield ro
+                if error is not None and live:
+                    raise error
         finally:
             self._in_flight.pop(id(sub), None)
             if live:

@@ -5,10 +5,14 @@ prompts and n=2 is 2,000 of them), so sequences are what is counted: one from a 
 (every request is at least one), all of them once its prompts and n are known, until its last byte
 is sent; its prompt tokens likewise.
 
-Load shedding by band: a request's band is its `priority` (lower is more urgent). When a request would
-be refused, requests of a strictly higher band that are still queued (nothing generated yet) are shed
-instead, the highest band and the latest arrival first, if that makes room: each ends with 503 and is
-counted (`on_shed`). Otherwise the new request gets its 429 as before, and nothing is shed.
+Load shedding by band, with `shedding` on (the server's `priority` and `fair` policies): a request's
+band is its `priority` (lower is more urgent; the server clamps it to the tenant's floor first). When a
+request would be refused, requests of a strictly higher band that have not started (no engine output
+has arrived for them, and their answer has not begun: a stream's 200 or a background response's id is
+never followed by a shedding) are shed instead, the highest band and the latest arrival first, if that
+makes room: each ends with 503 and is counted (`on_shed`). A candidate that frees nothing of what is
+short (prompt tokens, when only sequences are) is passed over. Otherwise the new request gets its 429
+as before, and nothing is shed.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ class Ticket:
     sequences: int = 0
     tokens: int = 0
     released: bool = False
-    band: int = 0  # the request's priority
+    band: int = 0  # the request's priority (clamped to its tenant's floor)
     # What sheds it while queued (a frontend RequestScope: `started`, `cut_off`); None: never shed.
     scope: Any = None
     shed: bool = False
@@ -47,12 +51,17 @@ def shed_error(band: int) -> APIError:
 
 class Admission:
     def __init__(
-        self, max_sequences: int, max_tokens: int, on_shed: Callable[[Ticket], None] | None = None
+        self,
+        max_sequences: int,
+        max_tokens: int,
+        on_shed: Callable[[Ticket], None] | None = None,
+        shedding: bool = True,
     ) -> None:
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.sequences = 0
         self.tokens = 0
         self.on_shed = on_shed
+        self.shedding = shedding
         self._live: dict[int, Ticket] = {}  # by order: tickets that could be shed
         self._order = itertools.count()
 
@@ -64,7 +73,8 @@ class Admission:
         """A ticket for one request (one sequence). With a `scope` the request may shed queued requests
         of higher bands to get in, and be shed itself."""
         ticket = Ticket(sequences=1, band=band, scope=scope, order=next(self._order))
-        if self.full and not self._shed_for(ticket, 1, 0):
+        # Only a place is wanted here: the prompt tokens are counted (and may be short) in add_work.
+        if self.full and not self._shed_for(ticket, 1, None):
             raise APIError(
                 429,
                 f"the server is at capacity ({self.sequences} sequences in flight); retry shortly",
@@ -104,17 +114,22 @@ class Admission:
         self.tokens += tokens
         ticket.tokens += tokens
 
-    def _fits(self, sequences: int, tokens: int, freed_seqs: int = 0, freed_tokens: int = 0) -> bool:
-        if self.sequences - freed_seqs + sequences > self.max_sequences:
-            return False
+    def _seqs_fit(self, sequences: int, freed: int = 0) -> bool:
+        return self.sequences - freed + sequences <= self.max_sequences
+
+    def _tokens_fit(self, tokens: int, freed: int = 0) -> bool:
         # A request alone may exceed the token limit (else it could never run); with others it waits.
-        held = self.tokens - freed_tokens
+        held = self.tokens - freed
         return held == 0 or held + tokens <= self.max_tokens
 
-    def _shed_for(self, ticket: Ticket, sequences: int, tokens: int) -> bool:
-        """Shed queued requests of higher bands than `ticket`'s until it fits; False (shedding nothing)
-        if even all of them would not make room."""
-        if ticket.scope is None:
+    def _fits(self, sequences: int, tokens: int, freed_seqs: int = 0, freed_tokens: int = 0) -> bool:
+        return self._seqs_fit(sequences, freed_seqs) and self._tokens_fit(tokens, freed_tokens)
+
+    def _shed_for(self, ticket: Ticket, sequences: int, tokens: int | None) -> bool:
+        """Shed queued requests of higher bands than `ticket`'s until `sequences` more (and `tokens`
+        more prompt tokens; None: tokens do not matter) fit; False (shedding nothing) if even all of them
+        would not make room."""
+        if ticket.scope is None or not self.shedding:
             return False
         victims = sorted(
             (
@@ -127,13 +142,23 @@ class Admission:
         )
         chosen: list[Ticket] = []
         freed_seqs = freed_tokens = 0
+
+        def short() -> tuple[bool, bool]:
+            return (
+                not self._seqs_fit(sequences, freed_seqs),
+                tokens is not None and not self._tokens_fit(tokens, freed_tokens),
+            )
+
         for victim in victims:
-            if self._fits(sequences, tokens, freed_seqs, freed_tokens):
+            seqs_short, tokens_short = short()
+            if not seqs_short and not tokens_short:
                 break
+            if not (seqs_short and victim.sequences) and not (tokens_short and victim.tokens):
+                continue  # it frees nothing that is short
             chosen.append(victim)
             freed_seqs += victim.sequences
             freed_tokens += victim.tokens
-        if not self._fits(sequences, tokens, freed_seqs, freed_tokens):
+        if any(short()):
             return False
         for victim in chosen:
             victim.shed = True

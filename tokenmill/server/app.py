@@ -16,11 +16,12 @@ from starlette.exceptions import HTTPException
 
 import tokenmill
 from tokenmill import tracing
+from tokenmill.engine.fairness import band_of
 from tokenmill.frontend.async_llm import AsyncLLM, RequestScope, request_scope
 from tokenmill.models.config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling import Pooling, model_pooling
-from tokenmill.server.admission import Admission, Ticket
+from tokenmill.server.admission import Admission, Ticket, shed_error
 from tokenmill.server.anthropic_protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -50,7 +51,7 @@ from tokenmill.server.probes import install_probes
 from tokenmill.server.response_store import ResponseStore, owner_of
 from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.responses_serving import ResponsesServing
-from tokenmill.server.tenants import tenant_of
+from tokenmill.server.tenants import RESERVED, named_tenants, parse_priority_floors, tenant_of
 from tokenmill.server.tool_calls import plan_tools, template_messages
 from tokenmill.server.tracing_middleware import TracingMiddleware
 from tokenmill.server.tracing_middleware import observe as observe_span
@@ -91,7 +92,12 @@ class ServerState:
             config.engine.scheduler.max_num_seqs + config.max_queued_requests,
             config.max_pending_tokens,
             on_shed=lambda ticket: self.metrics.observe_shed(ticket.band),
+            # Bands are what the engine serves first only under these: shedding for them too.
+            shedding=config.engine.scheduler.policy in ("priority", "fair"),
         )
+        # Tenants (server/tenants.py): names the tenant header may not give, and each tenant's floor.
+        self.reserved_tenants = RESERVED | named_tenants(config.named_api_key)
+        self.priority_floors = parse_priority_floors(config.tenant_priority_floor)
         self.serving = OpenAIServing(
             llm, config.model_name, self.admission, config.tool_call_parser, config.reasoning_parser
         )
@@ -138,6 +144,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 
         # Triton's metric names go to the same /metrics as the LLM's.
         repository.metrics = TritonMetrics(state.metrics.registry)
+        # The gRPC front (triton/grpc_front.py) takes the same keys, plain and named.
+        repository.api_keys = config.api_keys()
         app.include_router(build_router(repository, int(config.max_request_body_mb * 2**20)))
 
     # Errors in the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's
@@ -169,8 +177,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             return anthropic_error_response(e.status_code, _http_message(request, e), e.headers)
         return error_response(e.status_code, _http_message(request, e), headers=e.headers)
 
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+    if config.requires_key:
+        app.add_middleware(ApiKeyMiddleware, keys=config.api_keys())
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(config.max_request_body_mb * 2**20))
     if config.engine.otlp_traces_endpoint:
         _install_tracing(app, state, config)
@@ -221,7 +229,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             "kv_cache_blocks": info.get("num_blocks"),
             "block_size": info.get("block_size"),
             # A process id is for the operator (signals, profilers), not for whoever holds a key.
-            **({} if config.api_key else {"engine_pid": llm.client.engine_pid}),
+            **({} if config.requires_key else {"engine_pid": llm.client.engine_pid}),
         }
 
     def model_card() -> dict:
@@ -271,13 +279,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     async def completions(request: Request) -> Response:
         body = await _json_model(request, CompletionRequest)
         _session_header(request, body)
-        return await _generate(request, state, lambda t: state.serving.completions(body, t), body.priority)
+        return await _generate(request, state, lambda t: state.serving.completions(body, t), body)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_model(request, ChatCompletionRequest)
         _session_header(request, body)
-        return await _generate(request, state, lambda t: state.serving.chat(body, t), body.priority)
+        return await _generate(request, state, lambda t: state.serving.chat(body, t), body)
 
     # -- the Responses API -------------------------------------------------------------------------
     def owner(request: Request) -> str:
@@ -289,7 +297,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         if body.background:
             return await _background(request, state, body, owner(request))
         return await _generate(
-            request, state, lambda t: state.responses.create(body, t, owner(request)), body.priority
+            request, state, lambda t: state.responses.create(body, t, owner(request)), body
         )
 
     @app.get("/v1/responses/{response_id}")
@@ -317,7 +325,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
     def generation_route(path: str, summary: str, model: type[BaseModel], run: Callable) -> None:
         async def handler(request: Request) -> Response:
             body = await _json_model(request, model)
-            return await _generate(request, state, lambda t: run(body, t), getattr(body, "priority", 0))
+            return await _generate(request, state, lambda t: run(body, t), body)
 
         app.post(path, summary=summary)(handler)
 
@@ -454,21 +462,32 @@ def _admit(state: ServerState, band: int = 0, scope: RequestScope | None = None)
         raise
 
 
-def _scope(request: Request, state: ServerState) -> RequestScope:
-    """The request's scope: its tenant (server/tenants.py), and what it submits (so it can be shed)."""
-    return RequestScope(tenant_of(request.scope, state.config.tenant_header))
+def _scope(request: Request, state: ServerState, body: Any) -> tuple[RequestScope, int]:
+    """The request's scope: its tenant and priority floor (server/tenants.py), and what it submits (so
+    it can be shed); and its band: the body's priority raised to the floor (the body says so too, and
+    what the scope submits is raised alike)."""
+    tenant = tenant_of(request.scope, state.config.tenant_header, state.reserved_tenants)
+    scope = RequestScope(tenant, state.priority_floors.get(tenant or "default", 0))
+    band = scope.clamp(getattr(body, "priority", 0))
+    if state.config.engine.scheduler.policy == "fair":
+        band = band_of(band)  # the fair queue's bands (engine/fairness.py): shedding sees the same
+    if hasattr(body, "priority"):
+        body.priority = band
+    return scope, band
 
 
 async def _background(request: Request, state: ServerState, body: ResponsesRequest, owner: str) -> Response:
     """A background response: admitted like any generation, answered at once (queued); its task
     gives the ticket back when it ends."""
-    scope = _scope(request, state)
-    ticket = _admit(state, body.priority, scope)
+    scope, band = _scope(request, state, body)
+    ticket = _admit(state, band, scope)
     try:
         with request_scope(scope):  # the task copies it: its sequences join the scope
             run = await state.responses.prepare(body, owner)
             state.admission.add_work(ticket, 1, len(run.prep.ids))
-            return JSONResponse(state.responses.start_background(run, ticket))
+            answer = state.responses.start_background(run, ticket)
+            scope.responded = True  # the client has its id: the response is not shed from now on
+            return JSONResponse(answer)
     except BaseException:
         state.admission.release(ticket)
         raise
@@ -505,14 +524,20 @@ def _page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
 
 
 async def _generate(
-    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]], band: int = 0
+    request: Request, state: ServerState, make: Callable[[Ticket], Awaitable[Any]], body: Any
 ) -> Response:
-    """Admit a generation (of priority `band`), run it in its scope, answer it whole or as a stream."""
-    scope = _scope(request, state)
+    """Admit a generation (in the band of the body's priority, raised to the tenant's floor), run it in
+    its scope, answer it whole or as a stream."""
+    scope, band = _scope(request, state, body)
     ticket = _admit(state, band, scope)
     try:
         with request_scope(scope):  # the task running `make` copies it
             result = await _cancel_on_disconnect(request, make(ticket))
+            if not isinstance(result, dict):
+                if ticket.shed:  # shed before its stream began: a 503 the client can retry on
+                    await result.aclose()
+                    raise shed_error(band)
+                scope.responded = True  # its 200 goes out now: from here on it is never shed
     except BaseException as e:
         state.admission.release(ticket)
         if ticket.shed:

@@ -82,13 +82,23 @@ class ServerConfig:
     api_key: str | None = setting(
         None,
         envvar="TOKENMILL_API_KEY",
-        help="require this API key (several: comma-separated); NAME:KEY names the tenant the key's "
-        "requests are served for",
+        help="require this API key (several: comma-separated; each matched whole); see --named-api-key",
+    )
+    named_api_key: list[str] = setting(
+        default_factory=list,
+        envvar="TOKENMILL_NAMED_API_KEYS",
+        help="also accept this key and serve its requests for the tenant NAME: NAME=KEY (repeat for more; "
+        "the environment's are space-separated)",
     )
     tenant_header: str | None = setting(
         None,
-        help="header naming the tenant of requests whose API key has no name, e.g. x-tenant-id (set it "
-        "from a trusted gateway)",
+        help="header naming the tenant of requests without a named key, e.g. x-tenant-id (set it from a "
+        "trusted gateway); it may not name a named key's tenant, default or other",
+    )
+    tenant_priority_floor: str | None = setting(
+        None,
+        help='the most urgent priority each tenant may ask for, e.g. "alice=-5,default=-1" (others: 0); '
+        "a lower priority is raised to it",
     )
     # Admission: requests beyond max_num_seqs that may wait in the engine; more get 429.
     max_queued_requests: int = setting(256, help="requests that may wait beyond max-num-seqs (then 429)")
@@ -155,6 +165,29 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.lora_modules or self.enable_lora_runtime_updating:
             self.engine.lora.enable_lora = True
+        # Tenants (server/tenants.py): a bad or repeated key, floor or header fails at start.
+        from tokenmill.server.tenants import check_tenant_header, named_tenants, parse_priority_floors
+
+        self.api_keys()
+        check_tenant_header(self.tenant_header)
+        floors = parse_priority_floors(self.tenant_priority_floor)
+        # The engine keeps the configured tenants' names for good: they never take one of the places
+        # the names it meets are given (engine/fairness.py TenantLedger).
+        sched = self.engine.scheduler
+        names = {*named_tenants(self.named_api_key), *floors} - {"default"}
+        known = [t.strip() for t in (sched.known_tenants or "").split(",") if t.strip()]
+        if names - set(known):
+            sched.known_tenants = ",".join(dict.fromkeys([*known, *sorted(names - set(known))]))
+
+    def api_keys(self) -> list[tuple[str | None, bytes]]:
+        """Every key a request may present, with its tenant's name (None: a plain key)."""
+        from tokenmill.server.tenants import key_table
+
+        return key_table(self.api_key, self.named_api_key)
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self.api_key or self.named_api_key)
 
     @property
     def model_name(self) -> str:

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.anthropic_protocol import anthropic_error_response, is_anthropic_path
 from tokenmill.server.errors import error_response
-from tokenmill.server.tenants import KEY_NAME_SCOPE, parse_api_keys
+from tokenmill.server.tenants import KEY_NAME_SCOPE
 
 OPEN_PATHS = {
     "/health",
@@ -49,17 +49,13 @@ def presented_key(headers: dict[bytes, bytes]) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """An API key on every path but health, metrics and version: one of `keys` (comma-separated), as
-    `Authorization: Bearer <key>` or `x-api-key: <key>`. An entry NAME:KEY is a named key (the tenant
-    NAME, server/tenants.py): KEY is accepted, and so is the entry whole (a plain key holding a colon)."""
+    """An API key on every path but health, metrics and version, as `Authorization: Bearer <key>` or
+    `x-api-key: <key>`: one of `keys` (server/tenants.py key_table: --api-key's plain keys, matched
+    whole, and --named-api-key's, whose name becomes the request's tenant)."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: list[tuple[str | None, bytes]]) -> None:
         self.app = app
-        self.keys: list[tuple[str | None, bytes]] = []
-        for name, k in parse_api_keys(key):
-            self.keys.append((name, k.encode()))
-            if name is not None:
-                self.keys.append((name, f"{name}:{k}".encode()))
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:

@@ -171,7 +171,8 @@ async def _say_loading(config: ServerConfig, sock: socket.socket, after_s: float
 
 def _announce(config: ServerConfig, llm: AsyncLLM, port: int) -> None:
     base = f"http://{config.host}:{port}"
-    key = (config.api_key or "none").split(",")[0]
+    # (a named key is not printed: the name is the tenant's, the key theirs)
+    key = config.api_key.split(",")[0] if config.api_key else ("KEY" if config.named_api_key else "none")
     print(
         f"tokenmill serving {config.model_name!r} on {base} "
         f"(max_model_len {llm.max_model_len}, engine loaded in {llm.client.info['load_seconds']:.2f}s)\n"

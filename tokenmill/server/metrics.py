@@ -298,7 +298,8 @@ class _EngineCollector(Collector):
             yield vinfo
         yield from self._connector(names, series)
         # What each tenant was served (the engine's counts: prompt tokens as computed, generated tokens):
-        # the shares the fair policy keeps, and what any other policy gave.
+        # the shares the fair policy keeps, and what any other policy gave. The engine bounds the names
+        # (engine/fairness.py TenantLedger): the configured ones, 256 more, default and other.
         tenants = CounterMetricFamily(
             "tokenmill:tenant_tokens",
             "Tokens served per tenant: input (prompt tokens computed) and output (tokens generated)",

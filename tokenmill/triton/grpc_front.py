@@ -18,7 +18,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 import tokenmill
-from tokenmill.server.tenants import parse_api_keys
+from tokenmill.server.tenants import plain_keys
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.http import EXTENSIONS, UNSUPPORTED
@@ -208,12 +208,15 @@ OPEN_METHODS = {"ServerLive", "ServerReady"}
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """`authorization: Bearer <key>` metadata on every call but the health ones (what tritonclient
-    sends with `headers={"authorization": ...}`), as the HTTP front requires the same header."""
+    sends with `headers={"authorization": ...}`), as the HTTP front requires the same header.
 
-    def __init__(self, key: str) -> None:
-        # Several keys, comma-separated, as on HTTP (a named one, NAME:KEY, by its key or whole).
-        keys = [(f"{name}:{k}" if name else k, k) for name, k in parse_api_keys(key)]
-        self.expected = [f"Bearer {k}".encode() for pair in keys for k in dict.fromkeys(pair)]
+    `keys`: the keys accepted, as the HTTP front's (server/tenants.py key_table: plain and named), or
+    --api-key's text (comma-separated plain keys). A key's name changes nothing here: the repository's
+    models do not run in the LLM engine, so there are no tenants to serve them for."""
+
+    def __init__(self, keys: str | list[tuple[str | None, bytes]]) -> None:
+        table = [(None, k.encode()) for k in plain_keys(keys)] if isinstance(keys, str) else keys
+        self.expected = [b"Bearer " + k for _, k in table]
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
             msg = "invalid or missing API key: send `authorization: Bearer <key>`"
@@ -234,7 +237,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 async def start_grpc(
     repo: ModelRepository, host: str, port: int, api_key: str | None = None
 ) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
+    """The KServe v2 gRPC front. Its keys: those the HTTP app gave the repository (`api_keys`, plain and
+    named: server/app.py), else `api_key` (comma-separated plain keys)."""
+    keys = getattr(repo, "api_keys", None) or api_key
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else None)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(repo), server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise ValueError(f"cannot listen for gRPC on {host}:{port}")

@@ -64,7 +64,7 @@ def install_console(app: FastAPI, state: Any) -> None:  # noqa: ANN401 - the ser
                 "block_size": client.info.get("block_size"),
                 "repository": repository,
                 "model_control_mode": config.model_control_mode if repository else None,
-                "api_key_required": bool(config.api_key),
+                "api_key_required": config.requires_key,
             },
             "engine": engine_state(client, state.draining),
             "counters": {**request_counters(metrics), **cache_counters(stats)},
