@@ -90,6 +90,29 @@ def test_blocks_cross_bit_exact_by_shared_memory_and_by_tcp(use_shm: bool, layou
         assert not path.exists() and not list(Path("/dev/shm").glob(f"tokenmill-kv-{os.getpid()}-*"))
 
 
+def test_a_repeated_done_is_answered_but_counted_once() -> None:
+    """A reader that used the same answer twice tells the prefill worker it is done after each read
+    (the second read fails: the grant is void). The second `done` must not count again: under tensor
+    parallelism the engine joins its ranks' `done`s, and a rank's repeat would stand in for another
+    rank still reading, freeing blocks under it."""
+    shape = (1, 2, 4, 4, 1, 8)
+    server = TransferServer(torch.zeros(shape, dtype=torch.bfloat16), None)
+    client = TransferClient(torch.zeros(shape, dtype=torch.bfloat16), timeout_s=5, use_shm=False)
+    key, now = bytes.fromhex(server.describe()["grant_key"]), time.time()
+    grant = ("req-1", [1, 2], make_grant(key, "req-1", [1, 2], now, now + 60))
+    try:
+        client.done(server.endpoint, "req-1", grant)
+        client.done(server.endpoint, "req-1", grant)  # answered (no error for the reader)...
+        assert server.take_done() == ["req-1"]  # ...but counted once
+        client.done(server.endpoint, "req-1", grant)
+        assert server.take_done() == []
+        with pytest.raises(TransferError, match="no grant"):  # a forged one is still refused
+            client.done(server.endpoint, "req-1", ("req-1", [1, 2], "0.0.0.0.x"))
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_restarted_peer_on_the_same_port_is_mapped_anew() -> None:
     """A reader keeps a peer's shared-memory region mapped. A prefill worker restarted on the same port
     has a new region: the reader must not copy from the old mapping (the dead process's blocks) under

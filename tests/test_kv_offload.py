@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_kv_file_store import block_payload, forge_block_file
+from test_kv_file_store import block_payload, forge_block_file, key_of, payload_of
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import KVOffloadConfig
@@ -88,8 +88,6 @@ def test_bad_tier_specs_fail_when_the_config_is_built(spec: str, message: str) -
 def test_offload_refuses_what_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="prefix caching"):
         LLM(kv_offload="host=1MB", enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="one worker"):
-        LLM(kv_offload="host=1MB", tensor_parallel_size=2)
 
 
 # -- bookkeeping, no model ---------------------------------------------------------------------------
@@ -237,7 +235,7 @@ def test_warm_restart_and_a_damaged_block_is_recomputed(reference: list[list[int
     try:
         assert _rounds(llm, 1)[0] == reference
         kv = llm.engine.stats().kv_connector
-        layout = llm.engine.executor.worker.offload.disk.layout  # the payload's dtype and shape
+        layout = llm.engine.executor.worker.kv_connector.disk.layout  # the payload's dtype and shape
     finally:
         llm.close()
     assert kv["disk_hits"] > 0  # a warm start: the first round already loads from disk
@@ -439,3 +437,73 @@ def test_a_router_keeps_crediting_a_block_the_pool_evicted_to_host_memory() -> N
     assert index.overlaps([11, 12], 0b1) == {0: 2}
     index.apply(0, [BlockRemoved([12], "CPU")])  # the host tier let it go too
     assert index.overlaps([11, 12], 0b1) == {0: 1}
+
+
+def flip_last_byte(data: bytes) -> bytes:
+    """A block file damaged in its payload's last byte (whatever that byte was)."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def test_a_file_store_tells_on_dropped_of_every_block_it_removes(tmp_path: Path) -> None:
+    """Evicted (with on_evict, or too damaged to hand to it), found damaged, gone, discarded: each key
+    the store no longer holds is told (the KV events announce its removal from the tier)."""
+    ns = "m-test-fp16-b16-r0"
+    dropped: list[bytes] = []
+    evicted: list[bytes] = []
+    size = len(payload_of(0)) + 200
+    store = FileStore(tmp_path, ns, capacity_bytes=3 * size, on_evict=lambda k, p: evicted.append(k),
+                      on_dropped=dropped.append)  # fmt: skip
+    for i in range(3):
+        store.put(key_of(i), payload_of(i))
+    damaged = store.path(key_of(0))
+    damaged.write_bytes(flip_last_byte(damaged.read_bytes()))
+    store.put(key_of(3), payload_of(3))  # evicts 0, the oldest: too damaged to pass on, dropped all the same
+    assert evicted == [] and dropped == [key_of(0)]
+    store.put(key_of(4), payload_of(4))  # evicts 1, passed on
+    assert evicted == [key_of(1)] and dropped == [key_of(0), key_of(1)]
+    damaged = store.path(key_of(2))
+    damaged.write_bytes(flip_last_byte(damaged.read_bytes()))
+    assert store.get(key_of(2)) is None and dropped[-1] == key_of(2)
+    store.path(key_of(3)).unlink()  # another process's eviction
+    assert store.get(key_of(3)) is None and dropped[-1] == key_of(3)
+    store.discard(key_of(4))
+    assert dropped[-1] == key_of(4)
+    store.discard(key_of(5))  # never here: nothing to tell
+    assert dropped == [key_of(i) for i in range(5)]
+
+
+def test_a_file_tier_announces_every_block_it_lets_go(tmp_path: Path) -> None:
+    """The worker side reports a removal from the disk tier for each block it no longer holds: evicted
+    (passed on to the shared tier, or too damaged to pass on) and dropped at a load (another size)."""
+    import time
+
+    import torch
+
+    from tokenmill.worker.kv_offload.ops import OffloadOps
+    from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
+
+    kv = torch.randn(2, 2, 8, 4, 1, 8)  # 8 blocks of 512 bytes
+    keys = [bytes([i]) * 16 for i in range(8)]
+    tiers = OffloadTiers(disk_path=str(tmp_path), disk_bytes=3 * 700)  # about three blocks' files
+    worker = OffloadWorker(kv, tiers, 0, "ns")
+
+    def write(*blocks: int) -> None:
+        worker.apply(OffloadOps(file_saves=[(b, keys[b]) for b in blocks]))
+        deadline = time.monotonic() + 30
+        while worker.counters()["file_writes_queued"]:
+            assert time.monotonic() < deadline, "the writer did not catch up"
+            time.sleep(0.01)
+
+    try:
+        write(0, 1, 2)
+        assert worker.take_events() == [("stored", "disk", keys[i]) for i in range(3)]
+        path = worker.disk.path(keys[0])  # type: ignore[union-attr]
+        path.write_bytes(flip_last_byte(path.read_bytes()))  # damaged on disk
+        write(3)  # evicts block 0: too damaged to pass on, gone all the same
+        assert sorted(worker.take_events()) == [("removed", "disk", keys[0]), ("stored", "disk", keys[3])]
+        worker.disk.put(keys[4], b"short")  # type: ignore[union-attr]  # another size, our namespace
+        worker.take_events()
+        assert worker._read(keys[4]) is None
+        assert ("removed", "disk", keys[4]) in worker.take_events()
+    finally:
+        worker.close()

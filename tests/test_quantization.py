@@ -159,8 +159,8 @@ def test_int8_activations_of_int4_name_their_own_kv(tmp_path: Path) -> None:
         llm = LLM(int4_activations=acts, kv_offload=f"disk={tmp_path / acts}:20MB", **common)
         try:
             worker = llm.engine.executor.worker
-            assert llm.engine.kv.connector.namespace == worker.offload.disk.namespace
-            spaces[acts] = worker.offload.disk.namespace
+            assert llm.engine.kv.connector.namespace == worker.kv_connector.disk.namespace
+            spaces[acts] = worker.kv_connector.disk.namespace
             if acts == "int8":
                 smalls = [getattr(m, "small", None) for m in worker.model.modules()]
                 panels = any(getattr(k, "int8_activations", False) for k in smalls)

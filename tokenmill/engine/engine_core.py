@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import request_span
 from tokenmill.engine.fairness import MAX_TENANT_NAME
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.offload_connector import OffloadConnector
-from tokenmill.engine.pd_connector import PDConnector, validate_kv_transfer
+from tokenmill.engine.kv_connector import KVSchedulerContext, build_scheduler_connector
+from tokenmill.engine.pd_connector import validate_kv_transfer
 from tokenmill.engine.protocol import EngineCoreOutput, EngineStats, TokenLogprobs
 from tokenmill.engine.request import EngineRequest, FinishReason, Request
 from tokenmill.engine.scheduler import Scheduler
@@ -26,9 +27,9 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.weights.tokenizer_source import load_tokenizer
 from tokenmill.worker.executor import Executor, UniProcExecutor, WorkerDiedError, make_executor
-from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
+from tokenmill.worker.kv_connector import connector_class, connector_names
 from tokenmill.worker.kv_spec import KVCacheSpec
-from tokenmill.worker.step import SchedulerOutput
+from tokenmill.worker.step import KVConnectorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +40,15 @@ MIN_FITTED_LEN = 512
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.offload.kv_offload and config.kv_transfer.kv_role:
+        # The KV connectors the configuration turns on (worker/kv_connector.py's registry), in chain order.
+        self.kv_connector_names = connector_names(config)
+        if self.kv_connector_names and not config.cache.enable_prefix_caching:
             raise ValueError(
-                "--kv-offload and --kv-role cannot be combined yet (one KV connector per engine)"
+                "--kv-offload and --kv-role need prefix caching: loaded blocks are named by hash"
             )
-        if config.offload.kv_offload or config.kv_transfer.kv_role:
-            if config.parallel.world_size > 1:
-                raise ValueError(
-                    "--kv-offload and --kv-role work with one worker per engine for now (no TP/PP)"
-                )
-            if not config.cache.enable_prefix_caching:
-                raise ValueError(
-                    "--kv-offload and --kv-role need prefix caching: loaded blocks are named by hash"
-                )
+        # A setting a connector cannot work with fails here, with its reason, not in a rank.
+        for name in self.kv_connector_names:
+            connector_class(name, "scheduler").check_config(config)
         t0 = time.perf_counter()
         self.executor: Executor = make_executor(config)
         try:
@@ -110,19 +107,7 @@ class EngineCore:
             num_blocks, cc.block_size, cc.enable_prefix_caching, config.kv_events.enable_kv_events,
             window=self._window_on_every_layer(),
         )  # fmt: skip
-        if config.offload.kv_offload:
-            self._attach_offload(config, specs[0])
-        if config.kv_transfer.kv_role:
-            self.kv.attach_connector(
-                PDConnector(
-                    cc.block_size,
-                    self.executor.kv_transfer_info(),
-                    config.kv_transfer.kv_hold_timeout_s,
-                    # Finished prefills waiting for their readers hold at most half the pool: the rest
-                    # serves the requests running here, whoever sends do_remote_decode.
-                    max_held_blocks=self.kv.pool.num_blocks // 2,
-                )  # fmt: skip
-            )
+        self._attach_connectors(config, specs)
         max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, max_loras)
         if config.otlp_traces_endpoint:
@@ -135,25 +120,39 @@ class EngineCore:
         self.spec_accepted_per_pos: list[int] = []
         self.kv_connector_worker_stats: dict[str, int] = {}
 
-    def _attach_offload(self, config: EngineConfig, spec: KVCacheSpec) -> None:
-        tiers = parse_tiers(config.offload.kv_offload)  # type: ignore[arg-type]
+    def _attach_connectors(self, config: EngineConfig, specs: list[KVCacheSpec]) -> None:
+        """Both sides of the configured KV connectors: every rank builds its worker side and says what
+        the scheduler side needs of it (an endpoint, a namespace), then the scheduler side is built."""
+        names = self.kv_connector_names
+        # Each connector's worker sides' facts, in rank order.
+        self.kv_connector_info: dict[str, list[dict]] = {name: [] for name in names}
+        if not names:
+            return
+        p = config.parallel
+        # One key for the read grants of every rank's transfer server: the scheduler signs, each checks.
+        keys = {"grant_key": secrets.token_bytes(32)}
+        for rank_info in self.executor.init_kv_connector(names, [s.block_bytes for s in specs], keys):
+            for name in names:
+                self.kv_connector_info[name].append(rank_info[name])
         kv = self.kv
-        kv.attach_connector(
-            OffloadConnector(
-                tiers,
-                spec.block_size,
-                spec.block_bytes,
-                layout_namespace(
-                    Path(self.info["source"]).name,
-                    self.info.get("dtype", config.dtype),
-                    self.info.get("weights_label", config.quantization),
-                    spec,
-                    0,
-                ),
+        contexts = [
+            KVSchedulerContext(
+                config,
+                kv.block_size,
+                kv.pool.num_blocks,
+                specs,
+                self.kv_connector_info[name],
+                p.tensor_parallel_size,
+                p.pipeline_parallel_size,
                 kv.events,
                 lambda h: kv.pool.lookup(h) is not None,
-            )
-        )
+                keys,
+            )  # fmt: skip
+            for name in names
+        ]
+        connector = build_scheduler_connector(names, contexts)
+        assert connector is not None
+        kv.attach_connector(connector)
 
     def describe(self) -> dict:
         """Plain facts a frontend needs (the engine protocol's Ready info)."""
@@ -168,8 +167,19 @@ class EngineCore:
             "pid": os.getpid(),
             "kv_role": self.config.kv_transfer.kv_role,
             # Where peers read this worker's blocks; the key of its read grants stays here.
-            "kv_transfer": {k: v for k, v in self.executor.kv_transfer_info().items() if k != "grant_key"},
+            "kv_transfer": self._transfer_info(),
         }
+
+    def _transfer_info(self) -> dict:
+        """Rank 0's KV transfer server (and every rank's endpoint under tensor or pipeline parallelism),
+        without the key of the read grants."""
+        ranks = [
+            {k: v for k, v in info.items() if k != "grant_key"}
+            for info in self.kv_connector_info.get("pd", [])
+        ]
+        if not ranks or not ranks[0]:
+            return {}
+        return {**ranks[0], "endpoints": [r.get("endpoint") for r in ranks]} if len(ranks) > 1 else ranks[0]
 
     @property
     def runner(self):  # noqa: ANN201 - the in-process worker's ModelRunner (tests and tools)
@@ -224,6 +234,8 @@ class EngineCore:
                 req,
                 kv_transfer=validate_kv_transfer(req.kv_transfer, self.kv.block_size, self.max_model_len),
             )
+            if self.kv.connector is not None:
+                self.kv.connector.check_request(req.kv_transfer)
         self.scheduler.add_request(Request(req, self.max_model_len))
 
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -265,13 +277,8 @@ class EngineCore:
             failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
             self.kv.pool.reset_prefix_cache()
             return [self._output(r, [], None, []) for r in failed]
-        if result.kv_connector_stats is not None:
-            self.kv_connector_worker_stats = result.kv_connector_stats
         lora_failed = self._lora_failed(result.lora_failed) if result.lora_failed else []
-        if result.kv_loads_done:
-            sched.finish_loads(result.kv_loads_done)
-        if result.kv_sends_done:
-            sched.release_held(sched.kv.connector.released(result.kv_sends_done))  # type: ignore[union-attr]
+        self._take_kv_output(result.kv_connector_output)
         if not out.num_scheduled_tokens:
             return lora_failed
         self.num_steps += 1
@@ -403,6 +410,28 @@ class EngineCore:
             "lora_running": loras.running_names,
             "lora_free_slots": loras.free,
         }
+
+    def _take_kv_output(self, kvo: KVConnectorOutput | None) -> None:
+        """What the workers' KV connectors reported after a step: finished loads, readers done with kept
+        blocks, tier events, counters."""
+        connector = self.kv.connector
+        if kvo is None or connector is None:
+            return
+        self.kv_connector_worker_stats = kvo.stats
+        loads_done, released = connector.update_from_workers(kvo)
+        if loads_done:
+            self.scheduler.finish_loads(loads_done)
+        if released:
+            self.scheduler.release_held(released)
+
+    def poll_kv_connector(self) -> dict[str, int]:
+        """A step of nothing but the KV connectors' reports (taken in as after any step), for a caller
+        that waits on the workers' background work: the connectors' counters after it (a test waits for
+        `file_writes_queued` to reach 0, every queued write in its file tier)."""
+        if self.kv.connector is None:
+            return {}
+        self._take_kv_output(self.executor.execute_model(SchedulerOutput()).kv_connector_output)
+        return self._connector_counters()
 
     def _connector_counters(self) -> dict[str, int]:
         connector = self.kv.connector

@@ -6,12 +6,18 @@ the file tiers; a host slot that must be reused spills its block to the file tie
 then shared G4: the disk tier passes on what it evicts). This side keeps the host tier's index (which
 slot holds which block, least recently used first) so the worker's side only copies bytes; the file
 tiers are looked up on the filesystem, where other workers' blocks (the shared tier) and those of an
-earlier run (warm start) are too.
+earlier run (warm start) are too. Under tensor or pipeline parallelism each rank keeps its own part of
+every block under a namespace of its own (its rank and shard): a block is in a file tier when every
+rank's part is.
 
 Admission asks for the blocks after the pool's own hits: a leading run found in host memory is
 copied in before the step's forward pass; a run that reaches the file tiers is read in the
 background while the request waits. A block that fails to load (missing, corrupt) only ends the run:
 the request recomputes from there.
+
+KV events name every tier a block is in: the pool's ("GPU", engine/kv_cache_manager.py), host memory
+("CPU", as vLLM's offloading connector), and the file tiers ("DISK", "SHARED") as the workers report
+their writes and evictions (a block another process wrote to the shared tier is not announced).
 """
 
 from __future__ import annotations
@@ -20,16 +26,19 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tokenmill.engine.block_pool import KVBlock
-from tokenmill.engine.kv_connector import KVConnectorScheduler
+from tokenmill.engine.kv_connector import KVConnectorScheduler, KVSchedulerContext
 from tokenmill.engine.kv_events import BlockRemoved, KVEvent, external_hash, stored
 from tokenmill.engine.request import Request
 from tokenmill.worker.kv_offload.file_store import block_path
 from tokenmill.worker.kv_offload.ops import OffloadOps
-from tokenmill.worker.kv_offload.tiers import OffloadTiers
+from tokenmill.worker.kv_offload.tiers import OffloadTiers, parse_tiers
 
 MEDIUM_HOST = "CPU"  # vLLM's name for the host tier in KV events
+MEDIUM_FILES = {"disk": "DISK", "shared": "SHARED"}  # the file tiers' (by the worker's tier names)
+EventInfo = tuple[Any, list[int], Any, Any]  # a block's (parent, tokens, extra keys, lora) for BlockStored
 
 
 class HostIndex:
@@ -70,18 +79,23 @@ class HostIndex:
 
 
 class OffloadConnector(KVConnectorScheduler):
+    name = "offload"
+
     def __init__(
         self,
         tiers: OffloadTiers,
         block_size: int,
         block_bytes: int,
-        namespace: str,
+        namespace: str | list[str],
         events: list[KVEvent] | None = None,
         is_cached: Callable[[bytes], bool] | None = None,
     ) -> None:
+        """`block_bytes`: one block over all ranks; `namespace`: each rank's, in rank order (one for a
+        single worker)."""
         self.tiers = tiers
         self.block_size = block_size
-        self.namespace = namespace
+        self.namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+        self.namespace = self.namespaces[0]
         self.host = HostIndex(tiers.host_bytes // block_bytes) if tiers.host_bytes else None
         if self.host is not None and self.host.num_slots == 0:
             raise ValueError(
@@ -92,6 +106,13 @@ class OffloadConnector(KVConnectorScheduler):
         # offloading connector does (medium "CPU"), so a router credits what this worker can load.
         self.events = events
         self.is_cached = is_cached  # whether the pool still holds a hash (its removal is then not news)
+        # With events on: what each block in host memory, or on its way to or in the file tiers, was
+        # published with, so that its later tiers publish it as fully. Entries for the file tiers go
+        # once nothing more can happen to the block there that needs them (bounded besides).
+        self._host_info: dict[bytes, EventInfo] = {}
+        self._file_info: OrderedDict[bytes, EventInfo] = OrderedDict()
+        disk_blocks = (tiers.disk_bytes or 0) // block_bytes if tiers.disk_path else 0
+        self._max_file_info = disk_blocks + 65_536
         self.ops = OffloadOps()
         # request id -> (its first block loaded, whether each block comes from the file tiers)
         self._loading: dict[str, tuple[int, list[bool]]] = {}
@@ -100,9 +121,34 @@ class OffloadConnector(KVConnectorScheduler):
             "file_saved_blocks": 0, "host_evicted_blocks": 0, "save_skipped_blocks": 0,
         }  # fmt: skip
 
+    @classmethod
+    def build(cls, ctx: KVSchedulerContext) -> OffloadConnector:
+        return cls(
+            parse_tiers(ctx.config.offload.kv_offload),  # type: ignore[arg-type]
+            ctx.block_size,
+            ctx.engine_block_bytes,
+            [info["namespace"] for info in ctx.worker_info],
+            ctx.events,
+            ctx.is_cached,
+        )
+
     # -- lookups -------------------------------------------------------------------------------------
+    def _tier_of(self, key: bytes) -> int | None:
+        """The first file tier (index into file_roots) where every rank's part of the block is."""
+        for i, root in enumerate(self.file_roots):
+            if all(os.path.exists(block_path(root, ns, key)) for ns in self.namespaces):
+                return i
+        return None
+
     def _in_files(self, key: bytes) -> bool:
-        return any(os.path.exists(block_path(root, self.namespace, key)) for root in self.file_roots)
+        if len(self.namespaces) == 1:  # one stat per tier
+            return any(os.path.exists(block_path(root, self.namespace, key)) for root in self.file_roots)
+        # A block whose parts sit in different tiers (a rank's disk evicted its part to the shared tier
+        # before another's) loads too: each rank reads its part from whichever tier holds it.
+        return all(
+            any(os.path.exists(block_path(root, ns, key)) for root in self.file_roots)
+            for ns in self.namespaces
+        )
 
     def num_external_blocks(self, req: Request, num_local_blocks: int) -> tuple[int, bool]:
         # As with the pool's own hits, the last prompt token is always computed (its logits are needed).
@@ -162,47 +208,94 @@ class OffloadConnector(KVConnectorScheduler):
         if host is not None:
             if host.lookup(block_hash) is not None:
                 host.touch(block_hash)
-                self._stored(block)  # the pool's removal went out just before: still loadable here
+                self._stored(
+                    block_hash, block.event_info, MEDIUM_HOST
+                )  # the pool's removal went out: still here
                 return
             taken = host.take(block_hash)
             if taken is None:  # every slot is busy this step: straight to the files, keeping the chain whole
-                self._save_to_files(block_hash, block_id)
+                self._save_to_files(block)
                 return
             slot, old = taken
             if old is not None:
                 self.c["host_evicted_blocks"] += 1
+                info = self._host_info.pop(old, None)
                 if self.file_roots:
                     self.ops.spills.append((slot, old))
                     self.c["file_saved_blocks"] += 1
+                    self._expect_files(old, info)
                 if self.events is not None and not (self.is_cached and self.is_cached(old)):
                     self.events.append(BlockRemoved([external_hash(old)], MEDIUM_HOST))
             self.ops.saves.append((block_id, slot, block_hash))
             self.c["host_saved_blocks"] += 1
-            self._stored(block)
+            if self.events is not None and block.event_info is not None:
+                self._host_info[block_hash] = block.event_info
+            self._stored(block_hash, block.event_info, MEDIUM_HOST)
         else:
-            self._save_to_files(block_hash, block_id)
+            self._save_to_files(block)
 
-    def _save_to_files(self, block_hash: bytes, block_id: int) -> None:
+    def _save_to_files(self, block: KVBlock) -> None:
+        block_hash, block_id = block.block_hash, block.block_id
+        assert block_hash is not None
         if not self.file_roots:
             self.c["save_skipped_blocks"] += 1
-        elif not self._in_files(block_hash):
+            return
+        tier = self._tier_of(block_hash)
+        if tier is None:
             self.ops.file_saves.append((block_id, block_hash))
             self.c["file_saved_blocks"] += 1
+            self._expect_files(block_hash, block.event_info)
+        else:  # the pool's removal went out just before: still loadable from this tier
+            self._stored(block_hash, block.event_info, MEDIUM_FILES[self._tier_names[tier]])
 
-    def _stored(self, block: KVBlock) -> None:
-        """The host tier's BlockStored, as full as the pool's was: a consumer that indexes blocks by
-        their parent and tokens (Dynamo hashes the tokens itself) drops one without them."""
+    @property
+    def _tier_names(self) -> list[str]:
+        return [n for n, p in (("disk", self.tiers.disk_path), ("shared", self.tiers.shared_path)) if p]
+
+    def _expect_files(self, key: bytes, info: EventInfo | None) -> None:
+        """A block is on its way to the file tiers: keep what to publish it with when a worker says so."""
+        if self.events is None or info is None:
+            return
+        self._file_info[key] = info
+        self._file_info.move_to_end(key)
+        while len(self._file_info) > self._max_file_info:
+            self._file_info.popitem(last=False)
+
+    def on_worker_events(self, events: list[tuple[str, str, bytes]]) -> None:
+        """The file tiers' writes and evictions, as the workers report them (on every rank)."""
         if self.events is None:
             return
-        assert block.block_hash is not None and block.event_info is not None, "KV events name every block"
-        parent, tokens, extra, lora = block.event_info
+        last_tier = self._tier_names[-1] if self.file_roots else None
+        for kind, tier, key in events:
+            medium = MEDIUM_FILES.get(tier)
+            if medium is None:
+                continue
+            if kind == "stored":
+                # A block may still move from the disk tier on to the shared one: its entry stays.
+                info = self._file_info.pop(key, None) if tier == last_tier else self._file_info.get(key)
+                self._stored(key, info, medium)
+            elif kind == "removed":
+                if tier == last_tier:
+                    self._file_info.pop(key, None)
+                held = (self.is_cached and self.is_cached(key)) or (
+                    self.host is not None and self.host.lookup(key) is not None
+                )
+                if not held:  # else the pool or host memory still serves it: no news for a router
+                    self.events.append(BlockRemoved([external_hash(key)], medium))
+
+    def _stored(self, key: bytes, info: EventInfo | None, medium: str) -> None:
+        """A tier's BlockStored, as full as the pool's was: a consumer that indexes blocks by their
+        parent and tokens (Dynamo hashes the tokens itself) drops one without them."""
+        if self.events is None or info is None:
+            return
+        parent, tokens, extra, lora = info
         self.events.append(
             stored(
-                [external_hash(block.block_hash)],
+                [external_hash(key)],
                 parent,
                 tokens,
                 self.block_size,
-                MEDIUM_HOST,
+                medium,
                 None if extra is None else [extra],
                 lora,
             )

@@ -6,7 +6,8 @@ The proxy sends the prompt to the prefill server with `{"do_remote_decode": true
 the prefill server keeps the prompt's blocks and answers with `kv_transfer_params` saying where they can
 be read, in the shape of vLLM's NIXL connector (remote_host, remote_port, remote_block_ids,
 remote_request_id, remote_engine_id, tp_size) plus fields of ours (remote_block_size, remote_grant, and
-remote_block_hash, which binds the answer to its prompt).
+remote_block_hash, which binds the answer to its prompt; a prefill engine of several ranks adds
+remote_endpoints, every rank's transfer server, and remote_pp_size).
 The proxy hands that object, unchanged, to the decode server with the same request, and the decode
 server reads the blocks from the prefill server's transfer port instead of computing the prompt
 (engine/pd_connector.py). A read that fails (the blocks were freed, the grant lapsed, the prefill server
@@ -16,13 +17,14 @@ went away) is recomputed and counted (tokenmill:kv_transfer_read_failures), neve
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from tokenmill.server.errors import APIError
 
 PARAM = "kv_transfer_params"
+MAX_RANKS = 1024  # transfer servers one answer may name (engine/pd_connector.py's bound on a layout)
 
 
 class _Params(msgspec.Struct):
@@ -39,6 +41,9 @@ class _Params(msgspec.Struct):
     remote_grant: str | None = None
     remote_block_hash: str | None = None
     tp_size: int | None = None
+    remote_pp_size: int | None = None
+    # HOST:PORT of each rank's transfer server, in rank order
+    remote_endpoints: Annotated[list[str], msgspec.Meta(max_length=MAX_RANKS)] | None = None
 
 
 def to_engine(
@@ -76,13 +81,15 @@ def to_engine(
             host = f"[{host}]"
     except ValueError:
         pass  # a host name; the engine checks the endpoint's shape
-    if peers is not None and f"{host}:{p.remote_port}" not in peers:
-        raise APIError(
-            403,
-            f"{PARAM}: {host}:{p.remote_port} is not a prefill server this one reads from: name it in "
-            "--kv-transfer-peers, or give both servers the workers' secret (TOKENMILL_WORKER_SECRET)",
-            PARAM,
-        )
+    endpoints = p.remote_endpoints or []
+    for peer in [f"{host}:{p.remote_port}", *endpoints]:
+        if peers is not None and peer not in peers:
+            raise APIError(
+                403,
+                f"{PARAM}: {peer} is not a prefill server this one reads from: name it in "
+                "--kv-transfer-peers, or give both servers the workers' secret (TOKENMILL_WORKER_SECRET)",
+                PARAM,
+            )
     remote = {
         "endpoint": f"tcp://{host}:{p.remote_port}",
         "request_id": p.remote_request_id,
@@ -92,6 +99,11 @@ def to_engine(
         "grant": p.remote_grant or "",
         "block_hash": p.remote_block_hash or "",
     }
+    if endpoints or (p.tp_size or 1) > 1 or (p.remote_pp_size or 1) > 1:
+        # A prefill engine of several ranks: the decode engine checks it has the same layout.
+        remote.update(
+            endpoints=[f"tcp://{e}" for e in endpoints], tp_size=p.tp_size or 1, pp_size=p.remote_pp_size or 1
+        )
     return {"remote": remote}
 
 
@@ -101,7 +113,7 @@ def from_engine(kv_transfer: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     hostport = kv_transfer["endpoint"].removeprefix("tcp://")
     host, _, port = hostport.rpartition(":")
-    return {
+    out = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": f"tokenmill@{hostport}",
@@ -112,5 +124,9 @@ def from_engine(kv_transfer: dict[str, Any] | None) -> dict[str, Any] | None:
         "remote_block_size": kv_transfer["block_size"],
         "remote_grant": kv_transfer.get("grant", ""),
         "remote_block_hash": kv_transfer.get("block_hash", ""),
-        "tp_size": 1,
+        "tp_size": kv_transfer.get("tp_size", 1),
     }
+    if kv_transfer.get("endpoints"):  # every rank's transfer server, and the engine's layout
+        out["remote_endpoints"] = [e.removeprefix("tcp://") for e in kv_transfer["endpoints"]]
+        out["remote_pp_size"] = kv_transfer.get("pp_size", 1)
+    return out

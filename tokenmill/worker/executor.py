@@ -32,9 +32,12 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def kv_transfer_info(self) -> dict:
-        """Where the workers' KV transfer server listens (empty when none serves)."""
-        return {}
+    def init_kv_connector(
+        self, names: list[str], rank_block_bytes: list[int], secrets: dict[str, bytes]
+    ) -> list[dict[str, dict]]:
+        """Build the worker side of the KV connectors `names` on every rank (after allocate_kv_cache);
+        each rank's facts for the scheduler side, {connector name: facts}, in rank order."""
+        raise NotImplementedError
 
     def compute_threads(self) -> tuple[int, int]:
         """Threads the forward passes use now and the governor's changes since start; (0, 0) where
@@ -65,8 +68,10 @@ class UniProcExecutor(Executor):
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(out)
 
-    def kv_transfer_info(self) -> dict:
-        return self.worker.kv_transfer_info()
+    def init_kv_connector(
+        self, names: list[str], rank_block_bytes: list[int], secrets: dict[str, bytes]
+    ) -> list[dict[str, dict]]:
+        return [self.worker.init_kv_connector(names, rank_block_bytes, secrets)]
 
     def compute_threads(self) -> tuple[int, int]:
         return self.worker.compute_threads()

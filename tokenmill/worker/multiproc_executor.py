@@ -5,9 +5,16 @@ multiprocessing's spawn, which re-runs the parent's main script and so would dem
 `if __name__ == "__main__"` guard of every script that builds an `LLM`. Each rank connects back to the
 executor (an authenticated local socket) and is handed its configuration there.
 
-Every rank gets every step (plain data, pickled over a pipe) and runs its part; only the sampling
-rank (the last stage's first tensor-parallel rank) sends an output back. A rank that dies, or a step
-that outlives the collective timeout, ends the engine with WorkerDiedError rather than a hang.
+Every rank gets every step (plain data, pickled over a pipe) and runs its part; the sampling rank (the
+last stage's first tensor-parallel rank) sends its output back, and the others only what their KV
+connectors report (each moves its own part of every block), which the executor joins into the
+sampling rank's output (worker/kv_connector.py's RankCombiner). A step that fails on one rank
+still takes the others' connector reports (what they finished is gone from their connectors once
+reported): they go out with the next step's output. A rank that dies, or a step that outlives the
+collective timeout, ends the engine with WorkerDiedError rather than a hang.
+
+At shutdown every rank closes its KV connectors and says so before the executor stops it: a rank
+whose offload tiers still write queued blocks gets up to the registry's FLUSH_TIMEOUT_S for them.
 """
 
 from __future__ import annotations
@@ -28,13 +35,15 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.worker.executor import Executor, WorkerDiedError
+from tokenmill.worker.kv_connector import RankCombiner, close_timeout_s, merge_outputs
 from tokenmill.worker.kv_spec import KVCacheSpec
 from tokenmill.worker.lifetime import die_with_parent, ignore_interrupts, interrupts_held
-from tokenmill.worker.step import ModelRunnerOutput, SchedulerOutput
+from tokenmill.worker.step import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300
 AUTHKEY_ENV = "TOKENMILL_RANK_AUTHKEY"  # a collective waits this long for a slow or dead peer, then fails
+EXIT_GRACE_S = 5.0  # how long a rank that was told to stop (and has nothing to flush) gets to exit
 
 
 def _free_port() -> int:
@@ -78,11 +87,16 @@ def _rank_main(address: tuple[str, int], rank: int) -> None:
         except (EOFError, OSError):
             return
         if method == "shutdown":
+            try:
+                worker.shutdown()  # its KV connectors finish queued writes, so a restart finds them
+            finally:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("ok", None))  # the executor waits for this before it stops anyone
             return
         try:
             result: Any = getattr(worker, method)(*args)
             if method == "execute_model" and not ps.samples:
-                result = None  # only the sampling rank's output is wanted
+                result = result.kv_connector_output  # of the others, only what their connectors say
             conn.send(("ok", result))
         except Exception as e:
             log.exception("rank %d: %s failed", rank, method)
@@ -123,6 +137,13 @@ class MultiprocExecutor(Executor):
         finally:
             listener.close()
         self.sampler_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self.kv_ranks = RankCombiner(world)
+        # What the connectors of a failed step's healthy ranks reported: out with the next step's output.
+        self._kv_carry: KVConnectorOutput | None = None
+        # How long a rank may take to close its KV connectors at shutdown (queued writes finishing), once
+        # they are built.
+        self.close_timeout_s = 0.0
+        self.config = config
         try:
             infos = self._gather(startup_timeout)
         except BaseException:
@@ -154,6 +175,13 @@ class MultiprocExecutor(Executor):
         return [conns[r] for r in range(world)]
 
     def _gather(self, timeout: float | None = None) -> list[Any]:
+        results, errors = self._gather_all(timeout)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return results
+
+    def _gather_all(self, timeout: float | None = None) -> tuple[list[Any], list[str]]:
+        """Every rank's answer, in rank order (None for a rank that failed), and the failures."""
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list[Any] = []
         errors: list[str] = []
@@ -170,17 +198,19 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(f"rank {rank} is gone: {e}") from None
             if status == "error":
                 errors.append(value)
+                value = None
             results.append(value)
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        return results
+        return results, errors
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    def _send(self, method: str, *args: Any) -> None:
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
                 raise WorkerDiedError(f"rank {rank} is gone") from None
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        self._send(method, *args)
         return self._gather()
 
     def describe(self) -> dict:
@@ -192,14 +222,43 @@ class MultiprocExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._call("allocate_kv_cache", num_blocks, block_size)
 
+    def init_kv_connector(
+        self, names: list[str], rank_block_bytes: list[int], secrets: dict[str, bytes]
+    ) -> list[dict[str, dict]]:
+        infos = self._call("init_kv_connector", names, rank_block_bytes, secrets)
+        self.close_timeout_s = close_timeout_s(self.config)
+        return infos
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", out)[self.sampler_rank]
+        self._send("execute_model", out)
+        results, errors = self._gather_all()
+        # Every rank that ran the step took its connectors' reports (loads and sends finished, tier
+        # events): they are joined even when another rank failed, or a load some rank finished would
+        # never be reported by all and its request would wait for it forever.
+        reports = [r.kv_connector_output if isinstance(r, ModelRunnerOutput) else r for r in results]
+        kvo = merge_outputs(self._kv_carry, self.kv_ranks.combine(reports))
+        self._kv_carry = None
+        if errors:
+            self._kv_carry = kvo  # out with the next step's output (the engine goes on after a failure)
+            raise RuntimeError("; ".join(errors))
+        result: ModelRunnerOutput = results[self.sampler_rank]
+        result.kv_connector_output = kvo
+        return result
 
     def shutdown(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(Exception):
                 conn.send(("shutdown", ()))
-        deadline = time.monotonic() + 5
+        # Each rank says when its KV connectors are closed (their queued writes are in the file tiers):
+        # it is stopped only after that, or after the time they may take, so no rank loses its part.
+        # (A rank that died leaves the others of a step stuck in a collective: then nobody is waited for.)
+        deadline = time.monotonic() + EXIT_GRACE_S + getattr(self, "close_timeout_s", 0.0)
+        for conn, proc in zip(self.conns, self.procs, strict=False):
+            with contextlib.suppress(Exception):
+                while proc.poll() is None and time.monotonic() < deadline and not conn.poll(0.2):
+                    if any(p.poll() not in (None, 0) for p in self.procs):
+                        deadline = time.monotonic()
+        deadline = min(deadline, time.monotonic() + EXIT_GRACE_S)
         for proc in self.procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))

@@ -81,6 +81,24 @@ class SchedulerOutput:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the worker side of the KV connectors reports after a step, keyed by connector name (the
+    registry's, worker/kv_connector.py), so that the scheduler side hands each connector its own. Under
+    tensor or pipeline parallelism every rank reports its own, and the executor combines them
+    (worker/kv_connector.py's RankCombiner): a load or a send is done when every rank has it."""
+
+    # Background loads that ended: connector -> request id -> leading blocks that arrived intact.
+    loads_done: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Kept blocks a reader is done with: connector -> request ids (disaggregation's prefill side).
+    sends_done: dict[str, list[str]] = field(default_factory=dict)
+    # Changes a connector's worker side made on its own: connector -> (kind, tier, block key), kind
+    # "stored" or "removed" (a file tier's writes and evictions, for the KV events).
+    events: dict[str, list[tuple[str, str, bytes]]] = field(default_factory=dict)
+    # The worker sides' counters since start (one flat dict; each connector's keys are its own).
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class ModelRunnerOutput:
     # One entry per request that sampled this step (a request still in its prompt does not).
     req_ids: list[str] = field(default_factory=list)
@@ -102,11 +120,7 @@ class ModelRunnerOutput:
     execute_seconds: float = 0.0  # the forward pass and sampling, as the worker timed them
     # Speculative decoding: the proposer's guesses of each request's next tokens, for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # KV connector: background loads that ended (request id -> leading blocks that arrived intact),
-    # and the worker side's counters since start.
-    kv_loads_done: dict[str, int] = field(default_factory=dict)
-    kv_connector_stats: dict[str, int] | None = None
-    # Disaggregation: requests whose kept blocks a decode worker has finished reading.
-    kv_sends_done: list[str] = field(default_factory=list)
+    # What the worker side of the KV connectors reports after the step (None: no connector).
+    kv_connector_output: KVConnectorOutput | None = None
     # LoRA slots whose adapter could not be read (slot -> why); their requests are in `errors`.
     lora_failed: dict[int, str] = field(default_factory=dict)

@@ -27,10 +27,15 @@ from tokenmill.weights.cache_inventory import note_source
 from tokenmill.weights.cache_paths import weights_cache_root
 from tokenmill.worker.allocator import keep_freed_memory, release_freed_memory
 from tokenmill.worker.grammars import RequestGrammars
-from tokenmill.worker.kv_offload.tiers import layout_namespace, parse_tiers
-from tokenmill.worker.kv_offload.worker_connector import OffloadWorker
+from tokenmill.worker.kv_connector import (
+    KVConnectorWorker,
+    KVWorkerContext,
+    build_worker_connector,
+    describe_by_name,
+    shares_kv_cache,
+)
+from tokenmill.worker.kv_offload.tiers import layout_namespace, shard_label
 from tokenmill.worker.kv_spec import KVCacheSpec
-from tokenmill.worker.kv_transfer.pd_worker import PDWorker
 from tokenmill.worker.kv_transfer.transfer_engine import shared_kv_tensor
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_state import ParallelState
@@ -155,14 +160,14 @@ class Worker:
         )
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        kt = self.config.kv_transfer
-        kv_caches, shm_path = None, None
-        spec = self.kv_cache_spec(block_size)
-        if kt.serves and kt.kv_transfer_shm and self.device.type == "cpu":
-            kv_caches, shm_path = shared_kv_tensor(
+        kv_caches, self.shm_path = None, None
+        self.kv_connector: KVConnectorWorker | None = None
+        self.kv_spec = spec = self.kv_cache_spec(block_size)
+        if shares_kv_cache(self.config) and self.device.type == "cpu":
+            kv_caches, self.shm_path = shared_kv_tensor(
                 spec.tensor_shape(num_blocks), spec.storage_dtype(self.dtype)
             )
-        self.runner = runner = ModelRunner(
+        self.runner = ModelRunner(
             self.model,
             spec,
             num_blocks,
@@ -177,24 +182,27 @@ class Worker:
             ),
             kv_caches,
         )
-        self.transfer: PDWorker | None = None
-        if kt.kv_role is not None:
-            self.transfer = PDWorker(
-                runner.kv_caches, kt.serves, shm_path, kt.kv_transfer_host, kt.kv_transfer_port,
-                kt.kv_transfer_timeout_s, kt.kv_transfer_shm, spec.kv_format or str(self.dtype),
-            )  # fmt: skip
-        self.offload: OffloadWorker | None = None
-        if self.config.offload.kv_offload:
-            tiers = parse_tiers(self.config.offload.kv_offload)
-            self.offload = OffloadWorker(
-                runner.kv_caches,
-                tiers,
-                (tiers.host_bytes or 0) // spec.block_bytes,
-                layout_namespace(
-                    Path(self.source).name, self.dtype_name, self._weights_label(), spec,
-                    self.parallel.rank,
-                ),
-            )  # fmt: skip
+
+    def init_kv_connector(
+        self, names: list[str], rank_block_bytes: list[int], secrets: dict[str, bytes]
+    ) -> dict[str, dict]:
+        """The worker side of the KV connectors `names` (the engine's choice, worker/kv_connector.py's
+        registry), over this rank's cache; what the scheduler side needs of each."""
+        assert self.runner is not None, "allocate_kv_cache first"
+        ps, spec = self.parallel, self.kv_spec
+        parallel = ps.tp_size * ps.pp_size > 1
+        shard = (
+            shard_label(self.shard.layers, self.shard.kv_heads, ps.tp_size, ps.pp_size) if parallel else None
+        )
+        namespace = layout_namespace(
+            Path(self.source).name, self.dtype_name, self._weights_label(), spec, ps.rank, shard
+        )
+        ctx = KVWorkerContext(
+            self.config, self.runner.kv_caches, spec, ps.rank, ps.tp_size, ps.pp_size, rank_block_bytes,
+            namespace, self.shm_path, secrets,
+        )  # fmt: skip
+        self.kv_connector = build_worker_connector(names, ctx)
+        return describe_by_name(names, self.kv_connector.describe()) if self.kv_connector else {}
 
     def _draft_proposer(self, num_blocks: int, block_size: int) -> DraftModelProposer | None:
         """The draft model of `--speculative draft:MODEL`, on the rank that samples, with a KV pool of
@@ -233,28 +241,21 @@ class Worker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "allocate_kv_cache first"
-        conn = self.offload or self.transfer
+        conn = self.kv_connector
         if conn is not None and out.kv_connector_metadata is not None:
             conn.apply(out.kv_connector_metadata)  # before the forward pass overwrites any block
         result = self.runner.execute(out)
         if conn is not None:
             # A step with nothing to compute is the engine waiting for loads: wait a little for one.
-            result.kv_loads_done = conn.take_finished_loads(0.005 if not out.num_scheduled_tokens else 0.0)
-            result.kv_connector_stats = conn.counters()
-        if self.transfer is not None:
-            result.kv_sends_done = self.transfer.take_finished_sending()
+            result.kv_connector_output = conn.after_step(0.005 if not out.num_scheduled_tokens else 0.0)
         if self.governor is not None:
             self.governor.tick()
         return result
 
-    def kv_transfer_info(self) -> dict:
-        """Where this worker's KV transfer server listens (empty when it serves none)."""
-        return self.transfer.describe() if getattr(self, "transfer", None) is not None else {}  # type: ignore[union-attr]
-
     def shutdown(self) -> None:
-        for conn in (getattr(self, "offload", None), getattr(self, "transfer", None)):
-            if conn is not None:
-                conn.close()
+        conn = getattr(self, "kv_connector", None)
+        if conn is not None:
+            conn.close()
 
     def compute_threads(self) -> tuple[int, int]:
         """Torch's intra-op threads now, and the thread governor's changes since start."""

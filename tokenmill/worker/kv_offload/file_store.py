@@ -172,6 +172,7 @@ class FileStore:
         *,
         name: str = "disk",
         on_evict: Callable[[bytes, bytes], None] | None = None,
+        on_dropped: Callable[[bytes], None] | None = None,
         secret: bytes | None = None,
         layout: str = "",
     ) -> None:
@@ -190,6 +191,9 @@ class FileStore:
             raise ValueError(f"a file tier's secret needs {MIN_SECRET_BYTES}+ bytes, got {len(secret)}")
         self._secret = bytes(secret)
         self.on_evict = on_evict
+        # Told each key it no longer holds: evicted for capacity (even one too damaged to hand to
+        # on_evict), found damaged, gone from its directory, or discarded.
+        self.on_dropped = on_dropped
         self._capacity = capacity_bytes
         self._ns_digest = _namespace_digest(namespace)
         self.layout = layout
@@ -318,8 +322,11 @@ class FileStore:
             with self._lock:
                 self.misses += 1
                 # Only forget the key if the file is really gone: a put may have renamed it in meanwhile.
-                if key in self._index and not os.path.exists(target):
+                gone = key in self._index and not os.path.exists(target)
+                if gone:
                     self._drop(key)
+            if gone:
+                self._dropped(key)
             return None
         except _Corrupt as exc:
             ident = exc.args[0] if exc.args else None
@@ -328,6 +335,7 @@ class FileStore:
                 corrupt = self.corrupt
                 self._drop(key)
                 self._unlink_if_same(target, ident)
+            self._dropped(key)
             if corrupt & (corrupt - 1) == 0:  # the 1st, 2nd, 4th, 8th... : a wrong key must not flood the log
                 log.warning(
                     "KV offload: refused %d block file(s) in the %s tier (damaged, forged, another layout "
@@ -363,9 +371,20 @@ class FileStore:
         key = _as_key(key)
         target = self.path(key)
         with self._lock:
+            held = key in self._index
             self._drop(key)
-            with contextlib.suppress(OSError):
+            try:
                 os.unlink(target)
+                held = True
+            except OSError:
+                pass
+        if held:
+            self._dropped(key)
+
+    def _dropped(self, key: bytes) -> None:
+        if self.on_dropped is not None:
+            with contextlib.suppress(Exception):
+                self.on_dropped(key)
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -481,6 +500,7 @@ class FileStore:
                     os.unlink(target)
                 with self._lock:
                     self._evicting.discard(key)
+                self._dropped(key)
         if error is not None:
             raise error
 

@@ -82,14 +82,31 @@ def parse_tiers(spec: str) -> OffloadTiers:
     return OffloadTiers(host, disk_path, disk_bytes, shared_path, shared_bytes)
 
 
-def layout_namespace(model: str, dtype: str, quantization: str | None, spec: KVCacheSpec, rank: int) -> str:
+def layout_namespace(
+    model: str, dtype: str, quantization: str | None, spec: KVCacheSpec, rank: int, shard: str | None = None
+) -> str:
     """A file-name-safe name for one cache layout: a block written by another model, dtype, weight
-    precision (it changes the keys and values), block shape or rank is never found under it."""
+    precision (it changes the keys and values), block shape, rank or shard is never found under it.
+
+    `shard`: which layers and key/value heads a rank of a tensor- or pipeline-parallel engine holds
+    (shard_label); the same rank of another layout can hold other heads in the same shape (tensor
+    parallel 4 over 2 key/value heads replicates them: rank 1 holds head 0, where tensor parallel 2's
+    rank 1 holds head 1), and must not find these blocks. None for a single worker."""
     shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.dtype_bytes)
     text = f"v1|{model}|{dtype}|{quantization}|{'x'.join(map(str, shape))}|rank{rank}"
     if spec.kv_format:  # an 8-bit cache's blocks are another layout (older names stay as they were)
         text += f"|kv-{spec.kv_format}"
+    if shard:
+        text += f"|{shard}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def shard_label(layers: range, kv_heads: range, tp_size: int, pp_size: int) -> str:
+    """A tensor/pipeline rank's part of every block, for its namespace: the engine's layout, and the
+    global layers and key/value heads it holds."""
+    return (
+        f"tp{tp_size}pp{pp_size}|layers{layers.start}-{layers.stop}|kvheads{kv_heads.start}-{kv_heads.stop}"
+    )
 
 
 def shared_tier_key() -> bytes:

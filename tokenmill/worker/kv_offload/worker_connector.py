@@ -5,25 +5,35 @@ paged cache as the scheduler's half says (ops.py).
 Host moves are copies done before the forward pass. File writes go to a writer thread and file reads
 to a loader thread, so a step waits for neither: a request whose blocks come from files is held back
 by the scheduler until this side reports them loaded (`take_finished_loads`).
+
+Under tensor or pipeline parallelism each rank has one of these for its own heads or layers of every
+block: its own host slots (the scheduler's slot numbers, its share of the bytes), its own namespace
+in each file tier, and its share of the tiers' byte budgets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
+from tokenmill.worker.kv_connector import FLUSH_TIMEOUT_S, KVConnectorWorker, KVWorkerContext
 from tokenmill.worker.kv_offload.block_store import BlockStore
 from tokenmill.worker.kv_offload.file_store import FileStore
 from tokenmill.worker.kv_offload.ops import OffloadOps
-from tokenmill.worker.kv_offload.tiers import OffloadTiers, shared_tier_key
+from tokenmill.worker.kv_offload.tiers import OffloadTiers, parse_tiers, shared_tier_key
 
 log = logging.getLogger(__name__)
 
 
-class OffloadWorker:
+class OffloadWorker(KVConnectorWorker):
+    name = "offload"
+
     def __init__(
         self,
         kv_caches: torch.Tensor,
@@ -33,6 +43,8 @@ class OffloadWorker:
         max_queued_bytes: int = 512 * 2**20,
         shared_key: bytes | None = None,
     ) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str, bytes]] = []  # (kind, tier, key) since the last step
         # [layers, k/v, blocks, tokens per block, kv heads, head dim]: a block is kv[:, :, b].
         self.kv = kv_caches
         self.block_shape = (kv_caches.shape[0], kv_caches.shape[1], *kv_caches.shape[3:])
@@ -60,6 +72,7 @@ class OffloadWorker:
                 name="shared",
                 secret=shared_key if shared_key is not None else shared_tier_key(),
                 layout=layout,
+                on_dropped=self._dropped_from("shared"),
             )
             if tiers.shared_path
             else None
@@ -71,18 +84,19 @@ class OffloadWorker:
                 tiers.disk_bytes,
                 name="disk",
                 on_evict=self._to_shared,
+                on_dropped=self._dropped_from("disk"),
                 layout=layout,
             )
             if tiers.disk_path
             else None
         )
+        self.namespace = namespace
         self.stats = {"host_saves": 0, "host_loads": 0, "file_writes": 0, "file_write_drops": 0,
                       "disk_hits": 0, "shared_hits": 0, "file_load_failures": 0}  # fmt: skip
         # Writes wait in memory while the disk catches up; past this many bytes a block is dropped
         # instead (it costs a later miss, not unbounded memory).
         self.max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0
-        self._lock = threading.Lock()
         self._writing: dict[bytes, bytes] = {}  # key -> bytes queued for the file tiers (loads see them)
         self._writes: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._loads: queue.Queue[tuple[str, list[tuple[bytes, int]]] | None] = queue.Queue()
@@ -96,9 +110,27 @@ class OffloadWorker:
                 t.start()
                 self._threads.append(t)
 
+    @classmethod
+    def build(cls, ctx: KVWorkerContext) -> OffloadWorker:
+        """This rank's tiers: host slots as many as the scheduler counts (the engine's host budget over
+        a whole block's bytes, every rank's part), file budgets in proportion to its part of a block."""
+        tiers = parse_tiers(ctx.config.offload.kv_offload)  # type: ignore[arg-type]
+        num_host_blocks = (tiers.host_bytes or 0) // sum(ctx.rank_block_bytes)
+        if ctx.world_size > 1:
+            tiers = dataclasses.replace(
+                tiers,
+                disk_bytes=None if tiers.disk_bytes is None else ctx.share(tiers.disk_bytes),
+                shared_bytes=None if tiers.shared_bytes is None else ctx.share(tiers.shared_bytes),
+            )
+        return cls(ctx.kv_caches, tiers, num_host_blocks, ctx.namespace)
+
+    def describe(self) -> dict:
+        return {"namespace": self.namespace}
+
     # -- one step ----------------------------------------------------------------------------------
-    def apply(self, ops: OffloadOps) -> None:
-        """Carry out a step's moves, in the order ops.py explains, before the forward pass."""
+    def save_blocks(self, ops: OffloadOps) -> None:
+        """A step's moves out of the pool and host memory (spills, saves, file saves), in the order ops.py
+        explains, before the forward pass and before any connector loads into the pool."""
         kv, host = self.kv, self.host
         for slot, key in ops.spills:
             assert host is not None
@@ -111,6 +143,10 @@ class OffloadWorker:
             self.stats["host_saves"] += len(ops.saves)
         for block_id, key in ops.file_saves:
             self._queue_write(key, self._to_bytes(kv[:, :, block_id]))
+
+    def load_blocks(self, ops: OffloadOps) -> None:
+        """A step's moves into the pool: host loads now, file loads in the background."""
+        kv, host = self.kv, self.host
         if ops.host_loads:
             assert host is not None
             slots = torch.tensor([s[0] for s in ops.host_loads], dtype=torch.long)
@@ -131,19 +167,30 @@ class OffloadWorker:
             out, self._loaded = self._loaded, {}
             return out
 
+    def take_events(self) -> list[tuple[str, str, bytes]]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
     def counters(self) -> dict[str, int]:
         out = dict(self.stats)
         out["corrupt_blocks"] = sum(s.corrupt for s in (self.disk, self.shared) if s is not None)
+        with self._lock:  # a gauge: writes queued and not yet in a tier (0 once the writer caught up)
+            out["file_writes_queued"] = len(self._writing)
         return out
 
-    def close(self) -> None:
-        """Finish queued writes (so a restart finds them), then stop the threads."""
+    def close(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Finish queued writes (so a restart finds them), then stop the threads: all within
+        `timeout_s` (the executor waits as long for the rank, registry's FLUSH_TIMEOUT_S)."""
         if not self._threads:
             return
         self._writes.put(None)
         self._loads.put(None)
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout=60)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("KV offload: %s did not finish within %.0fs at shutdown", t.name, timeout_s)
         self._threads = []
 
     # -- bytes -------------------------------------------------------------------------------------
@@ -174,6 +221,9 @@ class OffloadWorker:
             try:
                 if first.put(key, data):
                     self.stats["file_writes"] += 1
+                    self._note("stored", first.name, key)
+                elif first.contains(key):  # there already (the shared tier: another worker wrote it)
+                    self._note("stored", first.name, key)
             except OSError as e:  # a full or vanished disk costs the block, not the engine
                 log.warning("KV offload: could not write a block to %s: %s", first.name, e)
             finally:
@@ -181,13 +231,23 @@ class OffloadWorker:
                     self._writing.pop(key, None)
                     self._queued_bytes -= len(data)
 
+    def _note(self, kind: str, tier: str, key: bytes) -> None:
+        with self._lock:
+            self._events.append((kind, tier, key))
+
     def _to_shared(self, key: bytes, data: bytes) -> None:
-        """The disk tier evicted a block: it goes on to the shared tier, when there is one."""
+        """The disk tier evicted a block: it goes on to the shared tier, when there is one (the disk
+        tier's removal is announced by its on_dropped, for a block too damaged to pass on as well)."""
         if self.shared is not None:
             try:
-                self.shared.put(key, data)
+                if self.shared.put(key, data) or self.shared.contains(key):
+                    self._note("stored", "shared", key)
             except OSError as e:
                 log.warning("KV offload: could not write a block to shared: %s", e)
+
+    def _dropped_from(self, tier: str) -> Callable[[bytes], None]:
+        """A file tier's on_dropped: every block it removes (evicted, damaged, discarded) is announced."""
+        return lambda key: self._note("removed", tier, key)
 
     def _read(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -202,7 +262,7 @@ class OffloadWorker:
                 if len(data) == self.block_bytes:
                     self.stats[counter] += 1
                     return data
-                store.discard(key)  # a block of another size under our namespace: never serve it
+                store.discard(key)  # another size under our namespace: never served (on_dropped tells)
         return None
 
     def _load_loop(self) -> None:

@@ -16,6 +16,25 @@ class RemoteLoad:
     local_block_ids: list[int]
     # The prefill worker's grant: (its request id, all the block ids it granted, the token).
     grant: tuple[str, list[int], str] = ("", [], "")
+    # Under tensor or pipeline parallelism, each prefill rank's transfer server in rank order: rank i
+    # of this engine reads its part of the blocks from rank i there (empty: `endpoint` for all).
+    endpoints: list[str] = field(default_factory=list)
+
+    def endpoint_for(self, rank: int) -> str:
+        return self.endpoints[rank] if self.endpoints else self.endpoint
+
+
+@dataclass
+class RemoteRelease:
+    """A prefill engine's kept blocks this engine did not need: each rank tells its peer it is done."""
+
+    endpoint: str
+    remote_request_id: str
+    grant: tuple[str, list[int], str] = ("", [], "")
+    endpoints: list[str] = field(default_factory=list)
+
+    def endpoint_for(self, rank: int) -> str:
+        return self.endpoints[rank] if self.endpoints else self.endpoint
 
 
 @dataclass
@@ -23,8 +42,8 @@ class TransferOps:
     # request id -> blocks to read in the background; the worker reports each request once, with how
     # many leading blocks arrived.
     loads: dict[str, RemoteLoad] = field(default_factory=dict)
-    # (endpoint, remote request id, grant): prefill workers whose blocks we did not need.
-    releases: list[tuple[str, str, tuple[str, list[int], str]]] = field(default_factory=list)
+    # Prefill workers whose blocks we did not need.
+    releases: list[RemoteRelease] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.releases)
@@ -49,3 +68,15 @@ def check_grant(
     if expires < now or issued <= revoked_at or not grant.isascii():
         return False  # (hmac.compare_digest raises TypeError on a str that is not ASCII)
     return hmac.compare_digest(grant, make_grant(key, request_id, block_ids, issued, expires))
+
+
+def rank_port(port: int, rank: int) -> int:
+    """Rank `rank`'s transfer server's port, for a configured `port` (0: any free one), or ValueError."""
+    if not port:
+        return 0
+    if not 0 < port + rank <= 65535:
+        raise ValueError(
+            f"--kv-transfer-port {port}: rank {rank}'s transfer server would listen on port {port + rank}, "
+            "but ports end at 65535 (each rank listens on the port plus its rank): pick a lower port"
+        )
+    return port + rank

@@ -6,7 +6,12 @@ each lane has its own TransferClient (sockets are not thread-safe), and copies g
 the cache. A peer that did not answer is taken as unreachable for a while: its further loads fail at
 once (the decode worker recomputes those prompts) and nobody waits to tell it they are done (it frees
 held blocks after its hold timeout, if it lives). Before lanes, nine loads from a killed prefill worker
-queued on one thread at 2 x 10 s each held every later load, from live peers too, for three minutes."""
+queued on one thread at 2 x 10 s each held every later load, from live peers too, for three minutes.
+
+Under tensor or pipeline parallelism every rank has one of these for its own part of each block: its
+own transfer server (on the configured port plus its rank), which checks grants with the key the
+engine gave every rank, and rank i reads from rank i of the prefill engine (the same layout on both
+sides: the engine checks it when a request arrives)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps
+from tokenmill.worker.kv_connector import KVConnectorWorker, KVWorkerContext
+from tokenmill.worker.kv_transfer.ops import RemoteLoad, TransferOps, rank_port
 from tokenmill.worker.kv_transfer.transfer_engine import TransferClient, TransferServer, TransferTimeout
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,9 @@ class _Lane:
     thread: threading.Thread | None = None
 
 
-class PDWorker:
+class PDWorker(KVConnectorWorker):
+    name = "pd"
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -52,8 +60,11 @@ class PDWorker:
         timeout_s: float = 10.0,
         use_shm: bool = True,
         layout: str = "",
+        rank: int = 0,
+        grant_key: bytes | None = None,
     ) -> None:
-        self.server = TransferServer(kv, shm_path, host, port, layout) if serve else None
+        self.rank = rank
+        self.server = TransferServer(kv, shm_path, host, port, layout, grant_key) if serve else None
         self.kv, self.timeout_s, self.use_shm, self.layout = kv, timeout_s, use_shm, layout
         # A peer that did not answer gets no more tries for this long (three read timeouts).
         self.unreachable_s = 3 * timeout_s
@@ -65,13 +76,31 @@ class PDWorker:
         self._loaded: dict[str, int] = {}
         self._pending = 0
 
+    @classmethod
+    def build(cls, ctx: KVWorkerContext) -> PDWorker:
+        kt = ctx.config.kv_transfer
+        port = rank_port(kt.kv_transfer_port, ctx.rank) if kt.serves else 0
+        return cls(
+            ctx.kv_caches,
+            kt.serves,
+            ctx.shm_path,
+            kt.kv_transfer_host,
+            port,
+            kt.kv_transfer_timeout_s,
+            kt.kv_transfer_shm,
+            ctx.spec.kv_format or str(ctx.kv_caches.dtype),
+            ctx.rank,
+            ctx.secrets.get("grant_key"),
+        )
+
     def describe(self) -> dict:
         return self.server.describe() if self.server is not None else {}
 
-    def apply(self, ops: TransferOps) -> None:
+    def load_blocks(self, ops: TransferOps) -> None:
+        """Start the step's reads (and tell peers whose blocks we did not need), each on its peer's lane."""
         with self._lock:
             for rid, load in ops.loads.items():
-                lane = self._lane(load.endpoint)
+                lane = self._lane(load.endpoint_for(self.rank))
                 if lane is None:
                     self.stats["remote_reads_skipped"] += 1
                     self._loaded[rid] = 0
@@ -80,9 +109,10 @@ class PDWorker:
                 self._pending += 1
                 lane.jobs.put((rid, load, None))
             for release in ops.releases:
-                lane = self._lane(release[0])
+                endpoint = release.endpoint_for(self.rank)
+                lane = self._lane(endpoint)
                 if lane is not None:  # else the prefill worker frees them after its hold timeout
-                    lane.jobs.put(("", None, release))
+                    lane.jobs.put(("", None, (endpoint, release.remote_request_id, release.grant)))
 
     def take_finished_loads(self, wait_s: float = 0.0) -> dict[str, int]:
         with self._cv:
@@ -139,7 +169,7 @@ class PDWorker:
                 continue
             assert load is not None
             ok = self._read(lane, rid, load)
-            self._tell_done(lane, load.endpoint, load.remote_request_id, load.grant)
+            self._tell_done(lane, endpoint, load.remote_request_id, load.grant)
             with self._cv:
                 self._loaded[rid] = ok
                 self._pending -= 1
@@ -152,14 +182,16 @@ class PDWorker:
                 self.stats["remote_reads_skipped"] += 1
             return 0
         try:
-            lane.client.read(load.endpoint, load.remote_block_ids, load.local_block_ids, load.grant)
+            lane.client.read(
+                load.endpoint_for(self.rank), load.remote_block_ids, load.local_block_ids, load.grant
+            )
             return len(load.local_block_ids)
         except Exception as e:
             with self._lock:
                 self.stats["remote_read_failures"] += 1
             self._note_silence(lane, e)
             log.warning("KV transfer: reading %d blocks of %s from %s failed (%s): recomputing",
-                        len(load.remote_block_ids), rid, load.endpoint, e)  # fmt: skip
+                        len(load.remote_block_ids), rid, load.endpoint_for(self.rank), e)  # fmt: skip
             return 0
 
     def _tell_done(

@@ -13,7 +13,8 @@ Messages (multipart, plain bytes and msgpack):
   [b"check", msgpack [request id, granted block ids, grant]]
                                  -> [b"ok", instance] | [b"err", message]   (the grant still holds)
   [b"done", request id, msgpack [request id, granted block ids, grant]]
-                                 -> [b"ok"]   (the reader has what it needed: the blocks may be freed)
+                                 -> [b"ok"]   (the reader has what it needed: the blocks may be freed;
+                                               a repeated `done` of a request is answered, not counted)
 
 A read over the socket needs a grant: the token the prefill worker handed out with a finished request's
 blocks (make_grant, keyed by a secret of this server that only its own scheduler knows), valid for those
@@ -151,9 +152,11 @@ class TransferServer:
         host: str = "127.0.0.1",
         port: int = 0,
         layout: str = "",
+        grant_key: bytes | None = None,
     ) -> None:
-        # layout: what a block's bytes mean beyond shape and dtype (an 8-bit cache's format: int8 and
-        # fp8 blocks have the same shape and dtype); peers must agree on it.
+        # grant_key: the key grants are checked with (the engine's, the same on all its ranks; None: one
+        # of this server's own). layout: what a block's bytes mean beyond shape and dtype (an 8-bit
+        # cache's format: int8 and fp8 blocks have the same shape and dtype); peers must agree on it.
         self.kv, self.shm_path, self.layout = kv, shm_path, layout or str(kv.dtype)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -166,7 +169,8 @@ class TransferServer:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self.grant_key = secrets.token_bytes(32)  # for the scheduler of this worker only (describe())
+        # For the scheduler of this worker only (describe()).
+        self.grant_key = grant_key if grant_key is not None else secrets.token_bytes(32)
         self.instance = secrets.token_hex(8)  # this process's region, as opposed to a restarted one's
         self._revoked: dict[str, float] = {}  # request id -> its `done`: grants issued before are void
         self._done: list[str] = []
@@ -270,6 +274,10 @@ class TransferServer:
             now = time.time()
             if grid != rid or not check_grant(self.grant_key, rid, granted, grant, now):
                 return [b"err", b"no grant for this request"]
+            if rid in self._revoked:
+                # Said before (a reader that used the same answer twice tells again after its second read
+                # failed): the blocks are let go once, or a repeat could stand in for another rank's.
+                return [b"ok"]
             if len(self._revoked) > 10_000:  # grants live for a hold timeout; an hour is far longer
                 self._revoked = {r: t for r, t in self._revoked.items() if t > now - 3600}
             self._revoked[rid] = now
