@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_disaggregation import _run
 
 from tokenmill.config import (
     CacheConfig,
@@ -35,7 +36,7 @@ from tokenmill.engine.kv_connector import MultiConnector
 from tokenmill.engine.kv_events import BlockRemoved, BlockStored, external_hash
 from tokenmill.engine.offload_connector import OffloadConnector
 from tokenmill.engine.pd_connector import PDConnector, validate_kv_transfer
-from tokenmill.engine.protocol import EngineCoreOutput, EngineRequest
+from tokenmill.engine.protocol import EngineRequest
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.kv_connector import (
@@ -494,18 +495,6 @@ def _config(model: Path, role: str | None = None, offload: str | None = None, tp
         kv_transfer=KVTransferConfig(kv_role=role, kv_transfer_timeout_s=5.0),
         offload=KVOffloadConfig(kv_offload=offload), kv_events=KVEventsConfig(enable_kv_events=events),
     )  # fmt: skip
-
-
-def _run(engine: EngineCore, req: EngineRequest, timeout: float = 60) -> EngineCoreOutput:
-    engine.add_request(req)
-    tokens: list[int] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        assert time.monotonic() < deadline, "the request did not finish"
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                return dataclasses.replace(out, new_token_ids=tokens)
 
 
 @pytest.fixture(scope="module")

@@ -50,16 +50,22 @@ def band_of(priority: int) -> int:
     return min(max(priority, lo), hi)
 
 
+def name_values(text: str | None) -> Iterator[tuple[str, str, str | None]]:
+    """`a=2, b=1` -> ("a=2", "a", "2"), ("b=1", "b", "1"): a comma-separated NAME=VALUE list's entries
+    (value None where an entry has no `=`), for each flag's own checks."""
+    for entry in (text or "").split(","):
+        entry = entry.strip()
+        if entry:
+            name, sep, value = (s.strip() for s in entry.partition("="))
+            yield entry, name, value if sep else None
+
+
 def parse_tenant_weights(text: str | None) -> dict[str, float]:
     """`a=2,b=1` -> {"a": 2.0, "b": 1.0}; ValueError naming a bad entry. Tenants not named weigh 1."""
     weights: dict[str, float] = {}
-    for entry in (text or "").split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        name, sep, value = (s.strip() for s in entry.partition("="))
+    for entry, name, value in name_values(text):
         try:
-            weight = float(value) if sep else float("nan")
+            weight = float(value) if value is not None else float("nan")
         except ValueError:
             weight = float("nan")
         if not TENANT_NAME.fullmatch(name) or not 0 < weight < float("inf"):

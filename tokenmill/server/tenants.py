@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from tokenmill.engine.fairness import DEFAULT_TENANT, MAX_TENANT_NAME, OTHER_TENANT, TENANT_NAME
+from tokenmill.engine.fairness import DEFAULT_TENANT, MAX_TENANT_NAME, OTHER_TENANT, TENANT_NAME, name_values
 from tokenmill.server.errors import APIError
 
 # Set by the API key middleware: the name of the key the request presented (none for an unnamed key).
@@ -70,13 +70,9 @@ def parse_priority_floors(text: str | None) -> dict[str, int]:
     """`--tenant-priority-floor alice=-5,bob=-1` -> {"alice": -5, "bob": -1}; ValueError naming a bad
     entry. A tenant not named has the floor 0."""
     floors: dict[str, int] = {}
-    for entry in (text or "").split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        name, sep, value = (s.strip() for s in entry.partition("="))
+    for entry, name, value in name_values(text):
         try:
-            floor = int(value) if sep else None
+            floor = int(value) if value is not None else None
         except ValueError:
             floor = None
         if floor is None or not TENANT_NAME.fullmatch(name) or name == OTHER_TENANT:
