@@ -215,7 +215,7 @@ class _Server:
         if self.draining_since is None:
             self.draining_since = now
             self.info["draining"] = True  # a front that says Hello from now on is told at once
-            n = len(getattr(engine.scheduler, "requests", ()))
+            n = len(getattr(self._scheduler(), "requests", ()))
             log.info("SIGTERM: draining (%d requests to finish, at most %.0fs)", n, self.drain_timeout_s)
             # Every front hears it now (a router stops sending here before the drain can end), even if
             # nothing is left to finish: its leaving is then planned, not a loss.
@@ -226,7 +226,7 @@ class _Server:
             log.info("drained in %.1fs: stopping", now - self.draining_since)
             return True
         if now - self.draining_since > self.drain_timeout_s:
-            requests = getattr(engine.scheduler, "requests", {})
+            requests = getattr(self._scheduler(), "requests", {})
             # Requests that have no token yet are handed back (a router sends them elsewhere); the rest end.
             fresh = [rid for rid, r in requests.items() if not r.output_token_ids]
             left = [rid for rid in requests if rid not in fresh]
@@ -249,7 +249,11 @@ class _Server:
 
     def _holding(self) -> bool:
         """Finished requests' blocks kept for a reader (a decode worker) that has not said it is done."""
-        return bool(getattr(self.engine.scheduler, "held", None))
+        return bool(getattr(self._scheduler(), "held", None))
+
+    def _scheduler(self) -> object:
+        """The engine's scheduler (None for a stand-in engine that has none)."""
+        return getattr(self.engine, "scheduler", None)
 
     def send(self, ident: bytes, msg: Ready | StepOutputs | Rejected | Dead | Challenge) -> None:
         if isinstance(msg, StepOutputs):
