@@ -42,7 +42,7 @@ from tokenmill.cluster.router.prefix_index import EventIndex  # noqa: E402
 from tokenmill.cluster.router.relay import Relay  # noqa: E402
 from tokenmill.cluster.router.worker import Active  # noqa: E402
 from tokenmill.engine.block_hash import extend_block_hashes  # noqa: E402
-from tokenmill.engine.kv_events import external_hash, stored  # noqa: E402
+from tokenmill.engine.kv_events import KVEvent, external_hash, stored  # noqa: E402
 from tokenmill.engine.protocol import EngineRequest  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
@@ -54,6 +54,26 @@ SHAPES = {  # name: (prompt tokens, tokens of it some worker holds, kind)
     "document": (4096, 4096, "document"),
     "unseen": (1024, 0, "none"),
 }
+
+
+class Hashed:
+    """The index before the radix tree, asked the router's way: each prompt's blocks named by the SHA-256
+    chain (lazily) and looked up by name."""
+
+    def __init__(self, block_size: int) -> None:
+        self.index = HashedKVIndex(block_size)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def apply(self, worker: int, events: list[KVEvent]) -> None:
+        self.index.apply(worker, events)
+
+    def remove_worker(self, worker: int) -> None:
+        self.index.remove_worker(worker)
+
+    def overlaps(self, tokens: list[int], salt: str | None, workers: int) -> dict[int, int]:
+        return self.index.overlaps_tokens(tokens, salt, workers)
 
 
 def chain(tokens: list[int]) -> list[int]:
@@ -149,7 +169,7 @@ def main() -> None:
 
     indexes: dict[str, EventIndex] = {}
     memory: dict[str, dict[str, float]] = {}
-    for name, make in (("radix", lambda: EventIndex(BS)), ("hashed", lambda: HashedKVIndex(BS))):
+    for name, make in (("radix", lambda: EventIndex(BS)), ("hashed", lambda: Hashed(BS))):
         gc.collect()
         tracemalloc.start()
         index = make()

@@ -132,7 +132,7 @@ def test_a_gap_in_a_workers_events_is_repaired_by_replay() -> None:
             blocks = 3 * (len(prefix(llm, 20)) // 16)
             await until(lambda: router.indexed_blocks >= before + blocks)
             for i in range(3):  # the dropped batch's blocks are in the index all the same
-                assert router.prefix.events.overlaps_tokens(prefix(llm, 20 + i), None, 1 << w.slot)
+                assert router.prefix.events.overlaps(prefix(llm, 20 + i), None, 1 << w.slot)
         finally:
             await llm.shutdown()
 

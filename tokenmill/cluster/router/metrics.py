@@ -43,6 +43,12 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
         ("router_workers_up", "Workers in rotation", router.num_up, 1),
         ("router_workers_answering", "Workers heard from within the last second", router.num_answering, 1),
         ("router_indexed_blocks", "Distinct KV blocks in the router's index", router.indexed_blocks, 1),
+        (
+            "router_index_orphan_blocks",
+            "Stored blocks the index could not place (parent unknown: events lost or reordered)",
+            getattr(router.prefix.events, "orphans", 0),
+            0,
+        ),
     ):
         fam = (CounterMetricFamily if kind == 0 else GaugeMetricFamily)(
             f"tokenmill:{name}", doc, labels=["model_name"]

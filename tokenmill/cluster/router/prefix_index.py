@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokenmill.cluster.approx_index import ApproxKVIndex
-from tokenmill.cluster.kv_index import HashedKVIndex
 from tokenmill.cluster.prefix_hasher import PrefixHasher
+from tokenmill.cluster.radix_index import RadixKVIndex
 from tokenmill.lora.request import kv_salt
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.protocol import EngineRequest
 
 
-EventIndex = HashedKVIndex  # placeholder until the radix index lands
+EventIndex = RadixKVIndex
 
 
 def request_salt(req: EngineRequest) -> str | None:
@@ -62,7 +62,7 @@ class PrefixIndex:
             return self.approx.overlaps(relay.hashes, mask)
         if self.events is None:
             return {}
-        return self.events.overlaps_tokens(req.prompt_token_ids, request_salt(req), mask)
+        return self.events.overlaps(req.prompt_token_ids, request_salt(req), mask)
 
     def placed(self, slot: int, relay: Relay, now: float) -> None:
         """A request went to `slot`: the approximate index takes its prompt to be there for a while."""
