@@ -14,6 +14,7 @@ from tokenmill.cluster.planner.connectors import FleetConnector, KubernetesConne
 from tokenmill.cluster.planner.forecast import HoltForecaster
 from tokenmill.cluster.planner.policy import Planner, PlannerConfig
 from tokenmill.cluster.planner.signals import FleetSnapshot, WorkerLoad
+from tokenmill.cluster.router import Worker
 from tokenmill.server.config import ServerConfig
 from tokenmill.sizing import arch, hardware
 from tokenmill.sizing.roofline import Deployment
@@ -228,9 +229,7 @@ def test_kubernetes_connector_patches_the_scale_subresource() -> None:
 def test_fleet_connector_launches_and_drains_the_least_busy() -> None:
     class FakeRouter:
         def __init__(self) -> None:
-            self.workers = [
-                SimpleNamespace(slot=i, retired=False, draining=False, up=True, active={}) for i in range(3)
-            ]
+            self.workers = [Worker(i, f"tcp://w{i}:1", up=True) for i in range(3)]
             self.workers[0].active = {"a": 1, "b": 1}
             self.workers[2].active = {"c": 1}
             self.added = 0
@@ -267,11 +266,10 @@ class PoolRouter:
         self.removed: list[int] = []
 
     @staticmethod
-    def _worker(i: int, role: str, waiting: int) -> SimpleNamespace:
-        stats = SimpleNamespace(num_running=1, num_waiting=waiting, kv_cache_usage=0.1)
+    def _worker(i: int, role: str, waiting: int) -> Worker:
+        stats = SimpleNamespace(num_running=1, num_waiting=waiting, kv_cache_usage=0.1, draining=False)
         client = SimpleNamespace(last_heard=1e12, stats=stats)
-        return SimpleNamespace(slot=i, role=role, info={}, retired=False, draining=False, up=True, active={},
-                               client=client)  # fmt: skip
+        return Worker(i, f"tcp://w{i}:1", role=role, up=True, client=client)  # type: ignore[arg-type]
 
     def fleet_counts(self, pool: str | None = None) -> tuple[int, int, int]:
         from tokenmill.cluster.router import in_pool
