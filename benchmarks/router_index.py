@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description  # noqa: E402
 from results_log import add_flag, record  # noqa: E402
 
-from tokenmill.cluster.kv_index import HashedKVIndex  # noqa: E402
+from tokenmill.cluster.kv_index import KVIndex  # noqa: E402
+from tokenmill.cluster.prefix_hasher import PrefixHasher  # noqa: E402
 from tokenmill.cluster.router import RouterEngineClient, RouterSettings  # noqa: E402
 from tokenmill.cluster.router.prefix_index import EventIndex  # noqa: E402
 from tokenmill.cluster.router.relay import Relay  # noqa: E402
@@ -61,7 +62,7 @@ class Hashed:
     chain (lazily) and looked up by name."""
 
     def __init__(self, block_size: int) -> None:
-        self.index = HashedKVIndex(block_size)
+        self.index, self.hasher = KVIndex(), PrefixHasher(block_size)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -73,7 +74,7 @@ class Hashed:
         self.index.remove_worker(worker)
 
     def overlaps(self, tokens: list[int], salt: str | None, workers: int) -> dict[int, int]:
-        return self.index.overlaps_tokens(tokens, salt, workers)
+        return self.index.overlaps(self.hasher.iter_hashes(tokens, salt), workers)
 
 
 def chain(tokens: list[int]) -> list[int]:

@@ -232,7 +232,7 @@ def test_runs_sharing_a_first_token() -> None:
         p = system + tail
         assert idx.overlaps(p, None, 0b111) == ref.overlaps(hasher.hashes(p, None), 0b111)
     assert idx.overlaps(system + tails[0], None, 0b111) == {0: 4, 1: 2, 2: 2}
-    assert idx.overlaps_tokens(system + tails[0], None, 0b111) == {0: 4, 1: 2, 2: 2}
+    assert idx.overlaps(system + tails[0], None, 0b111) == {0: 4, 1: 2, 2: 2}
     with pytest.raises(ValueError):
         RadixKVIndex(0)
 

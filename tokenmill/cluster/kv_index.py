@@ -9,9 +9,8 @@ it, and makes a lookup one dict probe and one AND per block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from tokenmill.cluster.prefix_hasher import PrefixHasher
 from tokenmill.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -90,16 +89,3 @@ class KVIndex:
             out[low.bit_length() - 1] = matched
             live ^= low
         return out
-
-
-class HashedKVIndex(KVIndex):
-    """The same index asked by a prompt's tokens: its blocks are named by the SHA-256 chain (lazily, as
-    far as some worker holds them). The reference the radix index is tested against, and its baseline."""
-
-    def __init__(self, block_size: int) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self.hasher = PrefixHasher(block_size)
-
-    def overlaps_tokens(self, tokens: Sequence[int], salt: str | None, workers: int) -> dict[int, int]:
-        return self.overlaps(self.hasher.iter_hashes(tokens, salt), workers)

@@ -235,8 +235,6 @@ class RadixKVIndex:
                 live ^= low
         return out
 
-    overlaps_tokens = overlaps  # the name the router's PrefixIndex asks an event index by (HashedKVIndex's)
-
     def _window(self, tokens: Sequence[int], start: int, end: int) -> tuple[bytes, int, int]:
         """The prompt's tokens from `start` encoded, at least to `end` and a block past it: the whole rest
         unless that is much longer (a long prompt that shares little need not be encoded whole)."""

@@ -32,12 +32,12 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abstractmethod
     def init_kv_connector(
         self, names: list[str], rank_block_bytes: list[int], secrets: dict[str, bytes]
     ) -> list[dict[str, dict]]:
         """Build the worker side of the KV connectors `names` on every rank (after allocate_kv_cache);
         each rank's facts for the scheduler side, {connector name: facts}, in rank order."""
-        raise NotImplementedError
 
     def compute_threads(self) -> tuple[int, int]:
         """Threads the forward passes use now and the governor's changes since start; (0, 0) where

@@ -47,11 +47,7 @@ class FleetConnector:
         for _ in range(target - current):
             await (self.router.add_worker(self.pool) if self.pool else self.router.add_worker())
         if target < current:
-            live = [
-                w
-                for w in self.router.workers
-                if not w.retired and not w.draining and not w.stopping() and w.up and in_pool(w, self.pool)
-            ]
+            live = [w for w in self.router.workers if not w.retired and w.serving() and in_pool(w, self.pool)]
             # The least busy workers go first: the least to wait for, the least KV lost.
             for w in sorted(live, key=lambda w: (len(w.active), -w.slot))[: current - target]:
                 task = asyncio.get_running_loop().create_task(

@@ -69,11 +69,7 @@ class PlannerLoop(Collector):
         can refuse old data."""
         pool = pool or self.pools[0]
         serving, starting, draining = pool.connector.counts()
-        workers = [
-            w
-            for w in self.router.workers
-            if w.up and not w.draining and not w.stopping() and not w.retired and in_pool(w, pool.role)
-        ]
+        workers = [w for w in self.router.workers if w.serving() and not w.retired and in_pool(w, pool.role)]
         stats = [(w.client.last_heard, w.client.stats) for w in workers if w.client is not None]
         if not stats or any(st is None for _, st in stats):
             return None

@@ -10,8 +10,7 @@ from tokenmill.cluster.router.worker import Worker, fits
 
 
 class Board:
-    def __init__(self, prefill_weight: float = 1.0) -> None:
-        self.prefill_weight = prefill_weight
+    def __init__(self) -> None:
         self._views: dict[str | None, Candidates | None] = {}
         self._built = -1.0e18
         self.stale = True
@@ -37,9 +36,5 @@ class Board:
 
     def _view(self, workers: list[Worker], role: str | None, now: float) -> Candidates | None:
         ups = [w for w in workers if w.usable() and fits(w, role)]
-        for w in ups:
-            if w.prefill_weight != self.prefill_weight:
-                w.weigh(self.prefill_weight)
-
         answering = [w for w in ups if w.answering(now)] or ups
         return Candidates(answering, seated=True) if answering else None

@@ -34,11 +34,6 @@ from tokenmill.engine.client import EngineClient, EngineDeadError, destroy_conte
 from tokenmill.engine.protocol import EngineRequest, EngineStats
 
 
-def _alive(w: Worker) -> bool:
-    """Connected, not known dead, not draining: what a kept candidate must still be when chosen."""
-    return w.usable()
-
-
 class RouterEngineClient(Membership, EngineClient):
     def __init__(
         self,
@@ -58,7 +53,7 @@ class RouterEngineClient(Membership, EngineClient):
         self.policy = make_policy(s.policy, s.temperature, s.prefill_weight, s.seed)
         self.workers = [Worker(i, u, names[i] if names else u) for i, u in enumerate(urls)]
         self.prefix = PrefixIndex(s.approx_ttl_s if s.policy == "kv-approx" else None)
-        self.board = Board(s.prefill_weight)
+        self.board = Board()
         self.pd = PDOrchestrator(self, s.disagg) if s.disagg is not None else None
         self.stats_router = RouterStats()
         self.startup_timeout, self.heartbeat_timeout = startup_timeout, heartbeat_timeout
@@ -134,12 +129,12 @@ class RouterEngineClient(Membership, EngineClient):
         parent = req.request_id.split("#", 1)[0]
         if role != "prefill" and parent != req.request_id and parent in self._siblings:
             w = cands.by_slot.get(self._siblings[parent])
-            if w is not None and _alive(w):  # the siblings of an n > 1 request share their prompt's blocks
+            if w is not None and w.usable():  # the siblings of an n > 1 request share their prompt's blocks
                 return w, 0
         overlaps = self.prefix.overlaps(relay, cands.mask, now) if self.policy.uses_prefix else {}
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         w = self.policy.choose(cands, overlaps, blocks, req)
-        if not _alive(w):  # died (or began to drain) since the candidates were kept
+        if not w.usable():  # died (or began to drain) since the candidates were kept
             self.board.invalidate()
             return self.pick(relay, exclude | {w.slot}, role)
         if role != "prefill" and parent != req.request_id:

@@ -62,9 +62,9 @@ class Membership:
         yet, and those finishing their requests before they stop; of one pool of a disaggregated fleet
         ("prefill" or "decode") when `pool` is given."""
         live = [w for w in self.workers if not w.retired and in_pool(w, pool)]
-        serving = sum(1 for w in live if w.up and not w.draining and not w.stopping())
+        serving = sum(1 for w in live if w.serving())
         starting = sum(1 for w in live if not w.up and not w.draining)
-        return serving, starting, sum(1 for w in live if w.draining or (w.up and w.stopping()))
+        return serving, starting, len(live) - serving - starting
 
     def join_new(self, w: Worker) -> None:
         """Join a worker just launched, allowing it the whole start-up time (a rejoin allows 5 s)."""

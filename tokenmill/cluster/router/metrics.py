@@ -64,8 +64,7 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
     )
     for w in router.workers:
         if not w.retired:
-            serving = w.up and not w.draining and not w.stopping()
-            up.add_metric([model, w.name, w.role or ""], 1.0 if serving else 0.0)
+            up.add_metric([model, w.name, w.role or ""], 1.0 if w.serving() else 0.0)
     yield up
     ev = CounterMetricFamily(
         "tokenmill:router_kv_event_gaps",

@@ -112,14 +112,15 @@ class Worker:
         c = self.client
         return self.up and c is not None and c.dead_reason is None and now - c.last_heard < SUSPECT_AFTER_S
 
+    def serving(self) -> bool:
+        """In rotation: up and draining neither by the router's choice (scale-down) nor by its own
+        (after a SIGTERM)."""
+        return self.up and not self.draining and not self.stopping()
+
     def usable(self) -> bool:
-        """Up, connected, not known dead, not draining (by the router's choice or its own, after a
-        SIGTERM): may get a request if it also answers."""
+        """Serving and connected, not known dead: may get a request if it also answers."""
         c = self.client
-        if not self.up or self.draining or c is None or c.dead_reason is not None:
-            return False
-        stats = c.stats
-        return stats is None or not stats.draining
+        return self.serving() and c is not None and c.dead_reason is None
 
     def stopping(self) -> bool:
         """It said it is draining (SIGTERM): its leaving is planned, not a loss."""
