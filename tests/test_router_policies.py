@@ -9,6 +9,7 @@ import pytest
 
 from tokenmill.cluster.approx_index import ApproxKVIndex
 from tokenmill.cluster.policies import POLICIES, Candidates, make_policy
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT
 from tokenmill.cluster.policies.kv import kv_costs
 from tokenmill.cluster.router import reachable
 from tokenmill.cluster.router.worker import Active, Worker
@@ -27,6 +28,8 @@ def worker(slot: int, prefill: int = 0, decode: int = 0, in_flight: int = 0) -> 
 def choose(policy: str, workers: list[Worker], overlaps: dict[int, int], blocks: int, key: str | None = None,
            **kw: float) -> int:  # fmt: skip
     req = EngineRequest("r", [1] * blocks * 16, SamplingParams(), routing_key=key)
+    for w in workers:  # as the router does when a worker joins: its base cost in the policy's weight
+        w.weigh(kw.get("prefill_weight", DEFAULT_PREFILL_WEIGHT))
     return make_policy(policy, **kw).choose(Candidates(workers), overlaps, blocks, req).slot
 
 
@@ -34,18 +37,23 @@ def test_kv_cost_reproduces_dynamos_worked_example() -> None:
     # Dynamo's router docs: 10 prompt blocks; workers hold 2, 5, 8 of them and decode 10, 5, 9 blocks.
     assert kv_costs([(2, 0, 10), (5, 0, 5), (8, 0, 9)], 10, 1.0) == [18, 10, 11]
     ws = [worker(0, decode=10), worker(1, decode=5), worker(2, decode=9)]
-    assert choose("kv", ws, {0: 2, 1: 5, 2: 8}, 10) == 1
+    assert choose("kv", ws, {0: 2, 1: 5, 2: 8}, 10, prefill_weight=1.0) == 1
 
 
 def test_kv_cost_counts_queued_prefill_and_never_goes_negative() -> None:
     assert kv_costs([(10, 30, 0), (0, 0, 0), (12, 0, 0)], 10, 1.0) == [30, 10, 0]
-    assert choose("kv", [worker(0, prefill=30), worker(1)], {0: 10}, 10) == 1
+    assert choose("kv", [worker(0, prefill=30), worker(1)], {0: 10}, 10, prefill_weight=1.0) == 1
 
 
 def test_ties_go_to_the_worker_with_fewer_requests() -> None:
     assert choose("kv", [worker(0, in_flight=3), worker(1, in_flight=1)], {}, 4) == 1
     # a holder and a non-holder at the same cost tie too
-    assert choose("kv", [worker(0, decode=4, in_flight=2), worker(1, in_flight=0)], {0: 4}, 4) == 1
+    assert (
+        choose(
+            "kv", [worker(0, decode=4, in_flight=2), worker(1, in_flight=0)], {0: 4}, 4, prefill_weight=1.0
+        )
+        == 1
+    )
 
 
 def test_the_fast_kv_choice_is_the_lowest_of_every_cost() -> None:
@@ -72,6 +80,8 @@ def test_the_fast_kv_choice_is_the_lowest_of_every_cost() -> None:
 
 def test_the_kept_bases_follow_each_workers_load() -> None:
     ws = [worker(0), worker(1)]
+    for w in ws:
+        w.weigh(1.0)
     cands = Candidates(ws, seated=True)
     ws[0].add_active("a", Active(5, 8))
     ws[1].add_active("b", Active(2, 3))

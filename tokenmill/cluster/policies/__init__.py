@@ -3,7 +3,7 @@ name here (the `--router` flag takes these names)."""
 
 from __future__ import annotations
 
-from tokenmill.cluster.policies.base import Candidates, RoutingPolicy
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT, Candidates, RoutingPolicy
 from tokenmill.cluster.policies.kv import KVApproxPolicy, KVPolicy
 from tokenmill.cluster.policies.least_load import LeastLoadPolicy
 from tokenmill.cluster.policies.random_pick import RandomPolicy
@@ -18,7 +18,7 @@ POLICIES = tuple(REGISTRY)
 
 
 def make_policy(
-    name: str, temperature: float = 0.0, prefill_weight: float = 1.0, seed: int = 0
+    name: str, temperature: float = 0.0, prefill_weight: float = DEFAULT_PREFILL_WEIGHT, seed: int = 0
 ) -> RoutingPolicy:
     cls = REGISTRY.get(name)
     if cls is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenmill.cluster.policies.base import Candidates, RoutingPolicy
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT, Candidates, RoutingPolicy
 
 if TYPE_CHECKING:
     from tokenmill.cluster.router.worker import Worker
@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 class RoundRobinPolicy(RoutingPolicy):
     name = "round-robin"
 
-    def __init__(self, temperature: float = 0.0, prefill_weight: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self, temperature: float = 0.0, prefill_weight: float = DEFAULT_PREFILL_WEIGHT, seed: int = 0
+    ) -> None:
         super().__init__(temperature, prefill_weight, seed)
         self._turn = 0
 
