@@ -4,7 +4,13 @@ planner's worker counts are read from /metrics every second. Reported: failed re
 workers over time, and TTFT p95 per phase, with the high phase split into before and after the second
 worker serves (the TTFT target must hold again after the step). A plot of the timeline goes to --plot.
 
+`--burst RATE,SECONDS` makes the middle phase a burst instead of the step: RATE for SECONDS (a short
+high-rate phase, as the simulated day's bursts are), between the two low phases of --phase-s (its middle
+figure is then unused). The report is the same: TTFT p95 before, during (split at the second worker's
+arrival) and after the burst, and when the second worker served.
+
     python benchmarks/planner_step.py [--low 1 --high 4 --phase-s 120,180,180] [--plot out.png]
+    python benchmarks/planner_step.py --low 0.4 --burst 1.6,60 --phase-s 90,0,150
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def main() -> None:
     ap.add_argument("--low", type=float, default=1.0, help="requests/s before and after the step")
     ap.add_argument("--high", type=float, default=4.0, help="requests/s during the step")
     ap.add_argument("--phase-s", default="120,180,180", help="seconds of the low, high and low phases")
+    ap.add_argument("--burst", default=None, help="RATE,SECONDS: a burst as the middle phase instead")
     ap.add_argument("--isl", type=int, default=256)
     ap.add_argument("--osl", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=8)
@@ -51,6 +58,9 @@ def main() -> None:
     args = ap.parse_args()
     phases = [float(x) for x in args.phase_s.split(",")]
     rates = [args.low, args.high, args.low]
+    if args.burst:
+        burst_rate, burst_s = (float(x) for x in args.burst.split(","))
+        rates[1], phases[1] = burst_rate, burst_s
     print(f"CPU: {cpu_description()}")
     serve = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "5",
              "--planner-window-s", "30", "--planner-up-cooldown-s", "20", "--planner-down-cooldown-s", "60",
@@ -144,7 +154,9 @@ def main() -> None:
         ax[1].set_xlabel("seconds")
         ax[1].legend()
         fig.suptitle(
-            f"load planner, {args.low} -> {args.high} -> {args.low} req/s ({cpu_description()})", fontsize=9
+            f"load planner, {rates[0]} -> {rates[1]} ({phases[1]:.0f} s) -> {rates[2]} req/s "
+            f"({cpu_description()})",
+            fontsize=9,
         )
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=110)

@@ -194,7 +194,8 @@ def test_sizing_capacity_falls_with_longer_prompts_and_tighter_targets() -> None
 def test_worker_ranges() -> None:
     assert ServerConfig(workers="1..4").worker_range == (1, 1, 4)
     assert ServerConfig(workers="2").worker_range == (2, 2, 2)
-    for bad in ("4..1", "x", "0..2"):
+    assert ServerConfig(workers="0..2").worker_range == (0, 0, 2)  # a fleet that scales to zero
+    for bad in ("4..1", "x", "0..0", "-1..2"):
         with pytest.raises(ValueError, match="--workers"):
             _ = ServerConfig(workers=bad).worker_range
 
@@ -369,3 +370,71 @@ def test_signals_from_prometheus_query_api() -> None:
     empty = PrometheusSignals("http://prom:9090", "m", client=httpx.Client(transport=httpx.MockTransport(
         lambda r: httpx.Response(200, json={"status": "success", "data": {"result": []}}))))  # fmt: skip
     assert empty.snapshot((1, 0, 0)) is None
+
+
+# -- burst detection (surge) ------------------------------------------------------------------------------
+def test_sla_surge_scales_by_the_whole_burst_at_once_through_starting_workers_and_cooldown() -> None:
+    cfg = {"mode": "sla", "max_workers": 10, "headroom": 0.0, "up_cooldown_s": 30, "startup_s": 0}
+    p = Planner(PlannerConfig(**cfg, surge=True), lambda i, o: 10.0)
+    base = {"queue_to_compute": 0.0, "mean_isl": 100.0, "mean_osl": 50.0, "recent_s": 10.0}
+    # 20 req/s on 2 workers of 10 req/s: sized right, no burst
+    calm = FleetSnapshot(0, 2, loads=[WorkerLoad(1, 0, 0.1)] * 2, requests=1200, recent_requests=200, **base)
+    assert p.decide(calm, 0).target == 2
+    # the last interval brought 40 req/s: 4 workers at once, though the 60 s window says 23 req/s
+    burst = FleetSnapshot(
+        10, 2, loads=[WorkerLoad(1, 0, 0.1)] * 2, requests=1400, recent_requests=400, **base
+    )
+    d = p.decide(burst, 10)
+    assert d.target == 4 and d.reason.startswith("burst")
+    # 10 s later: 2 serving, 2 starting, and 70 req/s now: 7 at once, starting workers and cool-down or not
+    more = FleetSnapshot(
+        20, 2, starting=2, loads=[WorkerLoad(1, 0, 0.1)] * 2, requests=2100, recent_requests=700, **base
+    )
+    assert p.decide(more, 20).target == 7
+    # without surge the same readings move one forecast step, and not while workers start
+    q = Planner(PlannerConfig(**cfg), lambda i, o: 10.0)
+    q.decide(calm, 0)
+    assert q.decide(burst, 10).target < 4  # the window's 23 req/s, trend-extrapolated: not 40
+    assert q.decide(more, 20).target == 4  # held: workers are starting
+
+
+def test_surge_ignores_what_poisson_noise_explains_and_respects_the_bound() -> None:
+    p = Planner(PlannerConfig(mode="sla", max_workers=3, headroom=0.0, surge=True), lambda i, o: 0.2)
+    base = {"mean_isl": 100.0, "mean_osl": 50.0, "recent_s": 10.0, "loads": [WorkerLoad(1, 0, 0.1)]}
+    # one worker sized for 2 arrivals in 10 s: 4 arrivals is 2x, but within 3 sigma of 2: not a burst
+    d = p.decide(FleetSnapshot(0, 1, requests=12, recent_requests=4, **base), 0)
+    assert not d.reason.startswith("burst")
+    # 12 arrivals is far past the noise: the burst needs 6 workers, the bound gives 3
+    d = p.decide(FleetSnapshot(10, 1, requests=14, recent_requests=12, **base), 10)
+    assert d.target == 3 and d.reason.startswith("burst")
+
+
+def test_load_surge_learns_what_a_worker_carries_without_pressure_and_scales_in_proportion() -> None:
+    p = load_planner(max_workers=12, surge=True)
+    # no calm reading yet: nothing to measure a burst against
+    d = p.decide(snap(0, 2, kv=0.4, requests=600, window_s=60, recent_requests=300, recent_s=10), 0)
+    assert d.target == 2
+    # calm at 10 req/s, 5 per worker, for a while
+    for t in (10, 20, 30):
+        assert (
+            p.decide(
+                snap(t, 2, kv=0.4, requests=600, window_s=60, recent_requests=100, recent_s=10), t
+            ).target
+            == 2
+        )
+    # 30 req/s in the last interval, no pressure read yet: 6 workers (30 / 5 each) at once
+    d = p.decide(snap(40, 2, kv=0.4, requests=800, window_s=60, recent_requests=300, recent_s=10), 40)
+    assert d.target == 6 and d.reason.startswith("burst")
+    # off: the same readings change nothing until pressure shows
+    q = load_planner(max_workers=12)
+    for t in (10, 20, 30):
+        q.decide(snap(t, 2, kv=0.4, requests=600, window_s=60, recent_requests=100, recent_s=10), t)
+    assert (
+        q.decide(snap(40, 2, kv=0.4, requests=800, window_s=60, recent_requests=300, recent_s=10), 40).target
+        == 2
+    )
+
+
+def test_surge_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="surge"):
+        PlannerConfig(surge=True, surge_ratio=0)

@@ -320,3 +320,47 @@ def test_plan_simulate_prints_whole_tables_when_not_on_a_terminal() -> None:
         assert any(name in ln and "%" in ln for ln in lines), (name, r.stdout)
     assert "measuring a worker's capacity ..." in r.stderr and "sla planner: done in" in r.stderr, r.stderr
     assert "\x1b[" not in r.stderr
+
+
+# -- bursts: detection and a warm standby pool ------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["load", "sla"])
+def test_burst_detection_and_a_warm_standby_hold_the_slo_through_a_burst(mode: str) -> None:
+    d = deployment()
+    tr = steps([(600.0, 30.0), (300.0, 60.0), (300.0, 30.0)], seed=3)  # a 2x burst of 5 minutes
+
+    def run(surge: bool, standby: int):
+        pc = PlannerConfig(mode=mode, min_workers=1, max_workers=8, startup_s=90, surge=surge)
+        planner = Planner(pc, (lambda i, o: 20.0) if mode == "sla" else None)
+        cfg = SimConfig(startup_s=90, initial_workers=2, standby=standby, warm_start_s=10)
+        return simulate(tr, d, planner=planner, config=cfg)
+
+    old, new = run(False, 0), run(True, 4)
+    burst = (tr.t >= 600) & (tr.t < 900)
+    assert new.warm_starts >= 1 and old.warm_starts == 0
+    # the new workers come from the pool within one interval and a warm start of the burst's start
+    first_up = min(x.time for x in new.decisions if x.delta > 0 and x.time >= 600)
+    assert first_up <= 600 + 2 * 10
+    assert new.met()[burst].mean() > old.met()[burst].mean() + 0.05
+    assert new.attainment > old.attainment
+    # the pool holds no GPU: GPU-hours are the workers'; its cost is host memory, all period long
+    assert new.standby_gpu_hours == 0.0
+    assert new.standby_host_gb_hours == pytest.approx(4 * d.weight_gb_per_gpu() * d.gpus * 1200 / 3600)
+
+
+def test_a_standby_that_holds_a_gpu_is_counted_in_the_gpu_hours_and_a_used_one_refills() -> None:
+    d = deployment()
+    tr = steps([(200.0, 10.0)])
+    planner = Planner(PlannerConfig(mode="load", max_workers=3))
+    base = {"startup_s": 90.0, "standby": 2, "warm_start_s": 5.0}
+    held = simulate(tr, d, planner=planner, config=SimConfig(**base, standby_holds_gpu=True))
+    assert held.standby_gpu_hours == pytest.approx(2 * 200 / 3600 * d.gpus)
+    assert held.worker_hours == pytest.approx((held.gpu_hours - held.standby_gpu_hours) / d.gpus)
+    # two launches at once take both standbys; a third before the refill is a cold start
+    from tokenmill.cluster.planner.simulator import _Sim
+
+    s = _Sim(tr, d, None, 1, SimConfig(**base, standby_refill_s=60.0), None)
+    for now in (10.0, 10.0, 20.0, 80.0):
+        s._launch(now)
+    ready = sorted(t for t, _, kind, _, _ in s.heap if kind == 1)  # _READY events
+    assert ready == [15.0, 15.0, 85.0, 110.0]  # warm, warm, warm (refilled at 70 s), cold (20 + 90)
+    assert s.warm_starts == 3

@@ -94,6 +94,31 @@ def simulate_cmd(
     up_intervals: int = typer.Option(2, help="load: pressured intervals in a row before scaling up"),
     down_intervals: int = typer.Option(6, help="quiet intervals in a row before scaling down"),
     up_cooldown_s: float = typer.Option(30.0, help="after a change, before the next scale-up"),
+    surge: bool = typer.Option(
+        False,
+        "--surge/--no-surge",
+        help="burst detection: when the last interval's arrivals jump past what the fleet is sized for, "
+        "scale at once to what that rate needs",
+    ),
+    surge_ratio: float = typer.Option(0.3, help="with --surge: how far above, as a fraction"),
+    standby: int = typer.Option(
+        0, help="warm standby pool: workers kept with their weights in host memory, started in seconds"
+    ),
+    standby_h2d_gbps: float = typer.Option(
+        25.0, help="standby: host-to-device GB/s a worker's weights are copied at (warm start)"
+    ),
+    standby_engine_s: float = typer.Option(
+        10.0, help="standby: the rest of a warm start (CUDA context, KV cache, CUDA graphs, joining)"
+    ),
+    warm_start_s: float | None = typer.Option(
+        None, help="standby: launch to serving (default: weights / --standby-h2d-gbps + --standby-engine-s)"
+    ),
+    standby_refill_s: float | None = typer.Option(
+        None, help="standby: a used one is ready again after this (default: --startup-s, a cold load)"
+    ),
+    standby_holds_gpu: bool = typer.Option(
+        False, help="standby: an idle engine holding its own GPUs (counted in the GPU-hours) instead"
+    ),
     down_cooldown_s: float = typer.Option(120.0, help="after a change, before the next scale-down"),
     plot: Path | None = typer.Option(None, help="write the day's plot here (PNG)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
@@ -119,6 +144,8 @@ def simulate_cmd(
         fail("--start-hour places the daily curve; a --trace has its own times")
     if not 0 < static_slo <= 100:
         fail("--static-slo is a percentage in (0, 100]")
+    if standby < 0:
+        fail("--standby must be >= 0")
     if capacity not in ("measured", "sizing"):
         _capacity(capacity, None, 0.0, 0.0)  # a number, or a one-line error now rather than after a day
     a, g, f = _common(model, gpu, precision, factors, factor_profile)
@@ -129,6 +156,14 @@ def simulate_cmd(
     d = Deployment(a, g, precision, f, tp)
     if d.max_seqs(isl + osl) < 1:
         fail(f"{a.name} in {precision} does not fit on {tp} x {g.name} with a {isl + osl}-token context")
+    try:
+        warm_s = (
+            warm_start_s
+            if warm_start_s is not None
+            else sim.warm_start_s(d, standby_h2d_gbps, standby_engine_s)
+        )
+    except ValueError as e:
+        fail(str(e))
     try:
         cfg = sim.SimConfig(
             ttft_target_s=ttft_ms / 1e3,
@@ -253,6 +288,8 @@ def simulate_cmd(
                     headroom=headroom,
                     down_band=down_band,
                     startup_s=startup_s,
+                    surge=surge,
+                    surge_ratio=surge_ratio,
                 )
                 planner = Planner(pc, cap_fn if m == "sla" else None)
             except ValueError as e:
@@ -262,7 +299,19 @@ def simulate_cmd(
             first = traffic.window(0.0, min(600.0, traffic.duration_s))
             rate0 = len(first) / max(first.duration_s, 1.0)
             init = min(max(math.ceil(rate0 * (1 + headroom) / measured), min_workers), upper)
-            run_cfg = sim.SimConfig(**{**cfg.__dict__, "initial_workers": init})
+            try:
+                run_cfg = sim.SimConfig(
+                    **{
+                        **cfg.__dict__,
+                        "initial_workers": init,
+                        "standby": standby,
+                        "warm_start_s": warm_s,
+                        "standby_refill_s": standby_refill_s,
+                        "standby_holds_gpu": standby_holds_gpu,
+                    }
+                )
+            except ValueError as e:
+                fail(str(e))
             run(f"{m} planner", planner=planner, config=run_cfg)
     elapsed = time.perf_counter() - t0
 
@@ -286,6 +335,16 @@ def simulate_cmd(
             else f"busiest {static_window_min:g} min, attainment {window_att:.4f} >= {static_slo / 100:g}",
         },
         "startup_s": startup_s,
+        "burst_handling": {
+            "surge": surge,
+            "surge_ratio": surge_ratio if surge else None,
+            "standby": standby,
+            "warm_start_s": warm_s if standby else None,
+            "standby_refill_s": (standby_refill_s if standby_refill_s is not None else startup_s)
+            if standby
+            else None,
+            "standby_holds_gpu": standby_holds_gpu if standby else None,
+        },
         "results": rows,
         "elapsed_s": elapsed,
     }
@@ -406,6 +465,21 @@ def _print(out: dict, rows: list[dict]) -> None:
             f"{r['decisions']} ({r['scale_ups']}/{r['scale_downs']})",
         )
     console.print(t)
+    b = out["burst_handling"]
+    if b["surge"] or b["standby"]:
+        parts = [f"burst detection at +{100 * b['surge_ratio']:.0f}%"] if b["surge"] else []
+        if b["standby"]:
+            cost = (
+                "holding GPUs (in the GPU-hours)"
+                if b["standby_holds_gpu"]
+                else "weights in host memory, no GPU"
+            )
+            used = ", ".join(f"{r['name']} {r['warm_starts']}" for r in rows if r["standby"])
+            parts.append(
+                f"{b['standby']} warm standby ({cost}): serves {b['warm_start_s']:.1f} s after launch, "
+                f"refilled in {b['standby_refill_s']:.0f} s; warm starts: {used}"
+            )
+        console.print("; ".join(parts), highlight=False)
     console.print(f"[dim]sla planner capacity: {c['sla_planner_uses']}[/dim]", highlight=False)
     if "plot" in out:
         console.print(f"plot: {out['plot']}", highlight=False)

@@ -11,6 +11,16 @@ Two modes, as Dynamo's planner has them:
 
 Both: bounds, a cool-down after every change (longer for scaling down), at most one worker removed per
 decision, and no decision at all from stale or missing signals.
+
+Burst detection (`surge`, off by default): a burst doubles the arrival rate in seconds, and both modes
+above see it late (the window's rate moves by a sixth of the jump per interval; pressure needs two
+readings; workers are added one at a time). With `surge` the planner also counts the arrivals of the last
+interval against what the fleet (serving and starting) is sized for, and when there are more than
+`surge_ratio` above it, and more than Poisson noise explains (`surge_sigmas` standard deviations), it
+scales at once to the workers that rate needs, whatever workers are starting and whatever the up
+cool-down. What a worker is sized for: in sla mode the capacity over the headroom; in load mode the most
+arrivals per worker the fleet has carried without pressure in the last `surge_memory_s` (the load
+planner's own operating point, learnt; no surge before it has one).
 """
 
 from __future__ import annotations
@@ -51,6 +61,11 @@ class PlannerConfig:
     headroom: float = 0.1  # provision this much above the forecast
     down_band: float = 0.1  # scale down only when the rest keep headroom + this above the forecast
     startup_s: float = 30.0  # how long a new worker takes to serve: the forecast looks this far ahead
+    # burst detection (module docstring)
+    surge: bool = False
+    surge_ratio: float = 0.3  # last interval's arrivals this much above what the fleet is sized for
+    surge_sigmas: float = 3.0  # ... and this many Poisson standard deviations above it
+    surge_memory_s: float = 3600.0  # load: how long a calm reading's arrivals per worker are remembered
 
     def __post_init__(self) -> None:
         if self.mode not in ("load", "sla"):
@@ -63,6 +78,8 @@ class PlannerConfig:
             raise ValueError("the headroom and the scale-down band cannot be negative")
         if self.interval_s <= 0:
             raise ValueError("the planner interval must be positive")
+        if self.surge_ratio <= 0 or self.surge_sigmas < 0 or self.surge_memory_s <= 0:
+            raise ValueError("need a positive surge ratio and memory, and surge sigmas >= 0")
         if self.max_signal_age_s is None:
             self.max_signal_age_s = 3 * self.interval_s
 
@@ -90,6 +107,10 @@ class Planner:
         self.up_streak = 0
         self.down_streak = 0
         self.decisions: deque[Decision] = deque(maxlen=100_000)  # for plots and /metrics; bounded
+        # load mode's surge reference: (time, arrivals/s per serving worker) of calm readings, the
+        # running maximum kept at the front (a monotone deque)
+        self.calm_rates: deque[tuple[float, float]] = deque()
+        self.calm = False  # load mode: the last reading showed no pressure
 
     def decide(self, snap: FleetSnapshot | None, now: float) -> Decision:
         """The target for now; `snap` None or older than max_signal_age_s changes nothing."""
@@ -106,6 +127,16 @@ class Planner:
         else:
             target, reason = self._sla(snap, current)
         target = min(max(target, c.min_workers), c.max_workers)
+        if c.surge:
+            burst = self._surge(snap, current, now)
+            if burst is not None and min(burst[0], c.max_workers) > max(target, current):
+                # Scale by the whole jump now: the workers already starting are counted in `current`,
+                # and waiting out a cool-down would leave the burst queueing for a start-up more.
+                return self._change(now, current, min(burst[0], c.max_workers), burst[1])
+            if c.mode == "load" and self.calm and snap.serving and not snap.starting and snap.requests:
+                # What a worker carries without pressure: the reference a burst is measured against. Not
+                # while workers start (the fleet is changing) nor from a reading that was a burst.
+                self._remember_calm(snap.time, snap.request_rate / snap.serving)
         if target > current:
             if snap.starting:
                 return self._keep(now, current, f"{reason}; {snap.starting} worker(s) still starting")
@@ -146,6 +177,7 @@ class Planner:
         )
         self.up_streak = self.up_streak + 1 if pressure else 0
         self.down_streak = self.down_streak + 1 if quiet and not pressure else 0
+        self.calm = not pressure
         if pressure and self.up_streak >= c.up_intervals:
             return current + 1, "; ".join(pressure)
         if self.down_streak >= c.down_intervals:
@@ -193,6 +225,44 @@ class Planner:
         else:
             self.down_streak = 0
         return needed, reason
+
+    # -- burst detection -----------------------------------------------------------------------------
+    def _remember_calm(self, t: float, per_worker: float) -> None:
+        calm = self.calm_rates
+        while calm and calm[-1][1] <= per_worker:
+            calm.pop()
+        calm.append((t, per_worker))
+
+    def _sized_per_worker(self, snap: FleetSnapshot, now: float) -> float | None:
+        """Arrivals/s one worker of the fleet is sized for, None when unknown."""
+        c = self.config
+        if c.mode == "sla":
+            assert self.capacity is not None
+            per = self.capacity(snap.mean_isl or 0.0, snap.mean_osl or 1.0) / (1 + c.headroom)
+            return per if per > 0 else None
+        calm = self.calm_rates
+        while calm and calm[0][0] < now - c.surge_memory_s:
+            calm.popleft()
+        return calm[0][1] if calm and calm[0][1] > 0 else None
+
+    def _surge(self, snap: FleetSnapshot, current: int, now: float) -> tuple[int, str] | None:
+        """(workers the last interval's arrival rate needs, why) when it is a burst, else None."""
+        c = self.config
+        if snap.recent_requests is None or snap.recent_s <= 0 or current < 1:
+            return None
+        per = self._sized_per_worker(snap, now)
+        if per is None:
+            return None
+        expected = per * current * snap.recent_s  # arrivals the fleet is sized for in that time
+        k = snap.recent_requests
+        if k <= expected * (1 + c.surge_ratio) or k <= expected + c.surge_sigmas * math.sqrt(expected):
+            return None
+        rate = k / snap.recent_s
+        need = math.ceil(rate / per)
+        return need, (
+            f"burst: {rate:.2f} req/s in the last {snap.recent_s:.0f}s, {k / expected:.2f}x what "
+            f"{current} worker(s) are sized for ({per:.2f} req/s each)"
+        )
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _cooling(self, now: float, cooldown: float) -> bool:

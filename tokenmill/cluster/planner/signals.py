@@ -28,6 +28,10 @@ class FleetSnapshot:
     mean_osl: float | None = None  # output tokens
     ttft_p95_s: float | None = None
     itl_p95_s: float | None = None
+    # Arrivals in the last `recent_s` (one planner interval): a burst shows here within one interval, in
+    # the window's count only a fraction of it. None where the source cannot tell (Prometheus).
+    recent_requests: int | None = None
+    recent_s: float = 0.0
 
     @property
     def request_rate(self) -> float:

@@ -31,6 +31,10 @@ class SimResult:
     itl: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     ttft_target_s: float = math.inf
     itl_target_s: float = math.inf
+    standby: int = 0  # the warm standby pool's size
+    warm_starts: int = 0  # workers launched from it
+    standby_gpu_hours: float = 0.0  # of gpu_hours: standbys holding a GPU (0 for host-memory standbys)
+    standby_host_gb_hours: float = 0.0  # host memory the staged weights take, GB x hours
 
     def met(self) -> np.ndarray:
         """Per request: both targets met (False for an unfinished one)."""
@@ -38,7 +42,8 @@ class SimResult:
 
     @property
     def worker_hours(self) -> float:
-        return self.gpu_hours / self.gpus_per_worker
+        """Hours of workers serving, starting or draining (a standby holding a GPU is not a worker)."""
+        return (self.gpu_hours - self.standby_gpu_hours) / self.gpus_per_worker
 
     @property
     def mean_workers(self) -> float:
@@ -65,4 +70,8 @@ class SimResult:
             "decisions": len(self.decisions),
             "scale_ups": sum(1 for d in self.decisions if d.delta > 0),
             "scale_downs": sum(1 for d in self.decisions if d.delta < 0),
+            "standby": self.standby,
+            "warm_starts": self.warm_starts,
+            "standby_gpu_hours": self.standby_gpu_hours,
+            "standby_host_gb_hours": self.standby_host_gb_hours,
         }

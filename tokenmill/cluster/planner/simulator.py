@@ -26,9 +26,18 @@ ones it has, then stops. A worker that is still starting when the planner scales
 once. GPU time counts from launch to stop, starting and draining included, times the deployment's
 GPUs, within the simulated period.
 
+A warm standby pool (`standby` > 0) is that many copies of the worker kept ready to start fast: a process
+with the weights already staged in host memory, holding no GPU (or, `standby_holds_gpu`, an idle engine
+on a GPU of its own). A worker the planner launches takes a ready standby if there is one and serves after
+`warm_start_s` instead of `startup_s`; the used standby is refilled in the background, ready again
+`standby_refill_s` later (by default a cold start: the weights read from disk again). A host-memory
+standby costs no GPU time and is reported as host-memory GB-hours (the weights' bytes, per standby, all
+period long); a standby that holds a GPU is counted in the GPU-hours, its GPUs all period long.
+
 Every planner interval the simulation builds a `FleetSnapshot` of the fields a live fleet fills in
 (tokenmill/cluster/planner/loop.py) - per-worker running, waiting and KV usage (context tokens held over
-the KV capacity); the arrivals of the last `window_s` and their mean prompt length; the mean output
+the KV capacity); the arrivals of the last `window_s` and their mean prompt length, and those of the last
+interval; the mean output
 length, queue-to-compute ratio (arrival to first scheduling over first scheduling to the end) and p95
 TTFT and inter-token latency of the requests that finished in that window - and asks the planner (the
 very class the fleet runs) for a decision, then launches or drains workers.
@@ -73,6 +82,11 @@ class SimConfig:
     window_s: float = 60.0  # the window of the planner's signals
     initial_workers: int | None = None  # workers serving at time 0 (planner runs; default: its minimum)
     kv_tokens: int | None = None  # KV cache per worker, tokens (default: what the deployment's memory holds)
+    # the warm standby pool (module docstring)
+    standby: int = 0
+    warm_start_s: float = 10.0  # launch to serving from a standby (see `warm_start_s()` for a default)
+    standby_refill_s: float | None = None  # a used standby ready again after this (default: startup_s)
+    standby_holds_gpu: bool = False  # an idle engine on its own GPU(s): its GPU time counts
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0:
@@ -81,6 +95,20 @@ class SimConfig:
             raise ValueError("need max batch tokens >= 2 and max seqs >= 1")
         if self.startup_s < 0 or self.window_s <= 0:
             raise ValueError("need startup >= 0 and a positive signal window")
+        if self.standby < 0 or self.warm_start_s < 0 or (self.standby_refill_s or 0.0) < 0:
+            raise ValueError("need standby >= 0, and warm start and refill times >= 0")
+
+
+def warm_start_s(d: Deployment, h2d_gbps: float = 25.0, engine_s: float = 10.0) -> float:
+    """Launch to serving from a host-memory standby: each GPU's share of the weights copied from pinned
+    host memory (`h2d_gbps`, GB/s: a PCIe Gen5 x16 link moves ~50 GB/s pinned at best; half of it is what
+    model loaders reach in practice), all GPUs of a worker in parallel, plus `engine_s` for what does not
+    depend on the weights: a CUDA context on the new GPU, the KV cache allocated, CUDA graphs captured and
+    the worker registered with the router (an assumption, not a measurement: set it from your engine's
+    start-up log)."""
+    if h2d_gbps <= 0 or engine_s < 0:
+        raise ValueError("need a positive host-to-device bandwidth and an engine start >= 0")
+    return d.weight_gb_per_gpu() / h2d_gbps + engine_s
 
 
 class _Worker:
@@ -202,6 +230,10 @@ class _Sim:
         self.timeline: list[tuple[float, int, int, int]] = []
         self.decisions: list[Decision] = []
         self.decide_calls = 0
+        # the standby pool: when each standby is (or will be) ready; ascending
+        self.standby_ready: list[float] = [0.0] * cfg.standby
+        self.refill_s = cfg.standby_refill_s if cfg.standby_refill_s is not None else cfg.startup_s
+        self.warm_starts = 0
         if planner is not None:
             c = planner.config
             init = cfg.initial_workers if cfg.initial_workers is not None else c.min_workers
@@ -225,6 +257,14 @@ class _Sim:
         self.live.append(w)
         if ready:
             self.serving.append(w)
+            return
+        pool = self.standby_ready
+        if pool and pool[0] <= now:
+            # A warm start; the standby is staged again in the background (a cold load into host memory).
+            pool.pop(0)
+            pool.append(now + self.refill_s)  # the latest refill: the list stays sorted
+            self.warm_starts += 1
+            self._push(now + self.cfg.warm_start_s, _READY, w)
         else:
             self._push(now + self.cfg.startup_s, _READY, w)
 
@@ -434,6 +474,8 @@ class _Sim:
         window = min(cfg.window_s, now)
         lo, hi = np.searchsorted(self.t_arr, [now - window, now], side="right")
         n = int(hi - lo)
+        recent = min(self.interval, now)
+        recent_lo = int(np.searchsorted(self.t_arr, now - recent, side="right"))
         fin = np.concatenate([b[0] for b in self.buckets])
         q = sum(b[1] for b in self.buckets)
         c = sum(b[2] for b in self.buckets)
@@ -458,6 +500,8 @@ class _Sim:
             mean_osl=float(self.tr.osl[fin].mean()) if len(fin) else None,
             ttft_p95_s=float(np.percentile(self.ttft[fin], 95)) - self.client_s if len(fin) else None,
             itl_p95_s=float(np.percentile(self.itl[fin], 95)) if len(fin) else None,
+            recent_requests=int(hi - recent_lo),
+            recent_s=recent,
         )
         d = self.planner.decide(snap, now)
         self.decide_calls += 1
@@ -515,6 +559,9 @@ class _Sim:
         for w in self.all:
             end = w.stopped if w.stopped is not None else duration
             worker_s += max(0.0, min(end, duration) - min(w.launched, duration))
+        # The standby pool is kept all period long (a standby being refilled holds its memory too).
+        standby_gpu_s = cfg.standby * duration if cfg.standby_holds_gpu else 0.0
+        host_gb = 0.0 if cfg.standby_holds_gpu else self.d.weight_gb_per_gpu() * gpus
         ok = (self.ttft <= cfg.ttft_target_s) & (self.itl <= cfg.itl_target_s)  # nan compares False
         done = ~np.isnan(self.itl)
         ttft, itl = self.ttft[done], self.itl[done]
@@ -532,7 +579,7 @@ class _Sim:
             name=label,
             duration_s=duration,
             gpus_per_worker=gpus,
-            gpu_hours=worker_s * gpus / 3600,
+            gpu_hours=(worker_s + standby_gpu_s) * gpus / 3600,
             attainment=float(ok.mean()) if self.n else 1.0,
             requests=self.n,
             finished=int(done.sum()),
@@ -547,4 +594,8 @@ class _Sim:
             itl=self.itl if keep_requests else np.zeros(0),
             ttft_target_s=cfg.ttft_target_s,
             itl_target_s=cfg.itl_target_s,
+            standby=cfg.standby,
+            warm_starts=self.warm_starts,
+            standby_gpu_hours=standby_gpu_s * gpus / 3600,
+            standby_host_gb_hours=cfg.standby * host_gb * duration / 3600,
         )
