@@ -7,7 +7,6 @@ clients over HTTP."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import time
@@ -16,6 +15,7 @@ import httpx
 import pytest
 from procs import worker_process
 from server_fixture import free_port, running_server
+from stream_clients import stream_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,42 +41,6 @@ def metric(base: str, name: str) -> float:
     )
 
 
-async def stream_until(base: str, stop: asyncio.Event, results: list[str], prompt: str) -> None:
-    """One client: streamed completions, one after another, until told to stop; each ends "ok" (all its
-    tokens and a finish reason) or with what went wrong."""
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-        while not stop.is_set():
-            body = {
-                "model": "smollm2-135m",
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            tokens, finish = 0, None
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        results.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                        continue
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[len("data: ") :])
-                        if "error" in chunk:
-                            finish = line
-                            break
-                        if chunk.get("usage"):  # the last chunk: the tokens the stream carried
-                            tokens = chunk["usage"]["completion_tokens"]
-                        for choice in chunk.get("choices", []):
-                            finish = choice.get("finish_reason") or finish
-            except httpx.HTTPError as e:
-                results.append(f"{type(e).__name__}: {e}")
-                continue
-            results.append("ok" if finish == "length" and tokens == MAX_TOKENS else f"cut: {tokens} {finish}")
-
-
 def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
     with (
         worker_process("--max-num-seqs", "16", "--drain-timeout", "120") as (url_a, proc_a),
@@ -88,7 +52,9 @@ def test_a_sigterm_drains_a_worker_under_load_and_no_request_is_lost() -> None:
         async def main() -> list[str]:
             stop, results = asyncio.Event(), []
             clients = [
-                asyncio.create_task(stream_until(base, stop, results, f"Story {i}: once upon a time"))
+                asyncio.create_task(
+                    stream_until(base, stop, results, f"Story {i}: once upon a time", MAX_TOKENS)
+                )
                 for i in range(16)
             ]
             deadline = time.monotonic() + 120

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from server_fixture import running_server
+from stream_clients import stream_until
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +115,74 @@ def test_a_disaggregated_fleet_grows_the_pool_under_pressure() -> None:
         )
         body = {"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+STREAM_TOKENS = 32
+
+
+def down_decisions(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(
+        float(v)
+        for v in re.findall(r'tokenmill:planner_decisions_total\{[^}]*direction="down"[^}]*\} ([\d.]+)', text)
+    )
+
+
+def test_the_planner_drains_a_worker_under_16_streams_and_no_stream_is_lost() -> None:
+    """16 clients stream without pause throughout. On one worker of 10 sequences 6 wait: the load planner
+    adds a second. On two the same 16 run with nothing waiting and (long streams, short queueing) a
+    queue-to-compute ratio under the quiet bound: one worker fewer would still see nothing waiting
+    (a worker may run 10), so after the quiet intervals the planner decides down by itself and drains
+    one worker while streams run on it. The up cool-down keeps it from growing again before the test
+    ends. Every stream ends whole: all its tokens, finish reason "length", [DONE]."""
+    args = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "1", "--planner-window-s", "4",
+            "--planner-up-cooldown-s", "600", "--planner-down-cooldown-s", "2", "--max-num-seqs", "10",
+            "--planner-drain-timeout-s", "120"]  # fmt: skip
+    with running_server(*args) as proc:
+        base = proc.base_url
+
+        async def until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+            deadline = time.monotonic() + timeout
+            while not await asyncio.to_thread(cond):
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.3)
+
+        async def main() -> tuple[list[str], int]:
+            stop, results = asyncio.Event(), []
+            clients = [
+                asyncio.create_task(
+                    stream_until(base, stop, results, f"Story {i}: once upon a time", STREAM_TOKENS)
+                )
+                for i in range(16)
+            ]
+            try:
+                await until(lambda: workers(base).get("serving") == 2, 180, "a second worker")
+                # (the down decision, not the draining gauge: a drain may end between two looks)
+                await until(lambda: down_decisions(base) >= 1, 180, "the planner to drain one")
+                before = len(results)
+                await until(
+                    lambda: workers(base) == {"serving": 1, "starting": 0, "draining": 0}, 150, "the drain"
+                )
+                after = len(results)
+                await until(lambda: len(results) >= after + 16, 150, "streams on the one worker left")
+            finally:
+                stop.set()
+                await asyncio.gather(*clients)
+            return results, before
+
+        results, before = asyncio.run(main())
+        failed = [r for r in results if r != "ok"]
+        assert not failed, f"{len(failed)} of {len(results)}: {failed[:5]}"
+        assert before >= 16
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert re.search(r'tokenmill:planner_decisions_total\{[^}]*direction="down"[^}]*\} 1\.0', text)
+
+        def counter(name: str) -> float:
+            m = re.search(rf"tokenmill:{name}_total\{{[^}}]*\}} ([\d.]+)", text)
+            assert m, name
+            return float(m[1])
+
+        assert counter("router_worker_losses") == 0, "the drained worker was counted as lost"
+        assert counter("router_drains") == 1
+        # It was drained with streams under way on it (they finished there: none failed above).
+        assert counter("router_drain_requests") > 0

@@ -30,10 +30,17 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
             raise ValueError(
                 "--planner sla needs --planner-capacity-rps (one worker's requests/s within the targets)"
             )
+        # A fleet that may scale to zero still starts one worker: the front learns the model's shape
+        # (context length, block size) from it before it serves; it is stopped once the fleet is idle.
         n = max(n, 1)
         settings = RouterSettings(
             f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s
         )
+        check_scale_to_zero(config)
+        if lo == 0:
+            settings.scale_to_zero = True
+            settings.cold_start_timeout_s = f.cold_start_timeout_s
+            settings.cold_start_max_waiting = f.cold_start_max_waiting
         roles: list[str | None] = [None] * n
         if f.disaggregate:
             # The planner sizes each pool within the bounds of the whole fleet: it starts as given.
@@ -66,6 +73,8 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         return LaunchingRouter(launchers, [], settings)
     if hi != lo:
         raise ValueError("--workers MIN..MAX needs --planner load|sla")
+    if f.scale_to_zero_after_s is not None:
+        raise ValueError("--scale-to-zero-after needs --planner load|sla and --workers 0..MAX")
     discovery = None
     if f.discovery is not None:
         if not f.discovery_target:
@@ -107,6 +116,26 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         for i in range(local)
     ]
     return LaunchingRouter(launchers, urls, settings, discovery, f.discovery_interval_s)
+
+
+def check_scale_to_zero(config: ServerConfig) -> None:
+    """The scale-to-zero options make sense only for a planner's local fleet of MIN 0."""
+    f, (_, lo, _) = config.fleet, config.worker_range
+    if lo > 0:
+        if f.scale_to_zero_after_s is not None:
+            raise ValueError("--scale-to-zero-after needs --workers 0..MAX (a fleet that may have no worker)")
+        return
+    if f.disaggregate:
+        raise ValueError("--workers 0..MAX cannot be used with --disaggregate (each pool keeps a worker)")
+    if f.launcher != "local" or f.planner_prometheus_url:
+        raise ValueError(
+            "--workers 0..MAX (scale to zero) needs --launcher local and the fleet's own signals "
+            "(no --planner-prometheus-url)"
+        )
+    if f.scale_to_zero_after_s is not None and f.scale_to_zero_after_s <= 0:
+        raise ValueError(f"--scale-to-zero-after must be positive, got {f.scale_to_zero_after_s:g}")
+    if f.cold_start_timeout_s <= 0 or f.cold_start_max_waiting < 1:
+        raise ValueError("--cold-start-timeout must be positive and --cold-start-max-waiting at least 1")
 
 
 def disagg_settings(config: ServerConfig) -> DisaggSettings:

@@ -205,9 +205,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
             msg = "engine not available"
         elif state.admission.full:
             msg = "at capacity"
+        elif getattr(llm.client, "scaled_to_zero", False):
+            # A fleet scaled to zero takes requests: they wait for the worker they start (bounded), so a
+            # load balancer must keep sending them; the message says why the first one is slow.
+            msg = "ready (no worker running: the next request starts one)"
         else:
             msg = "ready"
-        ok = msg == "ready"
+        ok = msg.startswith("ready")
         return JSONResponse({"object": "health.response", "message": msg}, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT
 from tokenmill.config import EngineConfig, setting
 
 
@@ -34,7 +35,9 @@ class FleetConfig:
         "kv", help="kv, kv-approx, round-robin, random, least-load or session (sticky by `user`)"
     )
     router_temperature: float = setting(0.0, help="0: the cheapest worker; > 0: softmax over costs")
-    router_prefill_weight: float = setting(1.0, help="weight of prefill blocks against decode blocks")
+    router_prefill_weight: float = setting(
+        DEFAULT_PREFILL_WEIGHT, help="weight of prefill blocks against decode blocks (kv cost)"
+    )
     router_approx_ttl_s: float = setting(120.0, help="kv-approx: how long a routed prompt counts as held")
     disaggregate: str | None = setting(
         None, help='split the --workers into prefill and decode workers, e.g. "1P1D" (N prefill, M decode)'
@@ -58,6 +61,9 @@ class FleetConfig:
     planner_down_cooldown_s: float = setting(120.0, help="after a change, seconds before the next scale-down")
     planner_ttft_target_s: float = setting(1.0, help="sla: TTFT p95 target")
     planner_itl_target_s: float = setting(0.1, help="sla: inter-token latency p95 target")
+    planner_surge: bool = setting(
+        False, help="burst detection: scale at once to what the last interval's arrivals need"
+    )
     planner_capacity_rps: float | None = setting(
         None,
         help="sla: requests/s one worker serves within the targets (tokenmill bench --goodput-search)",
@@ -68,6 +74,20 @@ class FleetConfig:
     )
     planner_drain_timeout_s: float = setting(
         600.0, help="how long a removed worker may take to finish its requests"
+    )
+    scale_to_zero_after_s: float | None = setting(
+        None,
+        flag="scale-to-zero-after",
+        help="with --workers 0..MAX: seconds without a request in flight or arriving after which the last "
+        "worker is drained and stopped (default 300)",
+    )
+    cold_start_timeout_s: float = setting(
+        120.0,
+        flag="cold-start-timeout",
+        help="with --workers 0..MAX: seconds a request waits for a worker to start when none runs (then 503)",
+    )
+    cold_start_max_waiting: int = setting(
+        64, help="with --workers 0..MAX: requests that may wait for a worker to start (more get 503)"
     )
     disagg_prefill_timeout_s: float = setting(
         60.0, help="a remote prefill slower than this is computed locally"
@@ -136,7 +156,9 @@ class ServerConfig:
         help="use the engine a `tokenmill worker` serves at this tcp:// address (repeat for a fleet)",
     )
     workers: str = setting(
-        "1", help='engine workers to start here, behind the router (cores divided); "MIN..MAX" with --planner'
+        "1",
+        help='engine workers to start here, behind the router (cores divided); "MIN..MAX" with --planner '
+        "(MIN 0: none while idle)",
     )
 
     @property
@@ -148,8 +170,9 @@ class ServerConfig:
             a, b = int(lo), int(hi) if sep else int(lo)
         except ValueError:
             raise ValueError(f"--workers takes N or MIN..MAX, got {text!r}") from None
-        if a < 0 or b < a or (sep and a < 1):
-            raise ValueError(f"--workers {text}: need 0 <= N, or 1 <= MIN <= MAX")
+        # MIN may be 0 (a planner's fleet that scales to zero when idle); MAX at least 1.
+        if a < 0 or b < a or (sep and b < 1):
+            raise ValueError(f"--workers {text}: need 0 <= N, or 0 <= MIN <= MAX and 1 <= MAX")
         return a, a, b
 
     # LoRA adapters served as model names of their own (server/lora_registry.py).

@@ -25,6 +25,7 @@ from tokenmill.server.app import build_app
 from tokenmill.server.config import ServerConfig
 
 log = logging.getLogger("tokenmill.server")
+DEFAULT_SCALE_TO_ZERO_AFTER_S = 300.0
 
 
 def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # noqa: ANN401
@@ -46,6 +47,7 @@ def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # 
             down_cooldown_s=f.planner_down_cooldown_s,
             ttft_target_s=f.planner_ttft_target_s,
             itl_target_s=f.planner_itl_target_s,
+            surge=f.planner_surge,
         )
         planner = Planner(pc, (lambda isl, osl: rps) if rps else None)
         connector = FleetConnector(llm.client, f.planner_drain_timeout_s, None if name == "all" else name)
@@ -65,7 +67,12 @@ def start_planner(config: ServerConfig, llm: AsyncLLM, metrics: Any) -> Any:  # 
         from tokenmill.cluster.planner.prometheus import PrometheusSignals
 
         prometheus = PrometheusSignals(f.planner_prometheus_url, config.model_name, f.planner_window_s)
-    loop = PlannerLoop(pools, llm.client, metrics, f.planner_window_s, config.model_name, prometheus, hi)
+    # --workers 0..MAX: the loop itself stops the last worker after this long idle (the policy keeps
+    # at least one), and starts one at once for a request that finds none.
+    idle = (f.scale_to_zero_after_s or DEFAULT_SCALE_TO_ZERO_AFTER_S) if lo == 0 else None
+    loop = PlannerLoop(
+        pools, llm.client, metrics, f.planner_window_s, config.model_name, prometheus, hi, idle
+    )
     metrics.registry.register(loop)
     loop.start()
     return loop

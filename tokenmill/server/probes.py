@@ -49,6 +49,10 @@ def install_probes(app: FastAPI, state: Any, llm: AsyncLLM, config: ServerConfig
     async def health_generate() -> Response:
         if state.draining or not llm.client.healthy:
             return Response(status_code=503)
+        if getattr(llm.client, "scaled_to_zero", False):
+            # No engine to probe, by design: a probe's token would start a worker (and keep the fleet
+            # from ever scaling to zero), and a request now would be served once one has started.
+            return Response(status_code=200)
         async with probe_lock:
             if time.monotonic() - last[0] >= HEALTH_GENERATE_FRESH_S:
                 status = await _one_token(llm)

@@ -54,6 +54,7 @@ class PlannerLoop(Collector):
         model: str = "",
         prometheus: PrometheusSignals | None = None,  # read the signals from Prometheus instead
         max_workers: int | None = None,  # the whole fleet's bound, shared by the pools
+        scale_to_zero_after_s: float | None = None,  # --workers 0..MAX: idle seconds before none runs
     ) -> None:
         if not pools or (prometheus is not None and len(pools) > 1):
             raise ValueError("the planner needs one pool, or several without Prometheus signals")
@@ -61,7 +62,13 @@ class PlannerLoop(Collector):
         self.prometheus = prometheus
         self.window_s, self.model = window_s, model
         self.max_workers = max_workers
+        self.scale_to_zero_after_s = scale_to_zero_after_s
+        if scale_to_zero_after_s is not None and len(pools) > 1:
+            raise ValueError("a fleet that scales to zero has one pool")
         self._task: asyncio.Task | None = None
+        self._idle_task: asyncio.Task | None = None
+        self._waking: asyncio.Task | None = None
+        self._busy_at = 0.0  # when the fleet last had a request in flight, arriving, or a worker launched
 
     def snapshot(self, now: float, pool: Pool | None = None) -> FleetSnapshot | None:
         """The fleet (or one pool of it) as the planner sees it; None while no worker has reported
@@ -76,6 +83,7 @@ class PlannerLoop(Collector):
         # The window is what the fleet has seen since the planner started, at most window_s.
         window = min(self.window_s, max(now - self._started, pool.planner.config.interval_s))
         arrivals = [n for t, n in self.router.arrivals if t >= now - window]
+        recent = min(window, pool.planner.config.interval_s)
         lat = self.metrics.latency_window(window) if self.metrics is not None else {}
         # A pool answers for its own part of the latency: TTFT is the prefill pool's, ITL the decode
         # pool's. The queue-to-compute ratio mixes both (a request waits for a decode slot as well as
@@ -98,6 +106,9 @@ class PlannerLoop(Collector):
             mean_osl=lat.get("mean_osl"),
             ttft_p95_s=lat.get("ttft_p95_s") if pool.role != "decode" else None,
             itl_p95_s=lat.get("itl_p95_s") if pool.role != "prefill" else None,
+            # the last interval's arrivals: the planner's burst detection (policy.py, `surge`)
+            recent_requests=sum(1 for t, _ in self.router.arrivals if t >= now - recent),
+            recent_s=recent,
         )
 
     async def tick(self) -> None:
@@ -138,15 +149,87 @@ class PlannerLoop(Collector):
             except Exception:  # a failed decision or launch waits for the next interval
                 log.exception("planner: this interval's decision failed")
 
+    # -- scale to zero ------------------------------------------------------------------------------
+    # The policy keeps at least one worker; going to zero and back is the loop's, on events rather than
+    # signals: no request for scale_to_zero_after_s stops the last worker, and a request that finds
+    # none starts one at once (it waits at the router meanwhile, router/cold_start.py).
+    def wake(self) -> None:
+        """A request waits with no worker in rotation: launch one now, unless one is starting."""
+        if self._waking is not None and not self._waking.done():
+            return
+        self._waking = asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
+        pool = self.pools[0]
+        serving, starting, _ = pool.connector.counts()
+        if serving + starting > 0:
+            return  # one is starting (or serving: the request was sent there meanwhile)
+        log.info("planner: 0 -> 1 workers (a request waits for a cold start)")
+        self._busy_at = time.monotonic()
+        # (the policy's cool-down is not restarted: a burst that woke the fleet may need a second worker
+        # as soon as the policy sees it; a worker starting already keeps it from launching twice)
+        try:
+            await pool.connector.scale_to(1)
+        except Exception:  # the idle watcher asks again while requests wait; they time out (503) meanwhile
+            log.exception("planner: launching a worker for a cold start failed")
+            return
+        pool.target = 1
+        pool.ups += 1
+
+    async def _watch_idle(self) -> None:
+        assert self.scale_to_zero_after_s is not None
+        idle_s = self.scale_to_zero_after_s
+        every = min(1.0, idle_s / 4)
+        pool = self.pools[0]
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._look_idle(idle_s, pool)
+            except Exception:  # noqa: BLE001 - one bad look must not end scaling to zero for good
+                log.exception("planner: the idle watcher's look failed")
+
+    async def _look_idle(self, idle_s: float, pool: Pool) -> None:
+        now = time.monotonic()
+        arrivals = self.router.arrivals
+        if self.router.requests_in_flight or (arrivals and arrivals[-1][0] > self._busy_at):
+            self._busy_at = max(now if self.router.requests_in_flight else arrivals[-1][0], self._busy_at)
+        serving, starting, draining = pool.connector.counts()
+        cold = getattr(self.router, "cold_start", None)
+        if cold is not None and len(cold) and not serving and not starting:
+            self.wake()  # requests wait and no worker is on its way (a launch failed): try again
+            return
+        # Only the last worker, and only once it serves: the policy takes the fleet down to one, and
+        # a worker starting was launched for a request.
+        if serving != 1 or starting or draining or now - self._busy_at < idle_s:
+            return
+        log.info("planner: 1 -> 0 workers (no request for %.0fs: scaled to zero)", now - self._busy_at)
+        pool.target = 0
+        pool.downs += 1
+        pool.planner.last_change = now
+        try:
+            await pool.connector.scale_to(0)
+        except Exception:  # noqa: BLE001 - tried again at the next look
+            log.exception("planner: scaling to zero failed")
+
     def start(self) -> None:
-        self._started = time.monotonic()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._started = self._busy_at = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        if self.scale_to_zero_after_s is not None:
+            cold = getattr(self.router, "cold_start", None)
+            if cold is not None:
+                cold.on_wait = self.wake
+            self._idle_task = loop.create_task(self._watch_idle())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        cold = getattr(self.router, "cold_start", None)
+        if cold is not None and cold.on_wait == self.wake:
+            cold.on_wait = None  # a retry parking during shutdown must not launch a worker
+        for task in (self._task, self._idle_task, self._waking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     _started = 0.0
 

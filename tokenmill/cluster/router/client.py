@@ -23,6 +23,7 @@ from tokenmill import tracing
 from tokenmill.cluster.discovery import Discovery
 from tokenmill.cluster.policies import Candidates, make_policy
 from tokenmill.cluster.router.board import Board
+from tokenmill.cluster.router.cold_start import ColdStartQueue
 from tokenmill.cluster.router.membership import Membership
 from tokenmill.cluster.router.metrics import RouterStats, router_metrics
 from tokenmill.cluster.router.pd import PDOrchestrator
@@ -68,6 +69,10 @@ class RouterEngineClient(Membership, EngineClient):
         self.placements: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None
+        # A fleet that may scale to zero keeps new requests waiting while no worker is in rotation.
+        self.cold_start = (
+            ColdStartQueue(s.cold_start_timeout_s, s.cold_start_max_waiting) if s.scale_to_zero else None
+        )
 
     @property
     def stats(self) -> EngineStats | None:  # type: ignore[override]
@@ -169,7 +174,8 @@ class RouterEngineClient(Membership, EngineClient):
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
-        self.arrivals.append((time.monotonic(), len(req.prompt_token_ids)))
+        if not req.request_id.startswith("health-"):  # a probe's token is not traffic (server/probes.py)
+            self.arrivals.append((time.monotonic(), len(req.prompt_token_ids)))
         relay = Relay(self, req, q)
         if self.pd is None or not self.pd.start(relay):
             self.dispatch(relay, set())
@@ -181,7 +187,17 @@ class RouterEngineClient(Membership, EngineClient):
             # role of its first try (a prefill leg goes to another prefill worker)
             role = relay.role or ("decode" if self.pd is not None else None)
         relay.role = role
-        w, overlap = self.pick(relay, exclude, role)
+        try:
+            w, overlap = self.pick(relay, exclude, role)
+        except EngineDeadError:
+            if self.cold_start is None or any(w.usable() for w in self.workers):
+                raise
+            # No worker in rotation in a fleet that scales to zero: wait for one to start (findable for
+            # abort meanwhile); over the bound, ColdStartFullError.
+            self.cold_start.park(relay)
+            self._where[relay.req.request_id] = relay
+            self.cold_start.wake()
+            return
         req = relay.req
         blocks = -(-len(req.prompt_token_ids) // max(self.block_size, 1))
         was = relay.slot
@@ -245,6 +261,48 @@ class RouterEngineClient(Membership, EngineClient):
             self._where.pop(rid, None)
             relay.queue.put_nowait(EngineDeadError(str(e)))
 
+    def _joined(self) -> None:
+        """A worker joined: the requests waiting for a cold start go to the fleet now."""
+        if self.cold_start is None or not self.cold_start.waiting:
+            return
+        now = time.monotonic()
+        # Oldest first; one put back is appended, still in order: nothing new parks during this loop.
+        for since, relay in self.cold_start.take_all():
+            rid = relay.req.request_id
+            if self._where.get(rid) is not relay:
+                continue  # aborted meanwhile
+            try:
+                self.dispatch(relay, set())
+            except EngineDeadError as e:
+                if any(w.usable() for w in self.workers):
+                    self._where.pop(rid, None)
+                    relay.queue.put_nowait(e)
+                else:  # its worker failed as it was sent and none is left: it waits on, from its arrival
+                    self._where[rid] = relay  # (dispatch forgot it when the send failed)
+                    self.cold_start.drop(rid)
+                    self.cold_start.put_back(since, relay)
+                continue
+            except Exception as e:  # noqa: BLE001 - the caller gets the error
+                self._where.pop(rid, None)
+                relay.queue.put_nowait(EngineDeadError(str(e)))
+                continue
+            if rid in self.cold_start.waiting:  # dispatch parked it again (the worker left at once)
+                self.cold_start.drop(rid)
+                self.cold_start.put_back(since, relay)
+            elif not relay.cold_served:
+                relay.cold_served = True
+                self.cold_start.stats.observe(now - since)
+
+    def _expire_cold_waits(self, now: float) -> None:
+        """End the requests that waited for a cold start longer than the timeout."""
+        if self.cold_start is None or not self.cold_start.waiting:
+            return
+        wait = self.cold_start.timeout_s
+        for relay in self.cold_start.expired(now):
+            if self._where.get(relay.req.request_id) is relay:
+                del self._where[relay.req.request_id]
+                relay.queue.put_nowait(EngineDeadError(f"no worker started within {wait:g}s (cold start)"))
+
     def started(self, relay: Relay) -> None:
         self.workers[relay.slot].start_active(relay.req.request_id)
 
@@ -260,6 +318,8 @@ class RouterEngineClient(Membership, EngineClient):
             relay = self._where.pop(rid, None)
             if relay is None:
                 continue
+            if self.cold_start is not None and self.cold_start.drop(rid):
+                continue  # waiting for a cold start: on no worker yet
             self.workers[relay.slot].drop_active(rid)
             by_worker.setdefault(relay.slot, []).append(rid)
         for slot, ids in by_worker.items():
@@ -288,6 +348,9 @@ class RouterEngineClient(Membership, EngineClient):
     async def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.cold_start is not None:
+            for _, relay in self.cold_start.take_all():
+                relay.queue.put_nowait(EngineDeadError("the router is shutting down"))
         for w in self.workers:
             if w.subscriber is not None:
                 await w.subscriber.stop()

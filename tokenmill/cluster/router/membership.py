@@ -77,6 +77,11 @@ class Membership:
         """Take a worker out of rotation, let its requests finish (or time out), then drop it."""
         w.draining = True
         self.board.invalidate()
+        log.info(
+            "draining worker %s (%d requests to finish, at most %.0fs)", w.name, len(w.active), timeout_s
+        )
+        self.stats_router.drains += 1
+        self.stats_router.drain_requests += len(w.active)
         deadline = time.monotonic() + timeout_s
         while w.active and w.up and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -94,11 +99,32 @@ class Membership:
     # -- health -------------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return any(w.up for w in self.workers)
+        return any(w.up for w in self.workers) or self.scaled_to_zero
+
+    @property
+    def scaled_to_zero(self) -> bool:
+        """No worker up by design: a fleet that scales to zero whose workers were all drained away, or
+        whose only ones are starting for a cold start; a request now waits for one (not a dead fleet).
+        A worker that was up and was lost (or one whose start failed) makes it not so: that is a
+        failure, said as one."""
+        if not self.settings.scale_to_zero or any(w.up for w in self.workers):
+            return False
+        return all(w.retired or w.draining or (w.joins == 0 and not w.start_failed) for w in self.workers)
 
     @property
     def dead_reason(self) -> str | None:
         return None if self.healthy else "no worker is up"
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests the router holds: sent to a worker, waiting for a retry or for a cold start."""
+        return len(self._where)
+
+    def _joined(self) -> None:
+        """A hook: a worker has just joined (the router sends it the requests waiting for one)."""
+
+    def _expire_cold_waits(self, now: float) -> None:
+        """A hook: end the requests that waited too long for a cold start."""
 
     @property
     def num_up(self) -> int:
@@ -186,6 +212,7 @@ class Membership:
             await self._resolve(w)
         except EngineDeadError as e:
             w.last_error = str(e)
+            w.start_failed = w.start_failed or w.joins == 0
             if report:
                 log.warning("worker %s is not up: %s", w.name, e)
             w.joining = False
@@ -224,6 +251,7 @@ class Membership:
                 log.warning("worker %s publishes no KV events: routed by load alone", w.url)
         except (EngineDeadError, OSError, zmq.ZMQError) as e:
             w.last_error = str(e)
+            w.start_failed = w.start_failed or w.joins == 0
             if report:  # (quietly after it left as planned: it was stopped, not lost)
                 (log.debug if w.left_planned else log.warning)("worker %s is not up: %s", w.url, e)
             client.fail(f"not joined: {e}")  # and so not told to shut down: it may be starting still
@@ -240,6 +268,7 @@ class Membership:
         self.info["workers"] = sum(x.up for x in self.workers)
         self.board.invalidate()
         log.info("worker %s joined (slot %d)", w.url, w.slot)
+        self._joined()
 
     async def _leave(self, w: Worker, reason: str, planned: bool = False) -> None:
         w.left_planned = planned or w.stopping()  # scaled down, or drained on a SIGTERM: not a loss
@@ -277,6 +306,7 @@ class Membership:
                 elif not w.up and not w.joining and now - w.last_attempt >= REJOIN_EVERY_S:
                     asyncio.create_task(self._join(w, startup_timeout_rejoin(self.startup_timeout)))
             self._find_lost(time.monotonic())
+            self._expire_cold_waits(time.monotonic())
 
     def _find_lost(self, now: float) -> None:
         """Requests whose worker has sent nothing (no output, no heartbeat) for settings.lost_after_s

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from tokenmill.cluster.router.client import RouterEngineClient
@@ -23,6 +23,8 @@ class RouterStats:
     worker_losses: int = 0
     disaggregated: int = 0  # requests whose prompt a prefill worker computed
     disagg_fallbacks: int = 0  # ... that was tried and failed: the decode worker computed it
+    drains: int = 0  # workers the router drained (scaled down, or gone from discovery)
+    drain_requests: int = 0  # requests those workers had when their drain began (left to finish there)
 
 
 def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
@@ -40,6 +42,13 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
         ("router_worker_losses", "Times a worker left rotation", st.worker_losses, 0),
         ("router_disaggregated", "Requests prefilled on a prefill worker", st.disaggregated, 0),
         ("router_disagg_fallbacks", "Remote prefills that failed (computed locally)", st.disagg_fallbacks, 0),
+        ("router_drains", "Workers drained out of the fleet (scale-down, discovery)", st.drains, 0),
+        (
+            "router_drain_requests",
+            "Requests on workers when their drain began (each finishes where it runs)",
+            st.drain_requests,
+            0,
+        ),
         ("router_workers_up", "Workers in rotation", router.num_up, 1),
         ("router_workers_answering", "Workers heard from within the last second", router.num_answering, 1),
         ("router_indexed_blocks", "Distinct KV blocks in the router's index", router.indexed_blocks, 1),
@@ -77,3 +86,29 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
             ev.add_metric([model, w.name, "seen"], sst.gaps)
             ev.add_metric([model, w.name, "lost"], sst.lost)
     yield ev
+    cs = router.cold_start
+    if cs is not None:  # a fleet that scales to zero: requests waiting for a worker to start
+        g = GaugeMetricFamily(
+            "tokenmill:router_cold_start_waiting",
+            "Requests waiting for a worker to start (no worker in rotation)",
+            labels=["model_name"],
+        )
+        g.add_metric([model], len(cs))
+        yield g
+        c = CounterMetricFamily(
+            "tokenmill:router_cold_start_requests",
+            "Requests that found no worker in rotation, by outcome (served after waiting, timed out, "
+            "refused over the waiting bound)",
+            labels=["model_name", "outcome"],
+        )
+        for outcome, n in (("served", cs.stats.served), ("timed_out", cs.stats.timed_out),
+                           ("refused", cs.stats.refused)):  # fmt: skip
+            c.add_metric([model, outcome], n)
+        yield c
+        h = HistogramMetricFamily(
+            "tokenmill:router_cold_start_wait_seconds",
+            "How long served requests waited for a worker to start",
+            labels=["model_name"],
+        )
+        h.add_metric([model], cs.stats.buckets(), cs.stats.wait_sum)
+        yield h

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Relay:
     __slots__ = (
         "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
-        "role",
+        "role", "parked_since", "cold_served",
     )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
@@ -31,6 +31,10 @@ class Relay:
         self.failed: set[tuple[int, int]] = set()  # (slot, joins) of the workers it was lost on
         self.wait_until: float | None = None  # a retry waiting for a worker that answers: until then
         self.role: str | None = None  # the pool its first try went to ("prefill", "decode"; None: any)
+        # When it first waited for a cold start (its wait is bounded from then, however often it waits
+        # again), and whether that wait has been counted as served.
+        self.parked_since: float | None = None
+        self.cold_served = False
 
     def put_nowait(self, item: object) -> None:
         r = self.router

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.cluster.disagg import DisaggSettings
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT
 
 # A worker silent this long gets no new requests: four missed heartbeats (engines beat every 0.5 s,
 # during steps too), so a loaded machine's scheduling jitter does not take idle workers out of rotation.
@@ -20,7 +21,7 @@ BOARD_REFRESH_S = 0.1
 class RouterSettings:
     policy: str = "kv"
     temperature: float = 0.0
-    prefill_weight: float = 1.0
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     approx_ttl_s: float = 120.0
     seed: int = 0
     disagg: DisaggSettings | None = None  # prefill/decode disaggregation (cluster/disagg.py)
@@ -31,3 +32,9 @@ class RouterSettings:
     # steps too) for this long since the request was sent is lost: retried if it has no token yet, else
     # ended with EngineDeadError, rather than waiting for the client's heartbeat timeout (40 s).
     lost_after_s: float = 10.0
+    # Scale to zero (`--workers 0..N` with a planner): with no worker in rotation, a new request waits
+    # at the router for one to start rather than failing at once; at most `cold_start_max_waiting` of
+    # them (more get EngineDeadError, the server's 503), each at most `cold_start_timeout_s`.
+    scale_to_zero: bool = False
+    cold_start_timeout_s: float = 120.0
+    cold_start_max_waiting: int = 64

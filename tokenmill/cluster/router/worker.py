@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tokenmill.cluster.kv_subscriber import KVEventSubscriber
+from tokenmill.cluster.policies.base import DEFAULT_PREFILL_WEIGHT
 from tokenmill.cluster.router.settings import SUSPECT_AFTER_S
 from tokenmill.engine.client import ZmqEngineClient
 
@@ -34,6 +35,9 @@ class Worker:
     active: dict[str, Active] = field(default_factory=dict)
     joins: int = 0
     last_error: str | None = None  # why its last attempt to join failed
+    # An attempt to join failed before it ever joined: a launch that failed (sticky: each new attempt
+    # clears last_error, and health must not flap with the attempts).
+    start_failed: bool = False
     discovered: bool = False  # found by discovery (and so dropped when discovery loses it)
     retired: bool = False  # dropped from the fleet; its slot may be taken by a new worker
     draining: bool = False  # gets no new requests: it finishes what it has, then leaves (the planner)
@@ -47,7 +51,7 @@ class Worker:
     _decode_blocks: int = 0
     # prefill_weight x prefill_blocks + decode_blocks: the kv cost of a request it holds nothing of,
     # less the request's own blocks; written also to the candidate lists it sits in (`seats`).
-    prefill_weight: float = 1.0
+    prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     base: float = 0.0
     seats: list[tuple[list[float], int]] = field(default_factory=list)
 
