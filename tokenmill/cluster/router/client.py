@@ -279,17 +279,14 @@ class RouterEngineClient(Membership, EngineClient):
                     relay.queue.put_nowait(e)
                 else:  # its worker failed as it was sent and none is left: it waits on, from its arrival
                     self._where[rid] = relay  # (dispatch forgot it when the send failed)
-                    self.cold_start.drop(rid)
                     self.cold_start.put_back(since, relay)
                 continue
             except Exception as e:  # noqa: BLE001 - the caller gets the error
                 self._where.pop(rid, None)
                 relay.queue.put_nowait(EngineDeadError(str(e)))
                 continue
-            if rid in self.cold_start.waiting:  # dispatch parked it again (the worker left at once)
-                self.cold_start.drop(rid)
-                self.cold_start.put_back(since, relay)
-            elif not relay.cold_served:
+            # (dispatch parked it again if the worker left at once: it waits on from its first park)
+            if rid not in self.cold_start.waiting and not relay.cold_served:
                 relay.cold_served = True
                 self.cold_start.stats.observe(now - since)
 
