@@ -33,9 +33,7 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         # A fleet that may scale to zero still starts one worker: the front learns the model's shape
         # (context length, block size) from it before it serves; it is stopped once the fleet is idle.
         n = max(n, 1)
-        settings = RouterSettings(
-            f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s
-        )
+        settings = router_settings(config)
         check_scale_to_zero(config)
         if lo == 0:
             settings.scale_to_zero = True
@@ -82,7 +80,7 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         discovery = make_discovery(f.discovery, f.discovery_target, f.discovery_port)
     if n < 0 or (n == 0 and not urls and discovery is None):
         raise ValueError("--workers must be at least 1 (or 0 with --worker-url or --discovery)")
-    settings = RouterSettings(f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s)
+    settings = router_settings(config)
     roles: list[str | None] = [None] * max(n, 0)
     if f.disaggregate:
         settings.disagg = disagg_settings(config)
@@ -116,6 +114,28 @@ def engine_client_for(config: ServerConfig) -> EngineClient:
         for i in range(local)
     ]
     return LaunchingRouter(launchers, urls, settings, discovery, f.discovery_interval_s)
+
+
+def router_settings(config: ServerConfig) -> RouterSettings:
+    """The router's settings from the fleet's flags, with its queue's order from the engine's policy."""
+    f, sched = config.fleet, config.engine.scheduler
+    settings = RouterSettings(f.router, f.router_temperature, f.router_prefill_weight, f.router_approx_ttl_s)
+    if f.router_queue not in ("auto", "on", "off"):
+        raise ValueError(f'--router-queue must be "auto", "on" or "off", got {f.router_queue!r}')
+    settings.queue = f.router_queue == "on" or (
+        f.router_queue == "auto" and sched.policy in ("priority", "fair")
+    )
+    if settings.queue:
+        from tokenmill.engine.fairness import parse_tenant_weights
+
+        settings.queue_fair = sched.policy == "fair"
+        settings.queue_max_in_flight = sched.max_num_seqs
+        settings.tenant_weights = parse_tenant_weights(sched.tenant_weights)
+        settings.fair_input_weight, settings.fair_output_weight = (
+            sched.fair_input_weight,
+            sched.fair_output_weight,
+        )
+    return settings
 
 
 def check_scale_to_zero(config: ServerConfig) -> None:

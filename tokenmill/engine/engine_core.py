@@ -162,6 +162,7 @@ class EngineCore:
             "model_config": self.model_config.to_dict(),
             "num_blocks": self.kv.pool.num_blocks,
             "block_size": self.kv.block_size,
+            "max_num_seqs": self.config.scheduler.max_num_seqs,  # a router's queue fills it, no more
             "load_seconds": self.load_seconds,
             "model": self.config.model,
             "pid": os.getpid(),

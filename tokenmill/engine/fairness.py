@@ -222,6 +222,11 @@ class FairQueue(Generic[T]):
         self.band(item.priority).arrive(item.tenant)
         self._put(item, front=False)
 
+    def add(self, item: T) -> None:
+        """Queue a request whose arrival was already counted (`band(...).arrive`): last of its tenant's
+        in its band, nobody lifted (a router's request that waited elsewhere first)."""
+        self._put(item, front=False)
+
     def push_front(self, item: T) -> None:
         """Put back a request that had left the queue (preempted, loaded, no LoRA slot yet): first of its
         tenant's in its band, and its tenant's counter as it is."""

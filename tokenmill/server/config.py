@@ -39,6 +39,11 @@ class FleetConfig:
         DEFAULT_PREFILL_WEIGHT, help="weight of prefill blocks against decode blocks (kv cost)"
     )
     router_approx_ttl_s: float = setting(120.0, help="kv-approx: how long a routed prompt counts as held")
+    router_queue: str = setting(
+        "auto",
+        help="hold requests at the router while every worker is full, then give each free place by band and "
+        '(fair) tenant across the fleet: "auto" (on with --policy priority or fair), "on" or "off"',
+    )
     disaggregate: str | None = setting(
         None, help='split the --workers into prefill and decode workers, e.g. "1P1D" (N prefill, M decode)'
     )

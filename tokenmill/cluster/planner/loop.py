@@ -70,6 +70,13 @@ class PlannerLoop(Collector):
         self._waking: asyncio.Task | None = None
         self._busy_at = 0.0  # when the fleet last had a request in flight, arriving, or a worker launched
 
+    def _held_shares(self, n: int, pool: Pool) -> list[int]:
+        """The requests waiting in the router's queue, spread over n workers: they wait for the decode
+        (or only) pool's places as surely as those queued in its engines."""
+        fq = getattr(self.router, "fleet_queue", None)
+        held = len(fq) if fq is not None and pool.role != "prefill" else 0
+        return [held // n + (1 if i < held % n else 0) for i in range(n)]
+
     def snapshot(self, now: float, pool: Pool | None = None) -> FleetSnapshot | None:
         """The fleet (or one pool of it) as the planner sees it; None while no worker has reported
         (nothing to go on). Its time is that of the stalest serving worker's last report, so the planner
@@ -98,7 +105,10 @@ class PlannerLoop(Collector):
             serving=serving,
             starting=starting,
             draining=draining,
-            loads=[WorkerLoad(st.num_running, st.num_waiting, st.kv_cache_usage) for _, st in stats],
+            loads=[
+                WorkerLoad(st.num_running, st.num_waiting + extra, st.kv_cache_usage)
+                for (_, st), extra in zip(stats, self._held_shares(len(stats), pool), strict=True)
+            ],
             window_s=window,
             requests=len(arrivals),
             queue_to_compute=qc,

@@ -3,7 +3,8 @@ is lost before the first token, and its load kept for the next decision.
 
 The jobs live beside it: who is in the fleet and whether they answer (membership.py), the candidates kept
 ready for new requests (board.py), how much of a prompt each worker holds (prefix_index.py), the policies
-(cluster/policies/), prefill/decode orchestration (pd.py), and the router's own metrics (metrics.py).
+(cluster/policies/), prefill/decode orchestration (pd.py), the queue for a full fleet (fleet_queue.py),
+requests waiting for a cold start (cold_start.py), and the router's own metrics (metrics.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tokenmill.cluster.discovery import Discovery
 from tokenmill.cluster.policies import Candidates, make_policy
 from tokenmill.cluster.router.board import Board
 from tokenmill.cluster.router.cold_start import ColdStartQueue
+from tokenmill.cluster.router.fleet_queue import FleetQueue
 from tokenmill.cluster.router.membership import Membership
 from tokenmill.cluster.router.metrics import RouterStats, router_metrics
 from tokenmill.cluster.router.pd import PDOrchestrator
@@ -32,6 +34,7 @@ from tokenmill.cluster.router.relay import Relay
 from tokenmill.cluster.router.settings import RETRY_POLL_S, RouterSettings
 from tokenmill.cluster.router.worker import Active, Worker, fits
 from tokenmill.engine.client import EngineClient, EngineDeadError, destroy_context
+from tokenmill.engine.fairness import band_of
 from tokenmill.engine.protocol import EngineRequest, EngineStats
 
 
@@ -73,6 +76,19 @@ class RouterEngineClient(Membership, EngineClient):
         self.cold_start = (
             ColdStartQueue(s.cold_start_timeout_s, s.cold_start_max_waiting) if s.scale_to_zero else None
         )
+        # A fleet whose workers are all full keeps new requests here, in band and tenant order.
+        self.fleet_queue = (
+            FleetQueue(
+                s.queue_max_in_flight,
+                s.queue_fair,
+                s.tenant_weights,
+                s.fair_input_weight,
+                s.fair_output_weight,
+            )
+            if s.queue
+            else None
+        )
+        self._release_pending = False
 
     @property
     def stats(self) -> EngineStats | None:  # type: ignore[override]
@@ -82,7 +98,8 @@ class RouterEngineClient(Membership, EngineClient):
             return None
         return EngineStats(
             num_running=sum(s.num_running for s in got),
-            num_waiting=sum(s.num_waiting for s in got),
+            # the requests waiting at the router (its queue) wait as surely as those in an engine's
+            num_waiting=sum(s.num_waiting for s in got) + (len(self.fleet_queue) if self.fleet_queue else 0),
             kv_cache_usage=sum(s.kv_cache_usage for s in got) / len(got),
             num_blocks=sum(s.num_blocks for s in got),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in got),
@@ -131,6 +148,11 @@ class RouterEngineClient(Membership, EngineClient):
             cands = self._retry_candidates(relay, exclude, role, now)
         if cands is None:
             raise EngineDeadError("no worker is up")
+        fq = self.fleet_queue
+        if fq is not None and len(cands.workers) > 1:  # a worker with room before one without
+            roomy = [w for w in cands.workers if not fq.full(w)]
+            if roomy and len(roomy) < len(cands.workers):
+                cands = Candidates(roomy)
         parent = req.request_id.split("#", 1)[0]
         if role != "prefill" and parent != req.request_id and parent in self._siblings:
             w = cands.by_slot.get(self._siblings[parent])
@@ -177,9 +199,90 @@ class RouterEngineClient(Membership, EngineClient):
         if not req.request_id.startswith("health-"):  # a probe's token is not traffic (server/probes.py)
             self.arrivals.append((time.monotonic(), len(req.prompt_token_ids)))
         relay = Relay(self, req, q)
+        fq = self.fleet_queue
+        if fq is None or req.request_id.startswith("health-"):  # a probe does not wait behind traffic
+            self._send(relay)
+            return q
+        exclude = self._must_wait(relay)
+        if exclude is None:
+            fq.hold(relay)
+            self._where[req.request_id] = relay  # findable for abort while it waits
+            return q
+        fq.arrive(relay)
+        try:
+            if exclude:  # an urgent request, to a worker whose engine can preempt for it
+                self.dispatch(relay, exclude)
+            else:
+                self._send(relay)
+        except Exception:
+            fq.ended(req.request_id)
+            raise
+        return q
+
+    def _send(self, relay: Relay) -> None:
         if self.pd is None or not self.pd.start(relay):
             self.dispatch(relay, set())
-        return q
+
+    # -- the router's queue, while every worker is full ---------------------------------------------
+    def _must_wait(self, relay: Relay) -> set[int] | None:
+        """Whether a new request waits at the router (None), and if not, the workers it must not go to
+        (empty: any). It waits when others already wait (it does not pass them) or every worker in
+        rotation is full, unless some worker runs a less urgent band: it goes there, where the engine
+        preempts for it. With no worker in rotation it does not wait here: it fails, or waits for a
+        cold start, as it would without the queue."""
+        fq = self.fleet_queue
+        assert fq is not None
+        cands = self.board.candidates(self.workers, self._role(), time.monotonic())
+        if cands is None or (not fq.held and fq.has_room(cands.workers, self._promised())):
+            return set()
+        targets = fq.preemptible(cands.workers, relay.priority)
+        if targets:
+            return {w.slot for w in self.workers} - {w.slot for w in targets}
+        return None
+
+    def _role(self) -> str | None:
+        return "decode" if self.pd is not None else None
+
+    def _promised(self) -> int:
+        """Requests prefilling on a prefill worker: each takes a decode worker's place when it is done."""
+        return len(self.pd.phase) if self.pd is not None else 0
+
+    def _release_soon(self) -> None:
+        """A place may have freed: hand it out once the current outputs are handled."""
+        fq = self.fleet_queue
+        if fq is None or not fq.held or self._release_pending:
+            return
+        self._release_pending = True
+        try:
+            asyncio.get_running_loop().call_soon(self._release_held)
+        except RuntimeError:  # no loop (a test calling in directly)
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """Send waiting requests, next first, while some worker has room; with no worker in rotation,
+        every one of them, so each fails or waits for a cold start rather than here."""
+        self._release_pending = False
+        fq = self.fleet_queue
+        if fq is None:
+            return
+        while fq.held:
+            cands = self.board.candidates(self.workers, self._role(), time.monotonic())
+            if cands is not None and not fq.has_room(cands.workers, self._promised()):
+                return
+            relay = fq.next()
+            try:
+                self._send(relay)
+            except Exception as e:  # noqa: BLE001 - the caller gets the error
+                self._end(relay, e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+
+    def _end(self, relay: Relay, error: Exception) -> None:
+        """End a request the router holds with an error (no worker has it)."""
+        rid = relay.req.request_id
+        if self._where.get(rid) is relay:
+            del self._where[rid]
+        if self.fleet_queue is not None:
+            self.fleet_queue.ended(rid)
+        relay.queue.put_nowait(error)
 
     def dispatch(self, relay: Relay, exclude: set[int], role: str | None = None) -> None:
         if role is None:
@@ -206,7 +309,7 @@ class RouterEngineClient(Membership, EngineClient):
         st.decisions[self.settings.policy] += 1
         st.overlap_blocks += overlap
         st.request_blocks += blocks
-        w.add_active(req.request_id, Active(max(blocks - overlap, 0), blocks))
+        w.add_active(req.request_id, Active(max(blocks - overlap, 0), blocks, band=band_of(req.priority)))
         self.placements[req.request_id] = (w.slot, overlap)
         if len(self.placements) > 10_000:
             self.placements.popitem(last=False)
@@ -222,6 +325,14 @@ class RouterEngineClient(Membership, EngineClient):
             self._where.pop(req.request_id, None)
             relay.slot, relay.tries = was, relay.tries - 1
             raise
+        fq = self.fleet_queue
+        if fq is not None and not relay.charged and req.request_id in fq.counted:
+            # Its tenant pays for the prompt tokens the chosen worker did not hold, once (not again on a
+            # retry); an n > 1 request's siblings share their prompt's blocks: the first one pays.
+            relay.charged = True
+            rid = req.request_id
+            if "#" not in rid or rid.endswith("#0"):
+                fq.charge(relay, max(len(req.prompt_token_ids) - overlap * max(self.block_size, 1), 0), 0)
 
     def _route_span(self, req: EngineRequest, w: Worker, overlap: int, tries: int) -> EngineRequest:
         """The routing decision as a span (the worker's engine span hangs from it); a retry is another."""
@@ -254,18 +365,26 @@ class RouterEngineClient(Membership, EngineClient):
                 self._where[rid] = relay  # still findable for abort while it waits
                 asyncio.get_running_loop().call_later(RETRY_POLL_S, self.redispatch, relay)
                 return
-            self._where.pop(rid, None)
-            wait = self.settings.retry_wait_s
-            relay.queue.put_nowait(EngineDeadError(f"{e} within {wait:g}s to take the request over"))
+            self._end(
+                relay, EngineDeadError(f"{e} within {self.settings.retry_wait_s:g}s to take the request over")
+            )
         except Exception as e:  # noqa: BLE001 - the caller gets the error
-            self._where.pop(rid, None)
-            relay.queue.put_nowait(EngineDeadError(str(e)))
+            self._end(relay, EngineDeadError(str(e)))
 
     def _joined(self) -> None:
         """A worker joined: the requests waiting for a cold start go to the fleet now."""
         if self.cold_start is None or not self.cold_start.waiting:
             return
         now = time.monotonic()
+        fq = self.fleet_queue
+        if fq is not None:  # they wait for places in the router's queue, in its order, not all at once
+            for since, relay in self.cold_start.take_all():
+                if self._where.get(relay.req.request_id) is relay:
+                    relay.cold_served = True
+                    self.cold_start.stats.observe(now - since)
+                    fq.hold(relay)
+            self._release_held()
+            return
         # Oldest first; one put back is appended, still in order: nothing new parks during this loop.
         for since, relay in self.cold_start.take_all():
             rid = relay.req.request_id
@@ -275,15 +394,13 @@ class RouterEngineClient(Membership, EngineClient):
                 self.dispatch(relay, set())
             except EngineDeadError as e:
                 if any(w.usable() for w in self.workers):
-                    self._where.pop(rid, None)
-                    relay.queue.put_nowait(e)
+                    self._end(relay, e)
                 else:  # its worker failed as it was sent and none is left: it waits on, from its arrival
                     self._where[rid] = relay  # (dispatch forgot it when the send failed)
                     self.cold_start.put_back(since, relay)
                 continue
             except Exception as e:  # noqa: BLE001 - the caller gets the error
-                self._where.pop(rid, None)
-                relay.queue.put_nowait(EngineDeadError(str(e)))
+                self._end(relay, EngineDeadError(str(e)))
                 continue
             # (dispatch parked it again if the worker left at once: it waits on from its first park)
             if rid not in self.cold_start.waiting and not relay.cold_served:
@@ -297,16 +414,19 @@ class RouterEngineClient(Membership, EngineClient):
         wait = self.cold_start.timeout_s
         for relay in self.cold_start.expired(now):
             if self._where.get(relay.req.request_id) is relay:
-                del self._where[relay.req.request_id]
-                relay.queue.put_nowait(EngineDeadError(f"no worker started within {wait:g}s (cold start)"))
+                self._end(relay, EngineDeadError(f"no worker started within {wait:g}s (cold start)"))
 
     def started(self, relay: Relay) -> None:
         self.workers[relay.slot].start_active(relay.req.request_id)
 
     def release(self, relay: Relay) -> None:
-        self.workers[relay.slot].drop_active(relay.req.request_id)
-        if self._where.get(relay.req.request_id) is relay:
-            del self._where[relay.req.request_id]
+        rid = relay.req.request_id
+        self.workers[relay.slot].drop_active(rid)
+        if self._where.get(rid) is relay:
+            del self._where[rid]
+        if self.fleet_queue is not None:
+            self.fleet_queue.ended(rid)
+            self._release_soon()
 
     def forward(self, request_ids: list[str], finish: bool) -> None:
         """Abort (or finish) requests on the workers that have them."""
@@ -315,16 +435,28 @@ class RouterEngineClient(Membership, EngineClient):
             relay = self._where.pop(rid, None)
             if relay is None:
                 continue
+            fq = self.fleet_queue
+            if fq is not None:
+                fq.ended(rid)
+                if fq.drop(rid):
+                    continue  # waiting in the router's queue: on no worker yet
             if self.cold_start is not None and self.cold_start.drop(rid):
                 continue  # waiting for a cold start: on no worker yet
+            if relay.slot < 0:
+                continue  # prefilling on a prefill worker since it left the router's queue (pd.abort)
             self.workers[relay.slot].drop_active(rid)
             by_worker.setdefault(relay.slot, []).append(rid)
         for slot, ids in by_worker.items():
             c = self.workers[slot].client
             if c is not None and c.dead_reason is None:
                 (c.finish if finish else c.abort)(ids)
+        if by_worker:
+            self._release_soon()  # their places are free
 
     def abort(self, request_ids: list[str]) -> None:
+        if self.fleet_queue is not None:
+            for rid in request_ids:  # (one prefilling on a prefill worker is nowhere else the router looks)
+                self.fleet_queue.ended(rid)
         if self.pd is not None:
             self.pd.abort(request_ids)
         self.forward(request_ids, finish=False)
@@ -348,6 +480,9 @@ class RouterEngineClient(Membership, EngineClient):
         if self.cold_start is not None:
             for _, relay in self.cold_start.take_all():
                 relay.queue.put_nowait(EngineDeadError("the router is shutting down"))
+        if self.fleet_queue is not None:
+            while self.fleet_queue.held:
+                self.fleet_queue.next().queue.put_nowait(EngineDeadError("the router is shutting down"))
         for w in self.workers:
             if w.subscriber is not None:
                 await w.subscriber.stop()

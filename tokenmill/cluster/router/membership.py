@@ -126,6 +126,9 @@ class Membership:
     def _expire_cold_waits(self, now: float) -> None:
         """A hook: end the requests that waited too long for a cold start."""
 
+    def _release_held(self) -> None:
+        """A hook: send the requests waiting in the router's queue to workers that have room."""
+
     @property
     def num_up(self) -> int:
         return sum(w.up for w in self.workers)
@@ -307,6 +310,7 @@ class Membership:
                     asyncio.create_task(self._join(w, startup_timeout_rejoin(self.startup_timeout)))
             self._find_lost(time.monotonic())
             self._expire_cold_waits(time.monotonic())
+            self._release_held()  # workers that joined, left, or whose engine queue emptied
 
     def _find_lost(self, now: float) -> None:
         """Requests whose worker has sent nothing (no output, no heartbeat) for settings.lost_after_s

@@ -86,6 +86,27 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
             ev.add_metric([model, w.name, "seen"], sst.gaps)
             ev.add_metric([model, w.name, "lost"], sst.lost)
     yield ev
+    fq = router.fleet_queue
+    if fq is not None:  # --router-queue: requests waiting at the router while every worker is full
+        g = GaugeMetricFamily(
+            "tokenmill:router_queue_waiting",
+            "Requests waiting at the router for a place (every worker full)",
+            labels=["model_name"],
+        )
+        g.add_metric([model], len(fq))
+        yield g
+        for name, doc, value in (
+            ("router_queue_held", "Requests that waited at the router for a place", fq.stats.held),
+            ("router_queue_released", "Requests sent on after waiting at the router", fq.stats.released),
+            (
+                "router_queue_wait_seconds",
+                "Seconds the released requests waited at the router",
+                fq.stats.wait_sum,
+            ),
+        ):
+            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
+            c.add_metric([model], value)
+            yield c
     cs = router.cold_start
     if cs is not None:  # a fleet that scales to zero: requests waiting for a worker to start
         g = GaugeMetricFamily(

@@ -120,4 +120,4 @@ class PDOrchestrator:
         try:
             r.dispatch(relay, set())
         except Exception as e:  # noqa: BLE001 - no decode worker: the caller gets the error
-            relay.queue.put_nowait(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+            r._end(relay, e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Relay:
     __slots__ = (
         "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
-        "role", "parked_since", "cold_served",
+        "role", "parked_since", "cold_served", "priority", "tenant", "arrival_time", "charged",
     )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
@@ -35,13 +35,24 @@ class Relay:
         # again), and whether that wait has been counted as served.
         self.parked_since: float | None = None
         self.cold_served = False
+        # What the router's queue orders it by (fleet_queue.py; the engine's FairQueue reads these).
+        self.priority, self.arrival_time = req.priority, req.arrival_time
+        fq = router.fleet_queue
+        self.tenant = fq.tenant(req.tenant) if fq is not None else (req.tenant or "default")
+        self.charged = False  # its uncached prompt tokens counted against its tenant (once)
 
     def put_nowait(self, item: object) -> None:
         r = self.router
         if isinstance(item, EngineCoreOutput):
-            if not self.started and item.new_token_ids:
-                self.started = True
-                r.started(self)
+            if item.new_token_ids:
+                if not self.started:
+                    self.started = True
+                    r.started(self)
+                fq = r.fleet_queue
+                if fq is not None:
+                    if self.req.request_id in fq.counted:  # its tenant's counter grows
+                        fq.charge(self, 0, len(item.new_token_ids))
+                    r._release_soon()  # a step ended: its engine may have room again (its stats)
             if item.finish_reason is not None:
                 r.release(self)
         elif (

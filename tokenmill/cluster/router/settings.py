@@ -38,3 +38,12 @@ class RouterSettings:
     scale_to_zero: bool = False
     cold_start_timeout_s: float = 120.0
     cold_start_max_waiting: int = 64
+    # The router's waiting queue (fleet_queue.py): while every worker is full, new requests wait at the
+    # router, and each place that frees goes to the lowest band, then (queue_fair) the tenant served
+    # least across the fleet. queue_max_in_flight: a worker's places when it does not say its own.
+    queue: bool = False
+    queue_fair: bool = False
+    queue_max_in_flight: int = 256
+    tenant_weights: dict[str, float] | None = None
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0

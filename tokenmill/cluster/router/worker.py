@@ -4,6 +4,7 @@ the router has put on it (kept as running sums, so a decision never costs O(requ
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -19,6 +20,7 @@ class Active:
     prefill_blocks: int  # uncached blocks still to prefill (until the first token)
     blocks: int
     started: bool = False
+    band: int = 0  # its priority band (the router's queue sends an urgent request where it can preempt)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Worker:
     prefill_weight: float = DEFAULT_PREFILL_WEIGHT
     base: float = 0.0
     seats: list[tuple[list[float], int]] = field(default_factory=list)
+    bands: Counter = field(default_factory=Counter)  # band -> its requests in `active`
 
     @property
     def prefill_blocks(self) -> int:
@@ -85,6 +88,7 @@ class Worker:
 
     def add_active(self, rid: str, a: Active) -> None:
         self.active[rid] = a
+        self.bands[a.band] += 1
         self._prefill_blocks += a.prefill_blocks
         self._moved()
 
@@ -99,6 +103,11 @@ class Worker:
     def drop_active(self, rid: str) -> None:
         a = self.active.pop(rid, None)
         if a is not None:
+            n = self.bands[a.band] - 1
+            if n > 0:
+                self.bands[a.band] = n
+            else:
+                del self.bands[a.band]
             if a.started:
                 self._decode_blocks -= a.blocks
             else:
@@ -107,6 +116,7 @@ class Worker:
 
     def clear_active(self) -> None:
         self.active.clear()
+        self.bands.clear()
         self._prefill_blocks = self._decode_blocks = 0
         self._moved()
 
