@@ -11,7 +11,7 @@ the burst handling; the goals read the worst of the two planners with it. The si
 deterministic for a seed: the CPU changes how long it takes, not what it finds. ~5 minutes of CPU per
 run for the whole day.
 
-    python benchmarks/planner_day.py [--duration-h 24] [--standby 8] [--plot docs/img/planner_day_bursty.png]
+    python benchmarks/planner_day.py [--duration-h 24] [--standby 12] [--plot docs/img/planner_day_bursty.png]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-h", type=float, default=24.0, help="hours of the day (shorter: a trial)")
     ap.add_argument("--start-hour", type=float, default=0.0)
-    ap.add_argument("--standby", type=int, default=8, help="warm standby workers (weights in host memory)")
+    ap.add_argument("--standby", type=int, default=12, help="warm standby workers (weights in host memory)")
     ap.add_argument("--plot", type=Path, default=None, help="the day with burst handling, as a PNG")
     add_flag(ap)
     args = ap.parse_args()

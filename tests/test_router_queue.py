@@ -76,8 +76,14 @@ def sent(router: RouterEngineClient) -> list[list[str]]:
     return [list(w.client.sent) for w in router.workers]  # type: ignore[union-attr]
 
 
-def output(rid: str, tokens: int, done: bool = False) -> EngineCoreOutput:
-    return EngineCoreOutput(rid, list(range(tokens)), finish_reason=FinishReason.LENGTH if done else None)
+def output(rid: str, tokens: int, done: bool = False, prompt: int = 0, cached: int = 0) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        rid,
+        list(range(tokens)),
+        finish_reason=FinishReason.LENGTH if done else None,
+        num_prompt_tokens=prompt,
+        num_cached_tokens=cached,
+    )
 
 
 def emit(router: RouterEngineClient, rid: str, item: object) -> None:
@@ -201,7 +207,9 @@ def test_a_retried_request_pays_its_prompt_once_and_probes_never_wait() -> None:
         relay = router._where["a"]
         relay.put_nowait(WorkerDrainingError("leaving"))  # refused by a draining worker: sent again
         await settle()
-        assert sum(map(len, sent(router))) == 2 and fq.queue.counter(relay) == 40.0
+        assert sum(map(len, sent(router))) == 2 and fq.queue.counter(relay) == 0.0
+        emit(router, "a", output("a", 1, prompt=40))  # its first token, on the worker that took it over
+        assert fq.queue.counter(relay) == 40.0 + 2.0
         router.add_request(request("b"))
         router.add_request(request("c"))
         assert len(fq) == 1
@@ -250,16 +258,19 @@ def test_with_no_worker_left_the_waiting_requests_end_with_an_error_at_once() ->
     asyncio.run(main())
 
 
-def test_counters_are_charged_with_uncached_prompt_tokens_and_generated_ones() -> None:
+def test_counters_are_charged_with_the_prompt_tokens_computed_and_the_tokens_generated() -> None:
     async def main() -> None:
         router = fleet(places=4, workers=1)
         fq = router.fleet_queue
         assert fq is not None
         router.add_request(request("a", prompt=40))
         relay = router._where["a"]
-        assert fq.queue.counter(relay) == 40.0  # input weight 1
-        emit(router, "a", output("a", 3))
-        assert fq.queue.counter(relay) == 40.0 + 3 * 2.0  # output weight 2
+        assert fq.queue.counter(relay) == 0.0, "nothing served yet"
+        # the first token's output says the engine found 32 of the 40 prompt tokens in its cache
+        emit(router, "a", output("a", 3, prompt=40, cached=32))
+        assert fq.queue.counter(relay) == 8 * 1.0 + 3 * 2.0  # input weight 1, output weight 2
+        emit(router, "a", output("a", 2, prompt=40, cached=32))
+        assert fq.queue.counter(relay) == 8.0 + 5 * 2.0  # the prompt once
 
     asyncio.run(main())
 

@@ -325,14 +325,6 @@ class RouterEngineClient(Membership, EngineClient):
             self._where.pop(req.request_id, None)
             relay.slot, relay.tries = was, relay.tries - 1
             raise
-        fq = self.fleet_queue
-        if fq is not None and not relay.charged and req.request_id in fq.counted:
-            # Its tenant pays for the prompt tokens the chosen worker did not hold, once (not again on a
-            # retry); an n > 1 request's siblings share their prompt's blocks: the first one pays.
-            relay.charged = True
-            rid = req.request_id
-            if "#" not in rid or rid.endswith("#0"):
-                fq.charge(relay, max(len(req.prompt_token_ids) - overlap * max(self.block_size, 1), 0), 0)
 
     def _route_span(self, req: EngineRequest, w: Worker, overlap: int, tries: int) -> EngineRequest:
         """The routing decision as a span (the worker's engine span hangs from it); a retry is another."""

@@ -13,8 +13,8 @@ the worker's own description) or when its last stats show a request waiting in i
 short first). An idle or half-busy fleet pays nothing: nothing waits here while any worker has room.
 
 The order is the engine's `FairQueue` over the router's relays. Tenants' virtual token counters are
-charged from what the router sees: a request's uncached prompt tokens (the blocks the chosen worker
-did not hold) when it is first sent, and each token generated as it streams back.
+charged from what the workers report as it streams back: with a request's first token, the prompt
+tokens its engine computed (prefix-cache hits are free, as in the engine), then each token generated.
 """
 
 from __future__ import annotations

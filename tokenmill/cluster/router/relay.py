@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Relay:
     __slots__ = (
         "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
-        "role", "parked_since", "cold_served", "priority", "tenant", "arrival_time", "charged",
+        "role", "parked_since", "cold_served", "priority", "tenant", "arrival_time",
     )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
@@ -39,19 +39,22 @@ class Relay:
         self.priority, self.arrival_time = req.priority, req.arrival_time
         fq = router.fleet_queue
         self.tenant = fq.tenant(req.tenant) if fq is not None else (req.tenant or "default")
-        self.charged = False  # its uncached prompt tokens counted against its tenant (once)
 
     def put_nowait(self, item: object) -> None:
         r = self.router
         if isinstance(item, EngineCoreOutput):
             if item.new_token_ids:
-                if not self.started:
+                first = not self.started
+                if first:
                     self.started = True
                     r.started(self)
                 fq = r.fleet_queue
                 if fq is not None:
-                    if self.req.request_id in fq.counted:  # its tenant's counter grows
-                        fq.charge(self, 0, len(item.new_token_ids))
+                    if self.req.request_id in fq.counted:
+                        # Its tenant's counter grows by what the engine served: with the first token, the
+                        # prompt tokens it computed (its cache hits are free), then each token generated.
+                        n_in = item.num_prompt_tokens - item.num_cached_tokens if first else 0
+                        fq.charge(self, max(n_in, 0), len(item.new_token_ids))
                     r._release_soon()  # a step ended: its engine may have room again (its stats)
             if item.finish_reason is not None:
                 r.release(self)
