@@ -13,11 +13,14 @@ one core), and `tokenmill bench` sends the family's workload, closed loop:
 - `agentic`: agentic multi-turn. One shared 768-token tool preamble, then six turns, each adding a
   192-token tool output and resending the whole history: the conversation's own growing prefix is
   what a worker holds.
+- `hot`: one hot prompt. A single 768-token system prompt, one question each: the worker that holds
+  it first is where kv's cost keeps sending new requests, until its load outweighs prefilling the
+  prompt once on the other worker.
 
 Reported per family and policy: TTFT p50/p90, output throughput, the prefix-cache hit rate the workers
 saw, the share of prompt blocks the router credited as cached, and how the prompt tokens were spread.
 
-    python benchmarks/kv_routing.py [--families shared,documents,agentic] [--policies kv,round-robin]
+    python benchmarks/kv_routing.py [--families shared,documents,agentic,hot] [--policies kv,round-robin]
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ FAMILIES = {
     "shared": Family(groups=4, prefix_tokens=1024, turns=1, isl=64, osl=32, sessions=48, kv_cache_gb=0.5),
     "documents": Family(groups=0, prefix_tokens=1024, turns=4, isl=48, osl=24, sessions=16, kv_cache_gb=0.5),
     "agentic": Family(groups=1, prefix_tokens=768, turns=6, isl=192, osl=32, sessions=8, kv_cache_gb=0.5),
+    "hot": Family(groups=1, prefix_tokens=768, turns=1, isl=64, osl=32, sessions=48, kv_cache_gb=0.5),
 }
 
 

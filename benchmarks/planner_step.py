@@ -10,7 +10,7 @@ figure is then unused). The report is the same: TTFT p95 before, during (split a
 arrival) and after the burst, and when the second worker served.
 
     python benchmarks/planner_step.py [--low 1 --high 4 --phase-s 120,180,180] [--plot out.png]
-    python benchmarks/planner_step.py --low 0.4 --burst 1.6,60 --phase-s 90,0,150
+    python benchmarks/planner_step.py --low 0.4 --burst 1.6,60 --phase-s 90,0,150 [--surge]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--osl", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--ttft-target-s", type=float, default=2.0)
+    ap.add_argument("--surge", action="store_true", help="burst detection on (serve --planner-surge)")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     phases = [float(x) for x in args.phase_s.split(",")]
@@ -64,7 +65,8 @@ def main() -> None:
     print(f"CPU: {cpu_description()}")
     serve = ["--workers", "1..2", "--planner", "load", "--planner-interval-s", "5",
              "--planner-window-s", "30", "--planner-up-cooldown-s", "20", "--planner-down-cooldown-s", "60",
-             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "1024"]  # fmt: skip
+             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "1024",
+             *(["--planner-surge"] if args.surge else [])]  # fmt: skip
     timeline: list[tuple[float, float, float, float]] = []  # (t, serving, starting, draining)
     results = []
     with running_server(*serve, timeout=300) as proc, tempfile.TemporaryDirectory() as tmp:
@@ -154,7 +156,8 @@ def main() -> None:
         ax[1].set_xlabel("seconds")
         ax[1].legend()
         fig.suptitle(
-            f"load planner, {rates[0]} -> {rates[1]} ({phases[1]:.0f} s) -> {rates[2]} req/s "
+            f"load planner{' with burst detection' if args.surge else ''}, "
+            f"{rates[0]} -> {rates[1]} ({phases[1]:.0f} s) -> {rates[2]} req/s "
             f"({cpu_description()})",
             fontsize=9,
         )
