@@ -27,6 +27,13 @@ class RouterStats:
     drain_requests: int = 0  # requests those workers had when their drain began (left to finish there)
 
 
+def single(kind: type, name: str, doc: str, model: str, value: float) -> Metric:
+    """A family of one series, labelled by the model only."""
+    fam = kind(f"tokenmill:{name}", doc, labels=["model_name"])
+    fam.add_metric([model], value)
+    return fam
+
+
 def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
     st = router.stats_router
     d = CounterMetricFamily(
@@ -88,34 +95,18 @@ def router_metrics(router: RouterEngineClient, model: str) -> Iterator[Metric]:
     yield ev
     fq = router.fleet_queue
     if fq is not None:  # --router-queue: requests waiting at the router while every worker is full
-        g = GaugeMetricFamily(
-            "tokenmill:router_queue_waiting",
-            "Requests waiting at the router for a place (every worker full)",
-            labels=["model_name"],
-        )
-        g.add_metric([model], len(fq))
-        yield g
-        for name, doc, value in (
-            ("router_queue_held", "Requests that waited at the router for a place", fq.stats.held),
-            ("router_queue_released", "Requests sent on after waiting at the router", fq.stats.released),
-            (
-                "router_queue_wait_seconds",
-                "Seconds the released requests waited at the router",
-                fq.stats.wait_sum,
-            ),
-        ):
-            c = CounterMetricFamily(f"tokenmill:{name}", doc, labels=["model_name"])
-            c.add_metric([model], value)
-            yield c
+        wait = "Requests waiting at the router for a place (every worker full)"
+        yield single(GaugeMetricFamily, "router_queue_waiting", wait, model, len(fq))
+        held = "Requests that waited at the router for a place"
+        yield single(CounterMetricFamily, "router_queue_held", held, model, fq.stats.held)
+        released = "Requests sent on after waiting at the router"
+        yield single(CounterMetricFamily, "router_queue_released", released, model, fq.stats.released)
+        waited = "Seconds the released requests waited at the router"
+        yield single(CounterMetricFamily, "router_queue_wait_seconds", waited, model, fq.stats.wait_sum)
     cs = router.cold_start
     if cs is not None:  # a fleet that scales to zero: requests waiting for a worker to start
-        g = GaugeMetricFamily(
-            "tokenmill:router_cold_start_waiting",
-            "Requests waiting for a worker to start (no worker in rotation)",
-            labels=["model_name"],
-        )
-        g.add_metric([model], len(cs))
-        yield g
+        doc = "Requests waiting for a worker to start (no worker in rotation)"
+        yield single(GaugeMetricFamily, "router_cold_start_waiting", doc, model, len(cs))
         c = CounterMetricFamily(
             "tokenmill:router_cold_start_requests",
             "Requests that found no worker in rotation, by outcome (served after waiting, timed out, "
