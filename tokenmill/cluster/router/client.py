@@ -423,15 +423,15 @@ class RouterEngineClient(Membership, EngineClient):
     def forward(self, request_ids: list[str], finish: bool) -> None:
         """Abort (or finish) requests on the workers that have them."""
         by_worker: dict[int, list[str]] = {}
+        fq = self.fleet_queue
         for rid in request_ids:
+            if fq is not None:  # wherever it is (one prefilling on a prefill worker is not in _where)
+                fq.ended(rid)
             relay = self._where.pop(rid, None)
             if relay is None:
                 continue
-            fq = self.fleet_queue
-            if fq is not None:
-                fq.ended(rid)
-                if fq.drop(rid):
-                    continue  # waiting in the router's queue: on no worker yet
+            if fq is not None and fq.drop(rid):
+                continue  # waiting in the router's queue: on no worker yet
             if self.cold_start is not None and self.cold_start.drop(rid):
                 continue  # waiting for a cold start: on no worker yet
             if relay.slot < 0:
@@ -446,9 +446,6 @@ class RouterEngineClient(Membership, EngineClient):
             self._release_soon()  # their places are free
 
     def abort(self, request_ids: list[str]) -> None:
-        if self.fleet_queue is not None:
-            for rid in request_ids:  # (one prefilling on a prefill worker is nowhere else the router looks)
-                self.fleet_queue.ended(rid)
         if self.pd is not None:
             self.pd.abort(request_ids)
         self.forward(request_ids, finish=False)

@@ -4,9 +4,9 @@ to the request the engine's own policy would pick: lowest priority band first, t
 tenant served fewest tokens across the whole fleet.
 
 Without it each worker is fair only among the requests it was sent: a tenant whose requests the kv or
-session policy keeps on one worker gets at most a share of that worker, while a flood spread over the
-fleet takes every place the others free. llm-d's flow control holds requests at its gateway for the same
-reason.
+session policy keeps on one worker gets at most that worker, while a flood spread over the fleet takes
+every place the others free (less than its share whenever that is more than one worker's worth).
+llm-d's flow control holds requests at its gateway for the same reason.
 
 A worker is full when the router has as many requests on it as it runs at once (`max_num_seqs`, from
 the worker's own description) or when its last stats show a request waiting in its engine (KV blocks ran

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 class Relay:
     __slots__ = (
         "router", "req", "queue", "slot", "started", "tries", "hashes", "sent_at", "failed", "wait_until",
-        "role", "parked_since", "cold_served", "priority", "tenant", "arrival_time",
+        "role", "parked_since", "cold_served", "tenant",
     )  # fmt: skip
 
     def __init__(self, router: RouterEngineClient, req: EngineRequest, queue: asyncio.Queue) -> None:
@@ -35,10 +35,18 @@ class Relay:
         # again), and whether that wait has been counted as served.
         self.parked_since: float | None = None
         self.cold_served = False
-        # What the router's queue orders it by (fleet_queue.py; the engine's FairQueue reads these).
-        self.priority, self.arrival_time = req.priority, req.arrival_time
+        # Its tenant as the router's queue counts it (fleet_queue.py: names bounded as the engine's are).
         fq = router.fleet_queue
         self.tenant = fq.tenant(req.tenant) if fq is not None else (req.tenant or "default")
+
+    # What the router's queue orders it by, besides its tenant (the engine's FairQueue reads these).
+    @property
+    def priority(self) -> int:
+        return self.req.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.req.arrival_time
 
     def put_nowait(self, item: object) -> None:
         r = self.router
