@@ -386,18 +386,13 @@ def test_perf_analyzer_on_an_ensemble(server, protocol: str) -> None:
 # --- /v2 errors in Triton's shape -----------------------------------------------------------------
 
 
-SYSTEM_SHM, CUDA_SHM = "system shared memory is not supported", "CUDA shared memory is not supported"
-
-
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda c: c.get_system_shared_memory_status(), SYSTEM_SHM),
-        (lambda c: c.register_system_shared_memory("r", "/key", 64), SYSTEM_SHM),
-        (lambda c: c.unregister_system_shared_memory(), SYSTEM_SHM),
-        (lambda c: c.get_cuda_shared_memory_status(), CUDA_SHM),
-        (lambda c: c.register_cuda_shared_memory("r", b"\0" * 64, 0, 8), CUDA_SHM),
-        (lambda c: c.unregister_cuda_shared_memory("r"), CUDA_SHM),
+        # System shared memory is served with --allow-client-shm (tests/test_triton_shm.py), not
+        # without; CUDA's needs a GPU.
+        (lambda c: c.register_system_shared_memory("r", "k", 8), "--allow-client-shm"),
+        (lambda c: c.register_cuda_shared_memory("r", b"\0" * 64, 0, 8), "CUDA shared memory needs a GPU"),
         (lambda c: c.get_trace_settings(), "trace settings are not supported"),
         (lambda c: c.get_trace_settings("linear_onnx"), "trace settings are not supported"),
         (lambda c: c.update_log_settings({"log_verbose_level": 1}), "log settings are not supported"),
@@ -450,8 +445,6 @@ def test_unknown_models_raise_protocol_errors(client) -> None:
 def test_unsupported_grpc_calls_say_so(server) -> None:
     _, gclient = _grpc_client(server)
     for call, match in (
-        (gclient.get_system_shared_memory_status, SYSTEM_SHM),
-        (lambda: gclient.unregister_cuda_shared_memory("r"), CUDA_SHM),
         (gclient.get_trace_settings, "trace settings are not supported"),
         (gclient.get_log_settings, "log settings are not supported"),
     ):

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from tokenmill.cli.analyze import analyze as analyze_command
 from tokenmill.cli.bench import bench_app
 from tokenmill.cli.cache import cache_app
 from tokenmill.cli.common import console, err, fail
@@ -241,6 +242,15 @@ def serve(config: ServerConfig) -> None:
         fail(f"--model-control-mode {config.model_control_mode!r}: use none, poll or explicit")
     if config.load_models and config.model_control_mode != "explicit":
         fail("--load-model applies to --model-control-mode explicit")
+    if config.cache_config:
+        from tokenmill.triton.response_cache import parse_cache_config
+
+        if repo is None:
+            fail("--cache-config applies to --model-repository")
+        try:
+            parse_cache_config(config.cache_config)
+        except ValueError as e:
+            fail(str(e))
     if engine.parallel.tensor_parallel_size < 1 or engine.parallel.pipeline_parallel_size < 1:
         fail("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     from tokenmill.server.reasoning import reasoning_parser
@@ -368,6 +378,7 @@ config_command(
                              annotation=float)],
     common=WORKER_COMMON,
 )  # fmt: skip
+app.command("analyze")(analyze_command)
 
 
 def is_loopback(address: str) -> bool:

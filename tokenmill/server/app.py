@@ -144,8 +144,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
 
         # Triton's metric names go to the same /metrics as the LLM's.
         repository.metrics = TritonMetrics(state.metrics.registry)
+        if getattr(repository, "cache", None) is not None:
+            repository.metrics.watch_cache(repository.cache)
         # The gRPC front (triton/grpc_front.py) takes the same keys, plain and named.
         repository.api_keys = config.api_keys()
+        repository.allow_client_shm = config.allow_client_shm  # (triton/shm.py)
         app.include_router(build_router(repository, int(config.max_request_body_mb * 2**20)))
 
     # Errors in the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's

@@ -153,6 +153,15 @@ class ServerConfig:
     )
     repository_poll_secs: float = setting(15.0, help="rescan interval in poll mode")
     model_memory_budget_mb: float | None = setting(None, help="unload least recently used models past this")
+    cache_config: list[str] = setting(
+        default_factory=list,
+        help="response cache for models with response_cache { enable: true }: local,size=<bytes> (as Triton)",
+    )
+    allow_client_shm: bool = setting(
+        False,
+        help="let KServe v2 clients register system shared memory: the server then reads and writes the "
+        "/dev/shm objects they name (any its user can open)",
+    )
     grpc_port: int = setting(8001, help="KServe v2 gRPC port with a model repository (0: off)")
     # Engines already serving at these addresses (`tokenmill worker --listen`) instead of one launched
     # here; `engine.model` must name the same model (the tokenizer is loaded here from it).

@@ -116,14 +116,18 @@ async def _serve(
     repo = None
     if config.model_repository:
         from tokenmill.triton.repository import ModelRepository
+        from tokenmill.triton.response_cache import ResponseCache, parse_cache_config
 
+        cache_size = parse_cache_config(config.cache_config)
         repo = ModelRepository(
             Path(config.model_repository),
             config.model_control_mode,
             config.load_models,
             config.repository_poll_secs,
             config.model_memory_budget_mb,
+            cache=ResponseCache(cache_size) if cache_size else None,
         )
+        repo.add_llm(config.model_name, llm)  # the LLM in the repository: generate, streaming, ensembles
     app = build_app(llm, config, repo)
     planner = start_planner(config, llm, app.state.tm.metrics) if config.fleet.planner else None
     app.state.tm.planner = planner

@@ -21,6 +21,7 @@ import numpy as np
 
 from tokenmill.extras import require
 from tokenmill.triton.config import TritonModelConfig
+from tokenmill.triton.decoupled import ResponseStream, StreamItem
 from tokenmill.triton.stats import RequestTimes
 
 
@@ -40,6 +41,8 @@ class InferRequest:
     timeout_us: int = 0
     # Filled in as the request runs; an ensemble adds its steps' into its own statistics.
     times: RequestTimes = field(default_factory=RequestTimes, compare=False, repr=False)
+    # Where a decoupled model's responses go (set by the repository for every request to one).
+    stream: ResponseStream | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_protocol(
@@ -124,8 +127,10 @@ class PythonInstance(Instance):
     def execute(self, reqs: list[InferRequest]) -> list[Outputs | Exception]:
         from tokenmill.triton import pb_utils
 
-        pb_reqs = [
-            pb_utils.InferenceRequest(
+        pb_reqs = []
+        collected: list[list[StreamItem]] = []  # default-mode responses sent through the sender
+        for r in reqs:
+            pb = pb_utils.InferenceRequest(
                 model_name=self.cfg.name,
                 inputs=[pb_utils.Tensor(n, a) for n, a in r.inputs.items()],
                 requested_output_names=r.requested_outputs or [o.name for o in self.cfg.outputs],
@@ -134,11 +139,27 @@ class PythonInstance(Instance):
                 flags=r.flags,
                 parameters=r.parameters,
             )
-            for r in reqs
-        ]
+            if self.cfg.decoupled:
+                if r.stream is None:
+                    raise ModelError(
+                        f"{self.cfg.name}: a decoupled model's request reached it without a stream"
+                    )
+                stream = r.stream
+                pb._sender = pb_utils.InferenceResponseSender(stream.send, lambda s=stream: s.cancelled)
+            else:
+                box: list[StreamItem] = []
+                collected.append(box)
+                pb._sender = pb_utils.InferenceResponseSender(box.append, lambda: False)
+            pb_reqs.append(pb)
         result = self.model.execute(pb_reqs)
         if inspect.iscoroutine(result):
             result = asyncio.run(result)
+        if self.cfg.decoupled:
+            if result is not None:
+                raise ModelError(f"{self.cfg.name}: a decoupled model's execute() must return None")
+            return [{} for _ in reqs]  # the responses travel through each request's stream
+        if result is None:  # a default-mode model may answer through the sender too (Triton 24.06+)
+            return [self._one_response(box) for box in collected]
         if not isinstance(result, list) or len(result) != len(reqs):
             n = len(result) if isinstance(result, list) else type(result).__name__
             raise ModelError(f"{self.cfg.name}: execute() returned {n} responses for {len(reqs)} requests")
@@ -149,6 +170,16 @@ class PythonInstance(Instance):
             else:
                 out.append({t.name(): t.as_numpy() for t in resp.output_tensors()})
         return out
+
+    def _one_response(self, box: list[StreamItem]) -> Outputs | Exception:
+        answers = [i for i in box if i.outputs is not None or i.error is not None]
+        if len(answers) != 1 or not any(i.final for i in box):
+            return ModelError(
+                f"{self.cfg.name}: a model that is not decoupled must send exactly one response and the "
+                f"FINAL flag (it sent {len(answers)} responses)"
+            )
+        item = answers[0]
+        return ModelError(item.error) if item.error is not None else dict(item.outputs or {})
 
     def finalize(self) -> None:
         if hasattr(self.model, "finalize"):
@@ -241,5 +272,9 @@ def create_instances(cfg: TritonModelConfig, version_dir: Path) -> list[Instance
     if cfg.backend == "python":
         module = PythonInstance.load_module(cfg, version_dir)
         return [PythonInstance(cfg, version_dir, i, module) for i in range(cfg.instance_count)]
+    if cfg.backend == "fil":
+        from tokenmill.triton.fil import FilInstance
+
+        return [FilInstance(cfg, version_dir, i) for i in range(cfg.instance_count)]
     cls = {"onnxruntime": OnnxInstance, "pytorch": TorchInstance}[cfg.backend]
     return [cls(cfg, version_dir, i) for i in range(cfg.instance_count)]

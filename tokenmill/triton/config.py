@@ -1,7 +1,7 @@
 """A model's config.pbtxt: the fields tokenmill implements, checked line by line.
 
-Fields Triton has and tokenmill does not implement (optimization, model_warmup, response_cache,
-implicit sequence state, ...) are rejected with their line, rather than silently ignored.
+Fields Triton has and tokenmill does not implement (optimization, implicit sequence state, ...) are
+rejected with their line, rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -48,6 +48,19 @@ CONTROL: Schema = {
     "fp32_false_true": ("float", True),
     "bool_false_true": ("bool", True),
     "data_type": (DATA_TYPES, False),
+}
+WARMUP_INPUT: Schema = {
+    "data_type": (DATA_TYPES, False),
+    "dims": ("int", True),
+    "zero_data": ("bool", False),
+    "random_data": ("bool", False),
+    "input_data_file": ("string", False),
+}
+WARMUP: Schema = {
+    "name": ("string", False),
+    "batch_size": ("int", False),
+    "count": ("int", False),
+    "inputs": ({"key": ("string", False), "value": (WARMUP_INPUT, False)}, True),
 }
 SCHEMA: Schema = {
     "name": ("string", False),
@@ -132,8 +145,8 @@ SCHEMA: Schema = {
     "parameters": ({"key": ("string", False), "value": ({"string_value": ("string", False)}, False)}, True),
     "model_transaction_policy": ({"decoupled": ("bool", False)}, False),
     "optimization": ("unsupported", False),
-    "model_warmup": ("unsupported", True),
-    "response_cache": ("unsupported", False),
+    "model_warmup": (WARMUP, True),
+    "response_cache": ({"enable": ("bool", False)}, False),
     "batch_input": ("unsupported", True),
     "batch_output": ("unsupported", True),
     "model_repository_agents": ("unsupported", False),
@@ -143,7 +156,13 @@ SCHEMA: Schema = {
     "model_metrics": ("unsupported", False),
 }
 
-BACKENDS = {"python": "python", "onnxruntime": "onnxruntime", "pytorch": "pytorch", "ensemble": "ensemble"}
+BACKENDS = {
+    "python": "python",
+    "onnxruntime": "onnxruntime",
+    "pytorch": "pytorch",
+    "ensemble": "ensemble",
+    "fil": "fil",  # tree models (triton/fil.py)
+}
 PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "ensemble": "ensemble"}
 
 
@@ -172,6 +191,9 @@ class TritonModelConfig:
     sequence_batching: dict[str, Any] | None = None
     ensemble_steps: list[dict[str, Any]] = field(default_factory=list)
     parameters: dict[str, str] = field(default_factory=dict)
+    decoupled: bool = False  # model_transaction_policy { decoupled: true }: 0..n responses per request
+    response_cache: bool = False  # response_cache { enable: true }
+    warmup: list[dict[str, Any]] = field(default_factory=list)  # model_warmup samples, as decoded
 
     @property
     def batched(self) -> bool:
@@ -219,9 +241,10 @@ def load_config(model_dir: Path) -> TritonModelConfig:
     backend = raw.get("backend") or PLATFORMS.get(platform, "")
     if backend not in BACKENDS:
         what = f"backend {raw['backend']!r}" if raw.get("backend") else f"platform {platform!r}"
-        raise ConfigError(f"{source}: {what} is not supported (python, onnxruntime, pytorch, ensemble)")
-    if raw.get("model_transaction_policy", {}).get("decoupled"):
-        raise ConfigError(f"{source}: decoupled models (model_transaction_policy) are not supported")
+        raise ConfigError(f"{source}: {what} is not supported ({', '.join(BACKENDS)})")
+    if raw.get("model_transaction_policy", {}).get("decoupled") and backend != "python":
+        # Only a model's own code can send 0..n responses; a tensor backend answers each request once.
+        raise ConfigError(f"{source}: decoupled models need the python backend (this one is {backend})")
     kinds = [k for k in ("dynamic_batching", "sequence_batching", "ensemble_scheduling") if k in raw]
     if len(kinds) > 1:
         raise ConfigError(f"{source}: {' and '.join(kinds)} are mutually exclusive")
@@ -264,4 +287,7 @@ def load_config(model_dir: Path) -> TritonModelConfig:
         sequence_batching=raw.get("sequence_batching"),
         ensemble_steps=raw.get("ensemble_scheduling", {}).get("step", []),
         parameters={p["key"]: p.get("value", {}).get("string_value", "") for p in raw.get("parameters", [])},
+        decoupled=bool(raw.get("model_transaction_policy", {}).get("decoupled", False)),
+        response_cache=bool(raw.get("response_cache", {}).get("enable", False)),
+        warmup=list(raw.get("model_warmup", [])),
     )

@@ -24,6 +24,16 @@ from tokenmill.triton.backends import InferRequest
 from tokenmill.triton.http import EXTENSIONS, UNSUPPORTED
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
+from tokenmill.triton.shm import (
+    CUDA_NEEDS_GPU,
+    Registry,
+    ShmError,
+    TensorRef,
+    read_input,
+    registry,
+    tensor_ref,
+    write_outputs,
+)
 
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -70,14 +80,52 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repo: ModelRepository) -> None:
         self.repo = repo
 
-    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = _unsupported(
-        "/v2/systemsharedmemory"
-    )
-    CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _unsupported(
-        "/v2/cudasharedmemory"
-    )
+    # Triton's shared-memory extension: system regions in the registry the HTTP front shares
+    # (triton/shm.py); CUDA regions need a GPU, so there are none, and unregistering is a no-op.
+    async def SystemSharedMemoryStatus(self, request, context):  # noqa: N802
+        try:
+            regions = registry(self.repo).status(request.name)
+        except InferError as e:
+            await _abort_shm(context, e)
+        resp = service_pb2.SystemSharedMemoryStatusResponse()
+        for s in regions:
+            resp.regions[s["name"]].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**s))
+        return resp
+
+    async def SystemSharedMemoryRegister(self, request, context):  # noqa: N802
+        try:
+            registry(self.repo).register(request.name, request.key, request.offset, request.byte_size)
+        except InferError as e:
+            await _abort_shm(context, e)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):  # noqa: N802
+        try:
+            registry(self.repo).unregister(request.name)
+        except InferError as e:
+            await _abort_shm(context, e)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context):  # noqa: N802
+        if request.name:
+            msg = f"Unable to find cuda shared memory region: {request.name!r}"
+            await context.abort(grpc.StatusCode.NOT_FOUND, msg)
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, CUDA_NEEDS_GPU)
+
+    async def CudaSharedMemoryUnregister(self, request, context):  # noqa: N802
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
     TraceSetting = _unsupported("/v2/trace")
     LogSettings = _unsupported("/v2/logging")
+
+    async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802
+        from tokenmill.triton.grpc_stream import model_stream_infer  # (it imports this module's parsing)
+
+        async for response in model_stream_infer(self.repo, request_iterator, context):
+            yield response
 
     async def ServerLive(self, request, context):  # noqa: N802 (the service's method names)
         return service_pb2.ServerLiveResponse(live=True)
@@ -160,9 +208,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):  # noqa: N802
         try:
-            req = _request(request)
+            regions = registry(self.repo)
+            req = _request(request, regions)
+            shm_out = _output_refs(request, regions)
             v = self.repo.get(request.model_name, request.model_version or None)
             out = await self.repo.infer(request.model_name, request.model_version or None, req)
+            write_outputs(shm_out, out)
         except InferError as e:
             await _abort(context, e)
         resp = service_pb2.ModelInferResponse(
@@ -170,22 +221,61 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
         for name, arr in out.items():
             resp.outputs.add(name=name, datatype=dtypes.protocol_of(arr), shape=list(arr.shape))
-            resp.raw_output_contents.append(dtypes.to_binary(arr))
+            # An output in shared memory keeps its place in raw_output_contents, empty, as Triton's
+            # does: clients find an output's contents by its index among the outputs.
+            resp.raw_output_contents.append(b"" if name in shm_out else dtypes.to_binary(arr))
         return resp
 
 
-def _request(r: service_pb2.ModelInferRequest) -> InferRequest:
+# Triton's error kinds that have a gRPC code but no HTTP one of their own (HTTP answers them with 400).
+_SHM_STATUS = {"ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS, "UNSUPPORTED": grpc.StatusCode.UNIMPLEMENTED}
+
+
+async def _abort_shm(context: grpc.aio.ServicerContext, e: InferError) -> None:
+    code = _SHM_STATUS.get(e.kind) if isinstance(e, ShmError) else None
+    if code is not None:
+        await context.abort(code, e.message)
+    await _abort(context, e)
+
+
+def _tensor_params(t: Any) -> dict[str, Any]:
+    return {k: _param(p) for k, p in t.parameters.items()}
+
+
+def _output_refs(r: service_pb2.ModelInferRequest, regions: Registry) -> dict[str, TensorRef]:
+    """The requested outputs that go into shared memory, and where."""
+    refs = {}
+    for o in r.outputs:
+        ref = tensor_ref(regions, _tensor_params(o), f"output {o.name!r}")
+        if ref is not None:
+            refs[o.name] = ref
+    return refs
+
+
+def _request(r: service_pb2.ModelInferRequest, regions: Registry | None = None) -> InferRequest:
+    """The request's inputs from typed contents, raw_input_contents or shared memory. `regions`: the
+    server's shared-memory registry (triton/shm.py `registry(repo)`); without it an input in shared
+    memory is refused."""
     inputs: dict[str, np.ndarray] = {}
+    refs = [_input_ref(t, regions) for t in r.inputs]
     raw = list(r.raw_input_contents)
-    if raw and len(raw) != len(r.inputs):
-        raise InferError(400, f"{len(raw)} raw_input_contents for {len(r.inputs)} inputs")
-    for i, t in enumerate(r.inputs):
+    # raw_input_contents has one entry per input that is not in shared memory (what tritonclient sends).
+    plain = sum(ref is None for ref in refs)
+    if raw and len(raw) != plain:
+        raise InferError(400, f"{len(raw)} raw_input_contents for {plain} inputs not in shared memory")
+    next_raw = 0
+    for t, ref in zip(r.inputs, refs, strict=True):
         if t.datatype not in dtypes.NUMPY:
             raise InferError(400, f"input {t.name!r}: unknown datatype {t.datatype!r}")
         shape = list(t.shape)
         try:
-            if raw:
-                inputs[t.name] = dtypes.from_binary(raw[i], t.datatype, shape)
+            if ref is not None:
+                if t.HasField("contents"):
+                    raise InferError(400, f"input {t.name!r}: unexpected 'contents' with shared memory")
+                inputs[t.name] = read_input(ref, t.datatype, shape, f"input {t.name!r}")
+            elif raw:
+                inputs[t.name] = dtypes.from_binary(raw[next_raw], t.datatype, shape)
+                next_raw += 1
             else:
                 values = list(getattr(t.contents, _CONTENTS[t.datatype]))
                 if t.datatype == "BYTES":
@@ -200,6 +290,17 @@ def _request(r: service_pb2.ModelInferRequest) -> InferRequest:
         return InferRequest.from_protocol(inputs, [o.name for o in r.outputs] or None, params, r.id)
     except (TypeError, ValueError):
         raise InferError(400, "priority and timeout parameters must be integers") from None
+
+
+def _input_ref(
+    t: service_pb2.ModelInferRequest.InferInputTensor, regions: Registry | None
+) -> TensorRef | None:
+    params = _tensor_params(t)
+    if regions is None:
+        if any(k.startswith("shared_memory_") for k in params):
+            raise InferError(400, f"input {t.name!r}: shared memory inputs are not supported on this call")
+        return None
+    return tensor_ref(regions, params, f"input {t.name!r}")
 
 
 # Health stays open with a key set, as on HTTP: probes carry no credentials.

@@ -19,8 +19,10 @@ import tokenmill
 from tokenmill.server.json_body import BodyError, parse_json
 from tokenmill.triton import dtypes
 from tokenmill.triton.backends import InferRequest
+from tokenmill.triton.generate import add_generate_routes
 from tokenmill.triton.repository import ModelRepository
 from tokenmill.triton.scheduling import InferError
+from tokenmill.triton.shm import CUDA_NEEDS_GPU, TensorRef, read_input, registry, tensor_ref, write_outputs
 
 EXTENSIONS = [
     "model_repository",
@@ -31,6 +33,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "system_shared_memory",
 ]
 HEADER_LEN = "inference-header-content-length"
 
@@ -156,27 +159,107 @@ def build_router(repo: ModelRepository, max_body_bytes: int = 64 * 2**20) -> API
             encoding = request.headers.get("content-encoding")
             # Off the event loop: inflating even up to the limit takes a while, and health checks wait.
             body = await asyncio.to_thread(_decompress, raw, encoding, max_body_bytes) if encoding else raw
-            req, binary_out, req_id = _parse_infer(repo, name, version, body, request.headers.get(HEADER_LEN))
+            req, binary_out, req_id, shm_out = _parse_infer(
+                repo, name, version, body, request.headers.get(HEADER_LEN)
+            )
             v = repo.get(name, version)
             out = await repo.infer(name, version, req)
+            write_outputs(shm_out, out)
         except InferError as e:
             return _error(e.status, e.message)
-        return _infer_response(name, v.version, req_id, out, binary_out)
+        return _infer_response(name, v.version, req_id, out, binary_out, shm_out)
 
+    _add_shared_memory_routes(r, repo)
+
+    add_generate_routes(r, repo)  # generate, generate_stream (triton/generate.py)
     _unsupported_and_unknown_routes(r)
     return r
 
 
 # Triton's route families that tokenmill does not implement, and what their 400 says.
 UNSUPPORTED = {
-    "/v2/systemsharedmemory": "system shared memory is not supported by tokenmill: send tensors in the body",
-    "/v2/cudasharedmemory": "CUDA shared memory is not supported by tokenmill: send tensors in the body",
     "/v2/trace": "trace settings are not supported by tokenmill",
     "/v2/models/{name}/trace": "trace settings are not supported by tokenmill",
     "/v2/models/{name}/versions/{version}/trace": "trace settings are not supported by tokenmill",
     "/v2/logging": "log settings are not supported by tokenmill",
 }
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def _add_shared_memory_routes(r: APIRouter, repo: ModelRepository) -> None:
+    """Triton's shared-memory extension: system regions (triton/shm.py, one registry with the gRPC
+    front); CUDA regions need a GPU, so there are never any, and unregistering them is a no-op (as on
+    a Triton built without GPUs: perf_analyzer unregisters both kinds at start and at exit)."""
+    regions = registry(repo)
+    system, cuda = "/v2/systemsharedmemory", "/v2/cudasharedmemory"
+
+    def system_status(name: str) -> Response:
+        try:
+            return JSONResponse(regions.status(name))
+        except InferError as e:
+            return _error(e.status, e.message)
+
+    @r.get(f"{system}/status")
+    async def system_status_all() -> Response:
+        return system_status("")
+
+    @r.get(f"{system}/region/{{name}}/status")
+    async def system_status_one(name: str) -> Response:
+        return system_status(name)
+
+    @r.post(f"{system}/region/{{name}}/register")
+    async def system_register(name: str, request: Request) -> Response:
+        try:
+            d = parse_json(await request.body())
+        except BodyError:
+            d = None
+        if not isinstance(d, dict):
+            return _error(400, "a register request needs a JSON object: 'key', 'offset', 'byte_size'")
+        for field in ("key", "byte_size"):
+            if field not in d:
+                return _error(400, f"Shared memory register request has no {field!r} field")
+        key, offset, size = d["key"], d.get("offset", 0), d["byte_size"]
+        if not isinstance(key, str):
+            return _error(400, "'key' must be a string")
+        if not (_is_int(offset) and _is_int(size) and offset >= 0 and size >= 0):
+            return _error(400, "'offset' and 'byte_size' must be non-negative integers")
+        try:
+            regions.register(name, key, offset, size)
+        except InferError as e:
+            return _error(e.status, e.message)
+        return Response(status_code=200)
+
+    def system_unregister(name: str) -> Response:
+        try:
+            regions.unregister(name)
+        except InferError as e:
+            return _error(e.status, e.message)
+        return Response(status_code=200)
+
+    @r.post(f"{system}/unregister")
+    async def system_unregister_all() -> Response:
+        return system_unregister("")
+
+    @r.post(f"{system}/region/{{name}}/unregister")
+    async def system_unregister_one(name: str) -> Response:
+        return system_unregister(name)
+
+    @r.get(f"{cuda}/status")
+    async def cuda_status_all() -> Response:
+        return JSONResponse([])
+
+    @r.get(f"{cuda}/region/{{name}}/status")
+    async def cuda_status_one(name: str) -> Response:
+        return _error(404, f"Unable to find cuda shared memory region: {name!r}")
+
+    @r.post(f"{cuda}/region/{{name}}/register")
+    async def cuda_register(name: str) -> Response:
+        return _error(400, CUDA_NEEDS_GPU)
+
+    @r.post(f"{cuda}/unregister")
+    @r.post(f"{cuda}/region/{{name}}/unregister")
+    async def cuda_unregister() -> Response:
+        return Response(status_code=200)
 
 
 def _unsupported_and_unknown_routes(r: APIRouter) -> None:
@@ -281,7 +364,8 @@ def _inflate(body: bytes, encoding: str, limit: int, keep: list[bytes] | None) -
 
 def _parse_infer(
     repo: ModelRepository, name: str, version: str | None, body: bytes, header_len: str | None
-) -> tuple[InferRequest, dict[str, bool], str]:
+) -> tuple[InferRequest, dict[str, bool], str, dict[str, TensorRef]]:
+    """The request, which outputs go back as binary, its id, and the outputs that go into shared memory."""
     if header_len is not None:
         try:
             n = int(header_len)
@@ -290,7 +374,7 @@ def _parse_infer(
                 400, f"Inference-Header-Content-Length {header_len!r} is not an integer"
             ) from None
         if n == 0:
-            return _raw_binary(repo, name, version, body)
+            return *_raw_binary(repo, name, version, body), {}
         head, blob = body[:n], body[n:]
     else:
         head, blob = body, b""
@@ -303,13 +387,23 @@ def _parse_infer(
     if not isinstance(d.get("id", ""), str):
         raise InferError(400, "'id' must be a string")
     params = _parameters(d.get("parameters", {}), "'parameters'")
+    regions = registry(repo)
     inputs: dict[str, np.ndarray] = {}
     pos = 0
     for t in d["inputs"]:
         tname, shape, dt = _input_head(t)
         tparams = _parameters(t.get("parameters", {}), f"input {tname!r}: 'parameters'")
         try:
-            if "binary_data_size" in tparams:
+            ref = tensor_ref(regions, tparams, f"input {tname!r}")
+            if ref is not None:
+                if "data" in t or "binary_data_size" in tparams:
+                    raise InferError(
+                        400,
+                        f"input {tname!r} must set only one of 'data', 'binary_data_size' and "
+                        "'shared_memory_region'",
+                    )
+                inputs[tname] = read_input(ref, dt, shape, f"input {tname!r}")
+            elif "binary_data_size" in tparams:
                 size = tparams["binary_data_size"]
                 if not _is_int(size) or size < 0:
                     raise InferError(400, f"input {tname!r}: binary_data_size must be a non-negative integer")
@@ -327,6 +421,7 @@ def _parse_infer(
             raise InferError(400, f"input {tname!r}: {e}") from None
     default_binary = bool(params.get("binary_data_output", False))
     binary_out: dict[str, bool] = {}
+    shm_out: dict[str, TensorRef] = {}
     requested = None
     if "outputs" in d:
         if not isinstance(d["outputs"], list):
@@ -337,6 +432,11 @@ def _parse_infer(
                 raise InferError(400, "every requested output needs a name (a string)")
             oparams = _parameters(o.get("parameters", {}), f"output {o['name']!r}: 'parameters'")
             requested.append(o["name"])
+            ref = tensor_ref(regions, oparams, f"output {o['name']!r}")
+            if ref is not None:
+                if oparams.get("binary_data") is True:
+                    raise InferError(400, "Output can't set both 'shared_memory_region' and 'binary_data'")
+                shm_out[o["name"]] = ref
             binary_out[o["name"]] = bool(oparams.get("binary_data", default_binary))
     try:
         req = InferRequest.from_protocol(inputs, requested, params, str(d.get("id", "")))
@@ -344,7 +444,7 @@ def _parse_infer(
         raise InferError(400, "priority and timeout parameters must be integers") from None
     if default_binary and requested is None:
         binary_out = {"*": True}
-    return req, binary_out, str(d.get("id", ""))
+    return req, binary_out, str(d.get("id", "")), shm_out
 
 
 def _is_int(v: Any) -> bool:
@@ -398,13 +498,22 @@ def _raw_binary(repo: ModelRepository, name: str, version: str | None, body: byt
 
 
 def _infer_response(
-    name: str, version: str, req_id: str, out: dict[str, np.ndarray], binary: dict[str, bool]
+    name: str,
+    version: str,
+    req_id: str,
+    out: dict[str, np.ndarray],
+    binary: dict[str, bool],
+    shm_out: dict[str, TensorRef] | None = None,
 ) -> Response:
     outputs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for oname, arr in out.items():
         entry: dict[str, Any] = {"name": oname, "datatype": dtypes.protocol_of(arr), "shape": list(arr.shape)}
-        if binary.get(oname, binary.get("*", False)):
+        if shm_out and oname in shm_out:
+            # Written into its region already. No data and no parameters, as Triton answers: Triton's
+            # C++ client (perf_analyzer) fails on an output with parameters but no binary_data_size.
+            pass
+        elif binary.get(oname, binary.get("*", False)):
             blob = dtypes.to_binary(arr)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

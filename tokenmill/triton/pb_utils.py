@@ -2,19 +2,22 @@
 
 Registered under that module name when the first Python model loads, so existing model.py files run
 unchanged. Tensors live in host memory (numpy); BLS calls (`InferenceRequest.exec`) go back into the
-server's model repository.
+server's model repository. A request's response sender (`get_response_sender`) is how a decoupled model
+answers: any number of responses, the last one with TRITONSERVER_RESPONSE_COMPLETE_FINAL.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import queue
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from tokenmill.triton import dtypes
+from tokenmill.triton.decoupled import StreamClosed, StreamItem
 from tokenmill.triton.dtypes import CONFIG_TO_PROTOCOL, NUMPY, protocol_of
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -23,8 +26,10 @@ TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
-# Set by the repository: (model name, version, request) -> response, run from a model's thread.
+# Set by the repository, run from a model's thread: a BLS call's one response, and a decoupled BLS
+# call's responses (a queue the repository fills with StreamItems, and how to cancel the call).
 _bls_hook: Callable[[InferenceRequest], InferenceResponse] | None = None
+_bls_stream_hook: Callable[[InferenceRequest], tuple[queue.Queue, Callable[[], None]]] | None = None
 
 
 class TritonError(Exception):
@@ -95,6 +100,7 @@ class InferenceRequest:
         self._id, self._corr, self._flags, self._version = request_id, correlation_id, flags, model_version
         self._params = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         self._timeout = timeout
+        self._sender: InferenceResponseSender | None = None  # set for the requests execute() receives
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -118,26 +124,35 @@ class InferenceRequest:
         return self._timeout
 
     def is_cancelled(self) -> bool:
-        return False
+        return self._sender is not None and self._sender.is_cancelled()
 
     @property
     def model_name(self) -> str:
         return self._model_name
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
+    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """Run the request on a model of the repository: its one response, or with decoupled=True an
+        iterator over its responses (a decoupled model's many; the FINAL flag sent alone arrives as a
+        last response without outputs, as Triton's iterator yields it)."""
         if decoupled:
-            raise TritonModelException("decoupled BLS calls are not supported by tokenmill")
+            if _bls_stream_hook is None:
+                raise TritonModelException("BLS calls need a running tokenmill server")
+            q, cancel = _bls_stream_hook(self)
+            return ResponseIterator(q, cancel)
         if _bls_hook is None:
             raise TritonModelException("BLS calls need a running tokenmill server")
         return _bls_hook(self)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """As exec(), awaitable; with decoupled=True it gives the same (plain) iterator, as Triton's does."""
         import asyncio
 
         return await asyncio.to_thread(self.exec, decoupled)
 
-    def get_response_sender(self):
-        raise TritonModelException("decoupled models are not supported by tokenmill")
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException("only a request that execute() received has a response sender")
+        return self._sender
 
 
 class InferenceResponse:
@@ -157,6 +172,70 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+    def parameters(self) -> str:
+        return json.dumps(self._params)
+
+
+def _item(response: InferenceResponse | None, final: bool) -> StreamItem:
+    if response is None:
+        return StreamItem(final=final)
+    if not isinstance(response, InferenceResponse):
+        raise TritonModelException(f"send() takes an InferenceResponse, got {type(response).__name__}")
+    if response.has_error():
+        err = response.error()
+        return StreamItem(error=err.message() if isinstance(err, TritonError) else str(err), final=final)
+    return StreamItem(outputs={t.name(): t.as_numpy() for t in response.output_tensors()}, final=final)
+
+
+class InferenceResponseSender:
+    """Sends a request's responses (`request.get_response_sender()`); usable from any thread, also after
+    execute() has returned, until the FINAL flag."""
+
+    def __init__(self, deliver: Callable[[StreamItem], None], cancelled: Callable[[], bool]) -> None:
+        self._deliver, self._cancelled = deliver, cancelled
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "send() needs a response, or flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        try:
+            self._deliver(_item(response, final))
+        except StreamClosed as e:
+            raise TritonModelException(str(e)) from None
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled()
+
+
+def _response(item: StreamItem) -> InferenceResponse:
+    if item.error is not None:
+        return InferenceResponse(error=TritonError(item.error))
+    return InferenceResponse([Tensor(n, a) for n, a in (item.outputs or {}).items()])
+
+
+class ResponseIterator:
+    """A decoupled BLS call's responses, in order, on the calling model's thread."""
+
+    def __init__(self, q: queue.Queue, cancel: Callable[[], None]) -> None:
+        self._q, self._cancel, self._done = q, cancel, False
+
+    def __iter__(self) -> Iterator[InferenceResponse]:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        item: StreamItem = self._q.get()
+        self._done = item.final
+        if item.final and item.outputs is None and item.error is None:
+            return InferenceResponse()  # the FINAL flag alone: Triton's "last empty response"
+        return _response(item)
+
+    def cancel(self) -> None:
+        self._cancel()
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -193,3 +193,78 @@ def _convert(f: Field, kind: Any, source: str, where: str) -> Any:
             raise ConfigError(f"{bad}: {getattr(v, 'text', v)!r} is not one of {', '.join(sorted(kind[1]))}")
         return v.text
     raise AssertionError(kind)
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+_INLINE_WIDTH = 100  # a message that fits on a line this long is written on one, as the examples are
+
+
+def format_config(values: dict[str, Any], schema: Schema, header: str = "") -> str:
+    """Protobuf text for `values` as `decode` returns them (config.pbtxt's field names), in the style of
+    the example repository: fields in the schema's order, small messages on one line, lists in [ ].
+    `header` becomes leading `#` comment lines. `parse` then `decode` give `values` back."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines += _fields(values, schema, "")
+    return "\n".join(lines) + "\n"
+
+
+def _fields(values: dict[str, Any], schema: Schema, indent: str) -> list[str]:
+    lines: list[str] = []
+    for name in sorted(values, key=lambda n: list(schema).index(n) if n in schema else len(schema)):
+        if name not in schema:
+            raise ValueError(f"field {name!r} is not in the schema")
+        kind, repeated = schema[name]
+        value = values[name]
+        if not isinstance(kind, dict):
+            text = (
+                "[ " + ", ".join(_scalar(v, kind) for v in value) + " ]" if repeated else _scalar(value, kind)
+            )
+            lines.append(f"{indent}{name}: {text}")
+        elif not repeated:
+            lines += _message(name, value, kind, indent)
+        else:
+            inline = [_inline(v, kind) for v in value]
+            one = f"{indent}{name} [ {', '.join(inline)} ]"
+            if len(one) <= _INLINE_WIDTH:
+                lines.append(one)
+                continue
+            lines.append(f"{indent}{name} [")
+            for i, v in enumerate(value):
+                comma = "," if i < len(value) - 1 else ""
+                if len(indent) + 2 + len(inline[i]) + 1 <= _INLINE_WIDTH:
+                    lines.append(f"{indent}  {inline[i]}{comma}")
+                else:
+                    lines += [f"{indent}  {{", *_fields(v, kind, indent + "    "), f"{indent}  }}{comma}"]
+            lines.append(f"{indent}]")
+    return lines
+
+
+def _message(name: str, value: dict[str, Any], kind: Schema, indent: str) -> list[str]:
+    one = f"{indent}{name} {_inline(value, kind)}"
+    if len(one) <= _INLINE_WIDTH:
+        return [one]
+    return [f"{indent}{name} {{", *_fields(value, kind, indent + "  "), f"{indent}}}"]
+
+
+def _inline(value: dict[str, Any], kind: Schema) -> str:
+    inner = " ".join(line.strip() for line in _fields(value, kind, ""))
+    return f"{{ {inner} }}" if inner else "{ }"
+
+
+def _scalar(v: Any, kind: Any) -> str:
+    if kind == "string":
+        escaped = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+        return f'"{escaped}"'
+    if kind == "bool":
+        return "true" if v else "false"
+    if kind == "int":
+        return str(int(v))
+    if kind == "float":
+        f = float(v)
+        if f != f or f in (float("inf"), float("-inf")):
+            raise ValueError(f"{f} cannot be written in a config.pbtxt")
+        return repr(f)
+    if isinstance(kind, tuple) and kind[0] == "enum":
+        return str(v)
+    raise ValueError(f"a field of kind {kind!r} cannot be written")

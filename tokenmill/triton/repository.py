@@ -11,22 +11,29 @@ is the size of its version folder's files.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tokenmill.triton import pb_utils
 from tokenmill.triton.backends import InferRequest, ModelError, Outputs, create_instances
 from tokenmill.triton.config import TritonModelConfig, load_config
+from tokenmill.triton.decoupled import ResponseStream, StreamItem
 from tokenmill.triton.dtypes import protocol_of
 from tokenmill.triton.ensemble import check_graph, run_ensemble
 from tokenmill.triton.pbtxt import ConfigError
+from tokenmill.triton.response_cache import ResponseCache, check_cacheable, make_key
 from tokenmill.triton.scheduling import BatchScheduler, DefaultScheduler, DynamicBatcher, InferError
 from tokenmill.triton.sequence import SequenceBatcher
 from tokenmill.triton.stats import ModelStats, TritonMetrics
+from tokenmill.triton.warmup import run_warmup, warmup_requests
 
 log = logging.getLogger(__name__)
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
@@ -40,6 +47,17 @@ class Version:
     stats: ModelStats
     size_bytes: int
     last_used: float = field(default_factory=time.monotonic)
+    # Which load this is: part of the response cache's key, so a request that was running on the
+    # previous load when the model was reloaded cannot store that load's outputs for this one.
+    loaded_ns: int = field(default_factory=time.monotonic_ns)
+    # A decoupled model's requests whose responses are not complete: failed if the model goes away.
+    streams: set[ResponseStream] = field(default_factory=set)
+
+    async def close(self, why: str) -> None:
+        for s in list(self.streams):
+            s.fail(why)
+        if self.scheduler is not None:
+            await self.scheduler.close()
 
 
 @dataclass
@@ -82,6 +100,7 @@ class ModelRepository:
         poll_secs: float = 15.0,
         memory_budget_mb: float | None = None,
         metrics: TritonMetrics | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         if mode not in ("none", "poll", "explicit"):
             raise ValueError(f"--model-control-mode {mode!r}: use none, poll or explicit")
@@ -91,10 +110,12 @@ class ModelRepository:
         self.initial = list(load_models or [])
         self.budget = memory_budget_mb * 2**20 if memory_budget_mb else None
         self.metrics = metrics
+        self.cache = cache  # --cache-config: shared by the models with response_cache { enable: true }
         self.entries: dict[str, Entry] = {}
         self.lock = asyncio.Lock()
         self.poller: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.llm: tuple[str, Any] | None = None  # (served name, AsyncLLM): the LLM as a model (add_llm)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -120,9 +141,34 @@ class ModelRepository:
     def on_disk(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if self._has_model(p.name))
 
+    def add_llm(self, name: str, llm: Any) -> None:
+        """Serve the server's LLM as model `name` of the repository (triton/llm_model.py), from start()."""
+        self.llm = (name, llm)
+
+    def builtin(self, name: str) -> bool:
+        return self.llm is not None and self.llm[0] == name
+
+    async def _start_llm(self) -> None:
+        from tokenmill.triton.llm_model import LLMInstance, llm_config
+
+        assert self.llm is not None and self.loop is not None
+        name, llm = self.llm
+        if self.model_dir(name) is not None:
+            raise ValueError(
+                f"--model-repository {self.root} has a model named {name!r}, the served LLM's name: "
+                "rename one of them (--served-model-name)"
+            )
+        cfg = llm_config(name, 16)
+        stats = ModelStats(name, "1", self.metrics)
+        sched = DefaultScheduler(cfg, [LLMInstance(cfg, llm, self.loop)], stats)
+        self.entries[name] = Entry(name, READY, versions={"1": Version("1", cfg, sched, stats, 0)})
+
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         pb_utils._bls_hook = self._bls
+        pb_utils._bls_stream_hook = self._bls_stream
+        if self.llm is not None:
+            await self._start_llm()
         names = self.on_disk()
         if self.mode == "explicit":
             names = names if "*" in self.initial else self.initial
@@ -139,6 +185,8 @@ class ModelRepository:
             self.poller.cancel()
         for name in list(self.entries):
             await self._unload(name)
+        if getattr(self, "shm", None) is not None:  # the shared-memory regions clients registered
+            self.shm.close()
 
     async def _poll(self) -> None:
         while True:
@@ -151,7 +199,7 @@ class ModelRepository:
     async def rescan(self) -> None:
         disk = set(self.on_disk())
         for name in list(self.entries):
-            if name not in disk:
+            if name not in disk and not self.builtin(name):
                 await self.unload(name, api=False)
         for name in sorted(disk):
             e = self.entries.get(name)
@@ -170,6 +218,8 @@ class ModelRepository:
                 else "model control mode is none: start the server with "
                 "--model-control-mode explicit to load and unload models",
             )
+        if self.builtin(name):
+            return  # the server's LLM is always loaded
         if not self._has_model(name):
             # The same answer for every name that is not a model of the repository, valid or not:
             # nothing tells whether a path outside it exists.
@@ -203,16 +253,34 @@ class ModelRepository:
                 dep = self.entries.get(step["model_name"])
                 if dep is None or dep.state != READY:
                     await self._load_locked(step["model_name"])
+        steps = [v.cfg for s in cfg.ensemble_steps for v in self.entries[s["model_name"]].versions.values()]
+        reason = check_cacheable(cfg, steps)
+        if reason is not None:
+            raise ConfigError(reason)
         versions = await self._make_versions(model_dir, cfg)
         old = entry.versions
         entry.versions, entry.state, entry.reason = versions, READY, ""
         entry.signature = _signature(model_dir)
+        self._drop_cached(name)
         for v in old.values():
-            if v.scheduler is not None:
-                await v.scheduler.close()
+            await v.close(f"model {name!r} was reloaded")
+
+    def _drop_cached(self, name: str) -> None:
+        """Forget the cached responses of a model that was (re)loaded or unloaded, and of the ensembles
+        that run it: its code or files may have changed under the same version."""
+        if self.cache is None:
+            return
+        users = [
+            n
+            for n, e in self.entries.items()
+            for v in e.versions.values()
+            if name in {s["model_name"] for s in v.cfg.ensemble_steps}
+        ]
+        self.cache.evict_models([name, *users])
 
     async def _make_versions(self, model_dir: Path, cfg: TritonModelConfig) -> dict[str, Version]:
-        out = {}
+        out: dict[str, Version] = {}
+        samples = warmup_requests(cfg, model_dir)  # a sample that does not fit fails before any instance
         for v in _versions(model_dir, cfg):
             vdir = model_dir / v
             size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file()) if vdir.is_dir() else 0
@@ -230,6 +298,13 @@ class ModelRepository:
                     sched = DynamicBatcher(cfg, instances, stats)
                 else:
                     sched = DefaultScheduler(cfg, instances, stats)
+                try:  # every instance runs the samples before the model is READY (as Triton)
+                    await run_warmup(cfg, sched, samples)
+                except BaseException:
+                    await sched.close()
+                    for made in out.values():
+                        await made.close(f"model {cfg.name!r} failed to load")
+                    raise
             out[v] = Version(v, cfg, sched, stats, size)
         if not out:
             raise ModelError(f"{cfg.name}: no version folder to serve in {model_dir}")
@@ -244,7 +319,11 @@ class ModelRepository:
             victims = [
                 (min(v.last_used for v in e.versions.values()), n)
                 for n, e in self.entries.items()
-                if n != keep and e.state == READY and e.versions and not self._is_dependency(n)
+                if n != keep
+                and e.state == READY
+                and e.versions
+                and not self._is_dependency(n)
+                and not self.builtin(n)
             ]
             if not victims:
                 raise ModelError(f"{keep}: the memory budget is full and nothing can be unloaded")
@@ -268,6 +347,8 @@ class ModelRepository:
             raise InferError(400, "model control mode is not explicit: unloading is not allowed")
         if name not in self.entries and self.model_dir(name) is None:
             raise InferError(400, f"failed to unload {name!r}: no such model")
+        if self.builtin(name):
+            raise InferError(400, f"{name!r} is the server's LLM: it is served as long as the server runs")
         async with self.lock:
             deps = []
             if unload_dependents and name in self.entries:
@@ -282,9 +363,9 @@ class ModelRepository:
         if e is None:
             return
         e.state = UNLOADING
+        self._drop_cached(name)
         for v in e.versions.values():
-            if v.scheduler is not None:
-                await v.scheduler.close()
+            await v.close(f"model {name!r} was unloaded")
         e.versions, e.state, e.reason = {}, UNAVAILABLE, "unloaded"
 
     # --- queries -------------------------------------------------------------------------------------
@@ -338,10 +419,24 @@ class ModelRepository:
 
     async def infer(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
         v = self.get(name, version)
+        if v.cfg.decoupled:
+            return await self._one_response(name, version, req)
         v.last_used = time.monotonic()
         t0 = time.perf_counter_ns()
+        key, lookup_ns = None, 0
         try:
             self._validate(v.cfg, req)
+            if self.cache is not None and v.cfg.response_cache:
+                t_lookup = time.perf_counter_ns()
+                key = make_key(
+                    name, f"{v.version}@{v.loaded_ns}", req.inputs, req.requested_outputs, req.parameters
+                )
+                hit = self.cache.lookup(key)
+                lookup_ns = time.perf_counter_ns() - t_lookup
+                if hit is not None:  # a success without running the model (nor an ensemble's steps)
+                    v.stats.cache_hit(t_lookup - t0, lookup_ns)
+                    v.stats.finished(True, time.perf_counter_ns() - t0)
+                    return hit
             if v.scheduler is None:
                 started = time.perf_counter_ns()
                 out = await run_ensemble(v.cfg, req, self.infer)
@@ -351,10 +446,83 @@ class ModelRepository:
         except InferError as e:
             v.stats.finished(False, time.perf_counter_ns() - t0, e.reason)
             raise
+        if key is not None and self.cache is not None:  # only successful responses are stored
+            t_insert = time.perf_counter_ns()
+            self.cache.insert(key, out)
+            v.stats.cache_miss(lookup_ns + time.perf_counter_ns() - t_insert)
         if v.scheduler is None:  # a model's scheduler counts its executions; an ensemble's are counted here
             v.stats.ensemble_ran(req.batch_size(v.cfg), started - t0, req.times)
         v.stats.finished(True, time.perf_counter_ns() - t0)
         return out
+
+    async def infer_stream(
+        self, name: str, version: str | int | None, req: InferRequest
+    ) -> AsyncIterator[StreamItem]:
+        """A request's responses as they come: a decoupled model's 0..n (the last one final), or a
+        model's one. Errors found before the model runs (unknown model, bad input) raise InferError at
+        the first step; a failure after that arrives as a final item with the error."""
+        v = self.get(name, version)
+        if not v.cfg.decoupled:
+            try:
+                out = await self.infer(name, version, req)
+            except InferError as e:
+                if e.status < 500:  # the request's own fault: said before any response, as HTTP would
+                    raise
+                yield StreamItem(error=e.message, final=True)
+                return
+            yield StreamItem(outputs=out, final=True)
+            return
+        v.last_used = time.monotonic()
+        t0 = time.perf_counter_ns()
+        self._validate(v.cfg, req)
+        assert v.scheduler is not None  # an ensemble is never decoupled (load_config)
+        stream = ResponseStream(asyncio.get_running_loop())
+        req.stream = stream
+        v.streams.add(stream)
+        task = asyncio.ensure_future(v.scheduler.submit(req))
+
+        def settle(t: asyncio.Future) -> None:
+            # The scheduler refused the request, or execute() raised: the stream ends with why.
+            if t.cancelled():
+                stream.fail(f"model {name!r}: the request was cancelled")
+            elif t.exception() is not None:
+                e = t.exception()
+                stream.fail(e.message if isinstance(e, InferError) else f"model {name!r} failed: {e}")
+
+        task.add_done_callback(settle)
+        wanted = set(req.requested_outputs or [t.name for t in v.cfg.outputs])
+        ok = True
+        try:
+            async for item in stream:
+                if item.outputs is not None:
+                    outputs = {n: np.asarray(a) for n, a in item.outputs.items() if n in wanted}
+                    item = StreamItem(outputs, item.error, item.final)
+                ok = ok and item.error is None
+                yield item
+        finally:
+            v.streams.discard(stream)
+            if not stream.closed:  # the reader went away before the FINAL flag
+                stream.cancel()
+                ok = False
+            v.stats.finished(ok, time.perf_counter_ns() - t0)
+
+    async def _one_response(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
+        """A decoupled model asked for one answer (HTTP infer, gRPC ModelInfer, an ensemble step, a BLS
+        call): its responses must be exactly one."""
+        async with contextlib.aclosing(self.infer_stream(name, version, req)) as items:
+            answers = [i async for i in items if i.outputs is not None or i.error is not None]
+        for i in answers:
+            if i.error is not None:
+                if i.status < 500:
+                    raise InferError(i.status, i.error)
+                raise InferError(500, f"model {name!r} failed: {i.error}", "BACKEND")
+        if len(answers) != 1:
+            raise InferError(
+                400,
+                f"model {name!r} is decoupled and sent {len(answers)} responses to this request: read them "
+                "with gRPC ModelStreamInfer or POST /v2/models/<name>/generate_stream",
+            )
+        return answers[0].outputs or {}
 
     def _validate(self, cfg: TritonModelConfig, req: InferRequest) -> None:
         declared = {t.name: t for t in cfg.inputs}
@@ -426,3 +594,28 @@ class ModelRepository:
         except InferError as e:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
         return pb_utils.InferenceResponse([pb_utils.Tensor(n, a) for n, a in out.items()])
+
+    def _bls_stream(self, r: pb_utils.InferenceRequest) -> tuple[queue.Queue, Callable[[], None]]:
+        """A decoupled BLS call (`exec(decoupled=True)`): its responses fill a queue the calling model's
+        thread reads; cancelling stops the call (the called model sees is_cancelled())."""
+        assert self.loop is not None
+        q: queue.Queue[StreamItem] = queue.Queue()
+        req = InferRequest(
+            {t.name(): t.as_numpy() for t in r.inputs()},
+            r.requested_output_names() or None,
+            request_id=r.request_id(),
+        )
+
+        async def pump() -> None:
+            try:
+                async with contextlib.aclosing(self.infer_stream(r.model_name, r._version, req)) as items:
+                    async for item in items:
+                        q.put(item)
+            except InferError as e:
+                q.put(StreamItem(error=e.message, final=True))
+            except asyncio.CancelledError:
+                q.put(StreamItem(error="the BLS request was cancelled", final=True))
+                raise
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        return q, fut.cancel

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tokenmill.triton.response_cache import ResponseCache
 
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 
@@ -70,6 +77,48 @@ class TritonMetrics:
             labels,
             registry=registry,
         )
+        # The response cache (triton/response_cache.py), per model as Triton names them; durations in
+        # microseconds as Triton's: hit = look-up and copy out, miss = look-up and insertion.
+        self.cache_hits = counter("nv_cache_num_hits_per_model", "Number of response cache hits per model")
+        self.cache_misses = counter(
+            "nv_cache_num_misses_per_model", "Number of response cache misses per model"
+        )
+        self.cache_hit_us = counter(
+            "nv_cache_hit_duration_per_model",
+            "Cumulative time requests spent retrieving a cached response on cache hits (us)",
+        )
+        self.cache_miss_us = counter(
+            "nv_cache_miss_duration_per_model",
+            "Cumulative time requests spent looking up and inserting responses on cache misses (us)",
+        )
+        self.registry = registry
+
+    def watch_cache(self, cache: ResponseCache) -> None:
+        """Also report the server-wide state of `cache` (a ResponseCache), under the names Triton's
+        local cache uses."""
+        self.registry.register(CacheCollector(cache))
+
+
+class CacheCollector(Collector):
+    """Server-wide gauges of the response cache, read at each scrape (Triton's local cache reports the
+    same names, as gauges)."""
+
+    def __init__(self, cache: ResponseCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        c = self.cache
+        for name, doc, value in (
+            ("nv_cache_util", "Response cache utilization [0.0 - 1.0]", c.utilization()),
+            ("nv_cache_num_entries", "Entries in the response cache", len(c)),
+            ("nv_cache_num_lookups", "Response cache lookups", c.hits + c.misses),
+            ("nv_cache_num_hits", "Response cache hits", c.hits),
+            ("nv_cache_num_misses", "Response cache misses", c.misses),
+            ("nv_cache_num_evictions", "Response cache evictions", c.evictions),
+            ("nv_cache_lookup_duration", "Total response cache lookup time (us)", c.lookup_ns / 1e3),
+            ("nv_cache_insertion_duration", "Total response cache insertion time (us)", c.insert_ns / 1e3),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 @dataclass
@@ -87,6 +136,8 @@ class ModelStats:
         )
     )
     pending: int = 0
+    cache_hits: _Duration = field(default_factory=_Duration)
+    cache_misses: _Duration = field(default_factory=_Duration)
 
     def enqueued(self) -> None:
         self.pending += 1
@@ -143,6 +194,28 @@ class ModelStats:
                 self.metrics.failure.labels(*lv, reason).inc()
             self.metrics.request_us.labels(*lv).inc(total_ns / 1e3)
 
+    def cache_hit(self, queue_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache. As Triton counts one: its wait before the
+        look-up goes to `queue`, the look-up to `cache_hit`; no execution, inference or compute time.
+        (`finished` counts it as a success.)"""
+        self.durations["queue"].add(queue_ns)
+        self.cache_hits.add(lookup_ns)
+        self.last_inference_ms = int(time.time() * 1e3)
+        if self.metrics:
+            lv = (self.name, self.version)
+            self.metrics.queue_us.labels(*lv).inc(queue_ns / 1e3)
+            self.metrics.cache_hits.labels(*lv).inc()
+            self.metrics.cache_hit_us.labels(*lv).inc(lookup_ns / 1e3)
+
+    def cache_miss(self, ns: int) -> None:
+        """A successful request the model computed after a cache miss: `ns` is its look-up plus the
+        insertion of its outputs."""
+        self.cache_misses.add(ns)
+        if self.metrics:
+            lv = (self.name, self.version)
+            self.metrics.cache_misses.labels(*lv).inc()
+            self.metrics.cache_miss_us.labels(*lv).inc(ns / 1e3)
+
     def to_json(self) -> dict:
         return {
             "name": self.name,
@@ -151,7 +224,7 @@ class ModelStats:
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,
             "inference_stats": {k: d.to_json() for k, d in self.durations.items()}
-            | {"cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
+            | {"cache_hit": self.cache_hits.to_json(), "cache_miss": self.cache_misses.to_json()},
             "batch_stats": [
                 {"batch_size": size, **{k: d.to_json() for k, d in ds.items()}}
                 for size, ds in sorted(self.batch.items())
