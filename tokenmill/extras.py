@@ -14,6 +14,7 @@ import importlib.util
 # extra -> the top-level modules it installs (what is imported, not the distributions' names).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "triton": ("onnxruntime", "tritonclient", "grpc"),  # grpc: tritonclient[grpc]'s grpcio
+    "fil": ("xgboost", "lightgbm", "treelite", "sklearn"),  # xgboost: the xgboost-cpu distribution
     "bench": ("matplotlib", "scipy"),
     "ray": ("ray",),
     "k8s": ("kubernetes",),
