@@ -183,8 +183,12 @@ def _write(root: Path, name: str, config: str, model: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_path: Path):
+def server(tmp_path_factory, model_path: Path, hf_model):
+    from lora_adapters import SPECS, make_adapter
+
     root = tmp_path_factory.mktemp("decoupled")
+    adapter = tmp_path_factory.mktemp("lora") / "all16"
+    make_adapter(hf_model, SPECS[0], adapter)  # a LoRA adapter: a model of the repository too
     _write(root, "repeat", REPEAT_CONFIG, REPEAT)
     _write(root, "repeat_sum", SUM_CONFIG, SUM)
     from tokenmill.weights.tokenizer_source import load_tokenizer
@@ -196,14 +200,18 @@ def server(tmp_path_factory, model_path: Path):
         code = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}.get(name)
         _write(root, name, cfg.replace("TOKENIZER", tokenizer).replace('"LLM"', f'"{LLM}"'), code)
     grpc_port = free_port()
-    with running_server("--model-repository", str(root), "--grpc-port", str(grpc_port)) as proc:
+    with running_server(
+        "--model-repository", str(root), "--grpc-port", str(grpc_port),
+        "--lora-modules", f"all16={adapter}", "--enable-lora-runtime-updating",
+    ) as proc:  # fmt: skip
         proc.grpc_url = f"127.0.0.1:{grpc_port}"
         yield proc
 
 
 def _stream(url: str, model: str, inputs: list, count: int | None = None, empty_final: bool = True) -> list:
-    """The callbacks of one streamed request, (result, error) pairs: `count` of them, else until its
-    final response (the FINAL flag sent alone reaches the client only with `empty_final`)."""
+    """The callbacks of one streamed request, (result, error) pairs: `count` of them (and then none
+    more once the stream is closed), else until its final response (the FINAL flag sent alone reaches
+    the client only with `empty_final`)."""
     got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -214,13 +222,14 @@ def _stream(url: str, model: str, inputs: list, count: int | None = None, empty_
             result, error = got.get(timeout=60)
             items.append((result, error))
             if error is not None or len(items) == count:
-                return items
-            final = result.get_response().parameters["triton_final_response"].bool_param
-            if final:
-                return items
+                break
+            if count is None and result.get_response().parameters["triton_final_response"].bool_param:
+                break
     finally:
-        client.stop_stream()
+        client.stop_stream()  # half-closes the stream and waits for the server to end it
         client.close()
+    assert got.empty(), f"more responses than expected: {[got.get() for _ in range(got.qsize())]}"
+    return items
 
 
 def _int_input(grpc: bool, name: str, values: list[int]):
@@ -252,7 +261,7 @@ def test_a_model_that_raises_mid_stream_ends_that_stream_and_keeps_serving(serve
     items = _stream(server.grpc_url, "repeat", [_int_input(True, "IN", [10, 20, 30]), fail])
     assert [int(r.as_numpy("OUT")[0]) for r, e in items if e is None] == [10, 20]
     assert items[-1][1] is not None and "asked to fail at 2" in str(items[-1][1])
-    items = _stream(server.grpc_url, "repeat", [_int_input(True, "IN", [1, 2])], 2)
+    items = _stream(server.grpc_url, "repeat", [_int_input(True, "IN", [1, 2])], 2, empty_final=False)
     assert [int(r.as_numpy("OUT")[0]) for r, _ in items] == [1, 2]
 
 
@@ -303,8 +312,8 @@ def test_decoupled_bls_iterates_the_responses(server) -> None:
     assert out.tolist() == [9, 3]
 
 
-def _reference(server, max_tokens: int = 8) -> str:
-    body = {"model": LLM, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+def _reference(server, max_tokens: int = 8, model: str = LLM) -> str:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     return r.json()["choices"][0]["text"]
 
@@ -332,6 +341,22 @@ def test_generate_and_generate_stream_match_the_openai_completion(server) -> Non
     events = _sse(r)
     assert len(events) > 1 and "".join(e["text_output"] for e in events) == want
     assert events[-1]["finish_reason"] == "length"
+
+
+def test_a_lora_adapter_is_a_model_too_while_it_is_served(server) -> None:
+    client = tritonclient_http.InferenceServerClient(server.base_url.removeprefix("http://"))
+    assert {m["name"]: m["state"] for m in client.get_model_repository_index()}["all16"] == "READY"
+    want = _reference(server, 16, model="all16")
+    assert want != _reference(server, 16)  # the adapter changes what the model says
+    body = {"text_input": PROMPT, "max_tokens": 16, "temperature": 0.0}
+    r = httpx.post(f"{server.base_url}/v2/models/all16/generate", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["text_output"] == want, r.text
+    # Unloaded through the OpenAI-side route, it leaves the repository too.
+    u = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "all16"})
+    assert u.status_code == 200, u.text
+    assert "all16" not in {m["name"] for m in client.get_model_repository_index()}
+    r = httpx.post(f"{server.base_url}/v2/models/all16/generate", json=body, timeout=60)
+    assert r.status_code == 404
 
 
 def test_grpc_stream_of_the_llm(server) -> None:
@@ -370,21 +395,25 @@ def test_an_ensemble_tokenizes_runs_the_llm_and_detokenizes(server) -> None:
         ({"text_input": PROMPT, "max_tokens": 10**6}, "context"),
         ({"text_input": PROMPT, "temperature": "hot"}, "FP32"),
         ({"text_input": PROMPT, "nonsense": {"a": 1}}, "neither an input"),
+        ({"text_input": PROMPT, "stream": "false"}, "not a BOOL value"),
+        ({"text_input": PROMPT, "max_tokens": 3.5}, "not a INT32 value"),
+        # 1e400 is infinity to a JSON parser (a body written out, since httpx refuses to encode it)
+        ('{"text_input": "hi", "parameters": {"max_tokens": 1e400}}', "not a number"),
+        ('{"text_input": "hi", "parameters": {"priority": 1e400}}', "must be integers"),
     ],
 )
-def test_bad_generate_requests_get_a_400(server, body: dict, match: str) -> None:
+def test_bad_generate_requests_get_a_400(server, body: dict | str, match: str) -> None:
     for route in ("generate", "generate_stream"):
-        r = httpx.post(f"{server.base_url}/v2/models/{LLM}/{route}", json=body, timeout=60)
+        url = f"{server.base_url}/v2/models/{LLM}/{route}"
+        r = httpx.post(url, content=body, timeout=60) if isinstance(body, str) else httpx.post(url, json=body)
         assert r.status_code == 400 and match in r.json()["error"], (route, r.text)
 
 
-def test_the_llm_cannot_be_unloaded_and_unknown_models_say_so(server) -> None:
+def test_unknown_models_say_so_on_both_protocols(server) -> None:
     r = httpx.post(f"{server.base_url}/v2/models/nope/generate", json={"text_input": "x"})
     assert r.status_code == 404 and "unknown model" in r.json()["error"]
-    client = grpcclient.InferenceServerClient(server.grpc_url)
     items = _stream(server.grpc_url, "nope", [_int_input(True, "IN", [1])])
     assert items[-1][1] is not None and "unknown model" in str(items[-1][1])
-    client.close()
 
 
 def test_sender_refuses_a_response_after_the_final_flag() -> None:

@@ -149,6 +149,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, repository: ModelRepository |
         # The gRPC front (triton/grpc_front.py) takes the same keys, plain and named.
         repository.api_keys = config.api_keys()
         repository.allow_client_shm = config.allow_client_shm  # (triton/shm.py)
+        repository.loras = state.loras  # each adapter a model of the repository, as the LLM is
+        repository.admission = state.admission  # the LLM's requests under /v2 count as the OpenAI API's
         app.include_router(build_router(repository, int(config.max_request_body_mb * 2**20)))
 
     # Errors in the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's

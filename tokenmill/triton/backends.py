@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import json
 import sys
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,8 +107,19 @@ class PythonInstance(Instance):
             "model_version": version_dir.name,
             "model_name": cfg.name,
         }
+        self._loop: asyncio.AbstractEventLoop | None = None  # for an async execute(): see _await
         if hasattr(self.model, "initialize"):
             self.model.initialize(args)
+
+    def _await(self, coro: Any) -> Any:
+        """An async execute() runs on a loop that lives as long as the instance (Triton's python
+        backend keeps one), so tasks it starts (a decoupled model answering later) go on after it
+        returns."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            name = f"model-{self.cfg.name}-async"
+            threading.Thread(target=self._loop.run_forever, name=name, daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @staticmethod
     def load_module(cfg: TritonModelConfig, version_dir: Path) -> Any:
@@ -153,7 +165,7 @@ class PythonInstance(Instance):
             pb_reqs.append(pb)
         result = self.model.execute(pb_reqs)
         if inspect.iscoroutine(result):
-            result = asyncio.run(result)
+            result = self._await(result)
         if self.cfg.decoupled:
             if result is not None:
                 raise ModelError(f"{self.cfg.name}: a decoupled model's execute() must return None")
@@ -184,6 +196,8 @@ class PythonInstance(Instance):
     def finalize(self) -> None:
         if hasattr(self.model, "finalize"):
             self.model.finalize()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 class _BatchingInstance(Instance, ABC):

@@ -45,7 +45,6 @@ class ResponseStream:
         self._lock = threading.Lock()  # senders run on model threads; the FINAL flag is taken once
         self._closed = False
         self.cancelled = False
-        self.sent = 0  # responses with outputs or an error
 
     @property
     def closed(self) -> bool:
@@ -56,15 +55,14 @@ class ResponseStream:
             if self._closed:
                 raise StreamClosed("this request's responses are complete: the FINAL flag was already sent")
             self._closed = item.final
-            if item.outputs is not None or item.error is not None:
-                self.sent += 1
-        # From the loop's own thread too: callbacks run in the order scheduled, so responses stay in order.
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            # Scheduled under the lock (from the loop's own thread too): callbacks run in the order
+            # scheduled, so responses from several threads keep the order their sends took the lock.
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, status: int = 500) -> None:
         """End the stream with an error, unless it has already ended (then there is no one to tell)."""
         with contextlib.suppress(StreamClosed):
-            self.send(StreamItem(error=message, final=True))
+            self.send(StreamItem(error=message, final=True, status=status))
 
     def cancel(self) -> None:
         """The reader is gone: the model sees it in is_cancelled() and may stop early."""

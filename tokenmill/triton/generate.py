@@ -32,11 +32,30 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+def _flat(value: Any) -> list[Any]:
+    return [x for v in value for x in _flat(v)] if isinstance(value, list) else [value]
+
+
+def _check(name: str, datatype: str, value: Any) -> None:
+    """JSON values of the input's type: numpy would turn "false" into True, 3.7 into 3, null into NaN."""
+    for v in _flat(value):
+        if isinstance(v, dict):
+            raise InferError(400, f"{name!r}: an object is not a tensor value")
+        if datatype == "BYTES":
+            continue
+        bad = v is None or isinstance(v, str)
+        if datatype == "BOOL":
+            bad = bad or not (isinstance(v, bool) or v in (0, 1))
+        elif datatype.startswith(("INT", "UINT")):
+            bad = bad or (isinstance(v, float) and not v.is_integer())
+        if bad:
+            raise InferError(400, f"{name!r}: {json.dumps(v)} is not a {datatype} value")
+
+
 def _tensor(cfg: TritonModelConfig, name: str, value: Any) -> np.ndarray:
     spec = cfg.input(name)
     assert spec is not None
-    if isinstance(value, dict):
-        raise InferError(400, f"{name!r}: an object is not a tensor value")
+    _check(name, spec.datatype, value)
     data = value if isinstance(value, list) else [value]
     try:
         if spec.datatype == "BYTES":
@@ -82,7 +101,7 @@ def _request(cfg: TritonModelConfig, body: dict[str, Any]) -> InferRequest:
             raise InferError(400, f"parameter {k!r} must be a string, a number or a boolean")
     try:
         return InferRequest.from_protocol(inputs, None, {**extra, **params}, str(body.get("id", "")))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InferError(400, "priority and timeout parameters must be integers") from None
 
 
@@ -116,22 +135,27 @@ async def _body(request: Request) -> dict[str, Any]:
 
 def add_generate_routes(r: APIRouter, repo: ModelRepository) -> None:
     async def generate(name: str, request: Request, version: str | None = None) -> Response:
+        from tokenmill.server.app import _cancel_on_disconnect  # (app imports this module lazily)
+
         try:
             v = repo.get(name, version)
             req = _request(v.cfg, await _body(request))
-            out = await repo.infer(name, version, req)
+            # A client that goes away cancels the request (for the LLM: aborts it in the engine).
+            out = await _cancel_on_disconnect(request, repo.infer(name, version, req))
         except InferError as e:
             return _error(e.status, e.message)
         return JSONResponse(_answer(name, v.version, req.request_id, out))
 
     async def generate_stream(name: str, request: Request, version: str | None = None) -> Response:
+        from tokenmill.server.app import _cancel_on_disconnect
+
         try:
             v = repo.get(name, version)
             req = _request(v.cfg, await _body(request))
             items = repo.infer_stream(name, version, req)
             # The first response (or an early error) before the 200: a request the model refuses
             # at once gets a plain JSON error, as the extension says.
-            first = await anext(items, None)
+            first = await _cancel_on_disconnect(request, anext(items, None))
         except InferError as e:
             return _error(e.status, e.message)
         if first is not None and first.error is not None and first.final:

@@ -288,7 +288,7 @@ def _request(r: service_pb2.ModelInferRequest, regions: Registry | None = None) 
     params = {k: _param(p) for k, p in r.parameters.items()}
     try:
         return InferRequest.from_protocol(inputs, [o.name for o in r.outputs] or None, params, r.id)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InferError(400, "priority and timeout parameters must be integers") from None
 
 

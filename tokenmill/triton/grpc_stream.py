@@ -31,13 +31,15 @@ _READ_ALL = object()  # the client closed its side of the stream (or it broke)
 def _reply(
     request: service_pb2.ModelInferRequest, version: str, item: StreamItem
 ) -> service_pb2.ModelStreamInferResponse:
-    if item.error is not None:
-        return service_pb2.ModelStreamInferResponse(error_message=item.error)
+    """A response; an error keeps the request's id, model and final flag beside its message, as
+    Triton's do, so a client with several requests on the stream knows which one failed."""
     resp = service_pb2.ModelInferResponse(model_name=request.model_name, model_version=version, id=request.id)
+    resp.parameters["triton_final_response"].bool_param = item.final
+    if item.error is not None:
+        return service_pb2.ModelStreamInferResponse(error_message=item.error, infer_response=resp)
     for name, arr in (item.outputs or {}).items():
         resp.outputs.add(name=name, datatype=dtypes.protocol_of(arr), shape=list(arr.shape))
         resp.raw_output_contents.append(dtypes.to_binary(arr))
-    resp.parameters["triton_final_response"].bool_param = item.final
     return service_pb2.ModelStreamInferResponse(infer_response=resp)
 
 
@@ -49,7 +51,12 @@ def _wants_empty_final(request: service_pb2.ModelInferRequest) -> bool:
 async def _run_one(repo: ModelRepository, request: service_pb2.ModelInferRequest, out: asyncio.Queue) -> None:
     from tokenmill.triton.grpc_front import _request  # (grpc_front imports this module lazily)
 
+    version = request.model_version
     try:
+        if any("shared_memory_region" in o.parameters for o in request.outputs):
+            raise InferError(
+                400, "outputs in shared memory are not supported on ModelStreamInfer: use ModelInfer"
+            )
         req = _request(request, registry(repo))
         version = repo.get(request.model_name, request.model_version or None).version
         empty_final = _wants_empty_final(request)
@@ -61,7 +68,10 @@ async def _run_one(repo: ModelRepository, request: service_pb2.ModelInferRequest
                     continue
                 await out.put(_reply(request, version, item))
     except InferError as e:
-        await out.put(service_pb2.ModelStreamInferResponse(error_message=e.message))
+        await out.put(_reply(request, version, StreamItem(error=e.message, final=True)))
+    except Exception as e:  # never a request the client waits on forever
+        msg = f"model {request.model_name!r}: {type(e).__name__}: {e}"
+        await out.put(_reply(request, version, StreamItem(error=msg, final=True)))
     finally:
         await out.put(_DONE)
 

@@ -440,7 +440,7 @@ def _parse_infer(
             binary_out[o["name"]] = bool(oparams.get("binary_data", default_binary))
     try:
         req = InferRequest.from_protocol(inputs, requested, params, str(d.get("id", "")))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InferError(400, "priority and timeout parameters must be integers") from None
     if default_binary and requested is None:
         binary_out = {"*": True}

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_serving import generation_error
 from tokenmill.triton.backends import InferRequest, Instance, Outputs
 from tokenmill.triton.config import TensorSpec, TritonModelConfig
 from tokenmill.triton.decoupled import ResponseStream, StreamItem
@@ -118,14 +121,23 @@ class LLMInstance(Instance):
 
     _ids = itertools.count()
 
-    def __init__(self, cfg: TritonModelConfig, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.cfg, self.llm, self.loop = cfg, llm, loop
+    def __init__(
+        self,
+        cfg: TritonModelConfig,
+        llm: Any,
+        loop: asyncio.AbstractEventLoop,
+        lora: Callable[[], Any] | None = None,
+        admission: Any = None,
+    ) -> None:
+        """`lora`: for an adapter's model, its LoRARequest as the server's registry has it now (None
+        once the adapter is unloaded). `admission`: the server's (server/admission.py)."""
+        self.cfg, self.llm, self.loop, self.lora, self.admission = cfg, llm, loop, lora, admission
         self.max_tokens_default = int(cfg.parameters.get("max_tokens_default", "16"))
 
     def execute(self, reqs: list[InferRequest]) -> list[Outputs | Exception]:
         for r in reqs:
             assert r.stream is not None  # the repository gives every request to a decoupled model one
-            asyncio.run_coroutine_threadsafe(self._run(r, r.stream), self.loop)
+            asyncio.run_coroutine_threadsafe(self._run(r, r.stream), self.loop)  # _run ends its stream
         return [{} for _ in reqs]
 
     def _ask(self, req: InferRequest) -> _Ask:
@@ -147,7 +159,7 @@ class LLMInstance(Instance):
         values = {k: _scalar(req, k) for k in _SCALARS}
         try:
             values = {k: conv(v) for k, v in values.items() if v is not None for conv in [_SCALARS[k]]}
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(f"a sampling setting is not a number: {e}") from None
         limit = self.llm.max_model_len
         max_tokens = values.pop("max_tokens", self.max_tokens_default)
@@ -166,45 +178,61 @@ class LLMInstance(Instance):
         stream = _scalar(req, "stream")
         try:
             params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=[s for s in stop if s], **values)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(str(e)) from None
         return _Ask(prompt_ids, prompt, params, bool(stream) and str(stream).lower() != "false")
 
     async def _run(self, req: InferRequest, stream: ResponseStream) -> None:
+        """Every way out ends the stream: a response with FINAL, or an error with its status."""
+        ticket = None
         try:
             ask = self._ask(req)
+            lora = None
+            if self.lora is not None:
+                lora = self.lora()
+                if lora is None:
+                    raise APIError(404, f"LoRA adapter {self.cfg.name!r} is not served")
+            if self.admission is not None:  # the same bounds (and 429s) as the OpenAI API's requests
+                ticket = self.admission.admit()
+                self.admission.add_work(ticket, 1, len(ask.prompt_ids))
+            await self._generate(ask, lora, stream)
         except BadRequest as e:
-            stream.send(StreamItem(error=str(e), final=True, status=400))
-            return
+            stream.fail(str(e), 400)
+        except APIError as e:
+            stream.fail(e.message, e.status)
+        except Exception as e:  # the engine's (dead, shed, rejected), or a mistake here: said, never a hang
+            err = generation_error(e)
+            stream.fail(f"model {self.cfg.name!r}: {err.message}", err.status)
+        finally:
+            if ticket is not None:
+                self.admission.release(ticket)
+
+    async def _generate(self, ask: _Ask, lora: Any, stream: ResponseStream) -> None:
         rid = f"triton-{self.cfg.name}-{next(self._ids)}"
-        text, ids, finish = [], [], None
+        text, ids = [], []
         # (Not the request's Triton priority: its levels, 1 the highest, are not the engine's.)
-        gen = self.llm.generate(rid, ask.prompt_ids, ask.params, prompt=ask.prompt)
+        gen = self.llm.generate(rid, ask.prompt_ids, ask.params, prompt=ask.prompt, lora=lora)
         try:
             async for ro in gen:
-                if stream.cancelled:
-                    break
+                if stream.cancelled:  # the reader has gone: closing the generator aborts the request
+                    stream.fail("cancelled")
+                    return
                 o = ro.outputs[0]
-                finish = o.finish_reason
                 if ask.stream:
-                    if o.delta_token_ids or finish is not None:
-                        stream.send(
-                            StreamItem(self._outputs(o.delta_text, o.delta_token_ids, finish), final=False)
-                        )
+                    # The last piece carries the FINAL flag, as TensorRT-LLM sends it.
+                    if o.delta_token_ids or o.finish_reason is not None:
+                        out = self._outputs(o.delta_text, o.delta_token_ids, o.finish_reason)
+                        stream.send(StreamItem(out, final=o.finish_reason is not None))
                 else:
                     text.append(o.delta_text)
                     ids.extend(o.delta_token_ids)
-        except Exception as e:  # the engine's errors (dead, shed, rejected) end this request's stream
-            stream.fail(f"model {self.cfg.name!r}: {e}")
-            return
+                    if o.finish_reason is not None:
+                        stream.send(
+                            StreamItem(self._outputs("".join(text), ids, o.finish_reason), final=True)
+                        )
         finally:
             await gen.aclose()
-        if stream.cancelled:
-            stream.fail("cancelled")
-        elif ask.stream:
-            stream.send(StreamItem(final=True))
-        else:
-            stream.send(StreamItem(self._outputs("".join(text), ids, finish), final=True))
+        stream.fail(f"model {self.cfg.name!r}: the engine ended the request without finishing it")
 
     @staticmethod
     def _outputs(text: str, ids: list[int], finish: str | None) -> Outputs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import queue
 import time
@@ -53,9 +54,14 @@ class Version:
     # A decoupled model's requests whose responses are not complete: failed if the model goes away.
     streams: set[ResponseStream] = field(default_factory=set)
 
-    async def close(self, why: str) -> None:
+    async def close(self, why: str, drain_s: float = 10.0) -> None:
+        """Stop serving this version: its requests still answering get up to `drain_s` to finish (a
+        reload keeps the old version serving them, as Triton does), the rest end with `why`."""
+        deadline = time.monotonic() + drain_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for s in list(self.streams):
-            s.fail(why)
+            s.fail(why, 503)
         if self.scheduler is not None:
             await self.scheduler.close()
 
@@ -116,6 +122,10 @@ class ModelRepository:
         self.poller: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.llm: tuple[str, Any] | None = None  # (served name, AsyncLLM): the LLM as a model (add_llm)
+        self.loras: Any = None  # the server's LoRA registry (server/app.py): each adapter a model too
+        self.adapter_models: set[str] = set()  # the adapters' entries (_sync_adapters)
+        self.admission: Any = None  # the server's admission control (server/app.py), for the LLM's requests
+        self._closing: set[asyncio.Task] = set()
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -146,7 +156,33 @@ class ModelRepository:
         self.llm = (name, llm)
 
     def builtin(self, name: str) -> bool:
-        return self.llm is not None and self.llm[0] == name
+        return self.llm is not None and (self.llm[0] == name or name in self.adapter_models)
+
+    def _sync_adapters(self) -> None:
+        """Each LoRA adapter the server serves is a model named for it, as the LLM is: added when it
+        appears (adapters load and unload at run time) and retired when it goes."""
+        if self.llm is None or self.loop is None:
+            return
+        from tokenmill.triton.llm_model import LLMInstance, llm_config
+
+        have = set(self.loras.adapters) if self.loras is not None else set()
+        for name in have - set(self.entries):
+            if self._has_model(name):
+                continue  # a repository model of that name wins; the adapter stays an OpenAI model
+            cfg = llm_config(name, 16)
+            stats = ModelStats(name, "1", self.metrics)
+            inst = LLMInstance(
+                cfg, self.llm[1], self.loop, lora=lambda n=name: self.loras.get(n), admission=self.admission
+            )
+            sched = DefaultScheduler(cfg, [inst], stats)
+            self.entries[name] = Entry(name, READY, versions={"1": Version("1", cfg, sched, stats, 0)})
+            self.adapter_models.add(name)
+        for name in self.adapter_models - have:
+            self.adapter_models.discard(name)
+            for v in self.entries.pop(name).versions.values():
+                task = self.loop.create_task(v.close(f"LoRA adapter {name!r} was unloaded"))
+                self._closing.add(task)  # (held until done: the loop keeps only weak references)
+                task.add_done_callback(self._closing.discard)
 
     async def _start_llm(self) -> None:
         from tokenmill.triton.llm_model import LLMInstance, llm_config
@@ -160,7 +196,7 @@ class ModelRepository:
             )
         cfg = llm_config(name, 16)
         stats = ModelStats(name, "1", self.metrics)
-        sched = DefaultScheduler(cfg, [LLMInstance(cfg, llm, self.loop)], stats)
+        sched = DefaultScheduler(cfg, [LLMInstance(cfg, llm, self.loop, admission=self.admission)], stats)
         self.entries[name] = Entry(name, READY, versions={"1": Version("1", cfg, sched, stats, 0)})
 
     async def start(self) -> None:
@@ -184,7 +220,7 @@ class ModelRepository:
         if self.poller:
             self.poller.cancel()
         for name in list(self.entries):
-            await self._unload(name)
+            await self._unload(name, drain_s=0.0)  # the server is stopping: its drain has run
         if getattr(self, "shm", None) is not None:  # the shared-memory regions clients registered
             self.shm.close()
 
@@ -348,7 +384,9 @@ class ModelRepository:
         if name not in self.entries and self.model_dir(name) is None:
             raise InferError(400, f"failed to unload {name!r}: no such model")
         if self.builtin(name):
-            raise InferError(400, f"{name!r} is the server's LLM: it is served as long as the server runs")
+            raise InferError(
+                400, f"{name!r} is the server's LLM or one of its LoRA adapters: the OpenAI side serves it"
+            )
         async with self.lock:
             deps = []
             if unload_dependents and name in self.entries:
@@ -358,19 +396,20 @@ class ModelRepository:
             for d in deps:
                 await self._unload(d)
 
-    async def _unload(self, name: str) -> None:
+    async def _unload(self, name: str, drain_s: float = 10.0) -> None:
         e = self.entries.get(name)
         if e is None:
             return
         e.state = UNLOADING
         self._drop_cached(name)
         for v in e.versions.values():
-            await v.close(f"model {name!r} was unloaded")
+            await v.close(f"model {name!r} was unloaded", drain_s)
         e.versions, e.state, e.reason = {}, UNAVAILABLE, "unloaded"
 
     # --- queries -------------------------------------------------------------------------------------
 
     def index(self, ready_only: bool = False) -> list[dict]:
+        self._sync_adapters()
         out = []
         for name in sorted(set(self.on_disk()) | set(self.entries)):
             e = self.entries.get(name)
@@ -386,6 +425,7 @@ class ModelRepository:
         return [m for m in out if m["state"] == READY] if ready_only else out
 
     def get(self, name: str, version: str | int | None = None) -> Version:
+        self._sync_adapters()
         e = self.entries.get(name)
         if e is None and self.model_dir(name) is None:
             raise InferError(404, f"unknown model: {name!r}")
@@ -474,7 +514,11 @@ class ModelRepository:
             return
         v.last_used = time.monotonic()
         t0 = time.perf_counter_ns()
-        self._validate(v.cfg, req)
+        try:
+            self._validate(v.cfg, req)
+        except InferError as e:
+            v.stats.finished(False, time.perf_counter_ns() - t0, e.reason)
+            raise
         assert v.scheduler is not None  # an ensemble is never decoupled (load_config)
         stream = ResponseStream(asyncio.get_running_loop())
         req.stream = stream
@@ -484,10 +528,13 @@ class ModelRepository:
         def settle(t: asyncio.Future) -> None:
             # The scheduler refused the request, or execute() raised: the stream ends with why.
             if t.cancelled():
-                stream.fail(f"model {name!r}: the request was cancelled")
+                stream.fail(f"model {name!r}: the request was cancelled", 503)
             elif t.exception() is not None:
                 e = t.exception()
-                stream.fail(e.message if isinstance(e, InferError) else f"model {name!r} failed: {e}")
+                if isinstance(e, InferError):
+                    stream.fail(e.message, e.status)
+                else:
+                    stream.fail(f"model {name!r} failed: {e}")
 
         task.add_done_callback(settle)
         wanted = set(req.requested_outputs or [t.name for t in v.cfg.outputs])
@@ -513,9 +560,12 @@ class ModelRepository:
             answers = [i async for i in items if i.outputs is not None or i.error is not None]
         for i in answers:
             if i.error is not None:
-                if i.status < 500:
+                if i.status != 500:  # the request's fault, or the model's unavailability: said as such
                     raise InferError(i.status, i.error)
-                raise InferError(500, f"model {name!r} failed: {i.error}", "BACKEND")
+                said = (
+                    i.error if i.error.startswith(f"model {name!r}") else f"model {name!r} failed: {i.error}"
+                )
+                raise InferError(500, said, "BACKEND")
         if len(answers) != 1:
             raise InferError(
                 400,
@@ -580,14 +630,28 @@ class ModelRepository:
             raise InferError(500, f"model {cfg.name!r} did not produce {', '.join(missing)}")
         return {n: np.asarray(out[n]) for n in names}
 
+    @staticmethod
+    def _bls_request(r: pb_utils.InferenceRequest) -> InferRequest:
+        """A BLS call as the called model receives it: inputs, outputs, id, parameters, flags and
+        correlation ID (a BLS call to a sequence model, or to the LLM with its settings)."""
+        try:
+            params = json.loads(r.parameters())
+        except ValueError:
+            params = {}
+        return InferRequest(
+            {t.name(): t.as_numpy() for t in r.inputs()},
+            r.requested_output_names() or None,
+            parameters=params if isinstance(params, dict) else {},
+            request_id=r.request_id(),
+            correlation_id=r.correlation_id(),
+            flags=r.flags(),
+            timeout_us=int(r.timeout() or 0),
+        )
+
     def _bls(self, r: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         """A Python model's BLS call, from its worker thread into the server's loop."""
         assert self.loop is not None
-        req = InferRequest(
-            {t.name(): t.as_numpy() for t in r.inputs()},
-            r.requested_output_names() or None,
-            request_id=r.request_id(),
-        )
+        req = self._bls_request(r)
         fut = asyncio.run_coroutine_threadsafe(self.infer(r.model_name, r._version, req), self.loop)
         try:
             out = fut.result()
@@ -600,11 +664,7 @@ class ModelRepository:
         thread reads; cancelling stops the call (the called model sees is_cancelled())."""
         assert self.loop is not None
         q: queue.Queue[StreamItem] = queue.Queue()
-        req = InferRequest(
-            {t.name(): t.as_numpy() for t in r.inputs()},
-            r.requested_output_names() or None,
-            request_id=r.request_id(),
-        )
+        req = self._bls_request(r)
 
         async def pump() -> None:
             try:
@@ -616,6 +676,8 @@ class ModelRepository:
             except asyncio.CancelledError:
                 q.put(StreamItem(error="the BLS request was cancelled", final=True))
                 raise
+            except Exception as e:  # anything else still ends the caller's iteration
+                q.put(StreamItem(error=f"BLS request to {r.model_name!r} failed: {e}", final=True))
 
         fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
         return q, fut.cancel
