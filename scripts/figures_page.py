@@ -35,6 +35,7 @@ GROUPS = {
     "speculative": "Speculative decoding and structured output",
     "distributed": "Distributed serving",
     "operations": "Watching it: tracing and the console",
+    "triton": "KServe v2 / Triton models",
 }
 
 

@@ -201,7 +201,7 @@ def server(tmp_path_factory, model_path: Path, hf_model):
         _write(root, name, cfg.replace("TOKENIZER", tokenizer).replace('"LLM"', f'"{LLM}"'), code)
     grpc_port = free_port()
     with running_server(
-        "--model-repository", str(root), "--grpc-port", str(grpc_port),
+        "--model-repository", str(root), "--grpc-port", str(grpc_port), "--dtype", "float32",
         "--lora-modules", f"all16={adapter}", "--enable-lora-runtime-updating",
     ) as proc:  # fmt: skip
         proc.grpc_url = f"127.0.0.1:{grpc_port}"
