@@ -170,6 +170,26 @@ ensemble_scheduling { step [
     output_map { key: "ANSWER" value: "ANSWER" } }
 ] }
 """,
+    # The same, streaming: each response of the LLM runs the detokenize step (Triton's way).
+    "llm_stream_pipeline": """
+name: "llm_stream_pipeline"
+platform: "ensemble"
+max_batch_size: 1
+input [ { name: "QUERY" data_type: TYPE_STRING dims: [ 1 ] },
+        { name: "STREAM" data_type: TYPE_BOOL dims: [ 1 ] } ]
+output [ { name: "ANSWER" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "tokenize" input_map { key: "QUERY" value: "QUERY" }
+    output_map [ { key: "INPUT_ID" value: "ids" }, { key: "MAX_TOKENS" value: "max_tokens" },
+                 { key: "TEMPERATURE" value: "temperature" } ] },
+  { model_name: "LLM"
+    input_map [ { key: "input_ids" value: "ids" }, { key: "max_tokens" value: "max_tokens" },
+                { key: "temperature" value: "temperature" }, { key: "stream" value: "STREAM" } ]
+    output_map { key: "output_ids" value: "tokens" } },
+  { model_name: "detokenize" input_map { key: "TOKENS" value: "tokens" }
+    output_map { key: "ANSWER" value: "ANSWER" } }
+] }
+""",
 }
 LLM = "smollm2-135m"  # the served name of the embedded model
 PROMPT = "The capital of France is"
@@ -197,7 +217,7 @@ def server(tmp_path_factory, model_path: Path, hf_model):
     load_tokenizer(model_path, None).save(root / "tokenizer")
     tokenizer = str(root / "tokenizer" / "tokenizer.json")
     for name, cfg in PIPELINE_CONFIGS.items():
-        code = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}.get(name)
+        code = {"tokenize": TOKENIZE, "detokenize": DETOKENIZE}.get(name)  # (the ensembles have none)
         _write(root, name, cfg.replace("TOKENIZER", tokenizer).replace('"LLM"', f'"{LLM}"'), code)
     grpc_port = free_port()
     with running_server(
@@ -386,6 +406,19 @@ def test_an_ensemble_tokenizes_runs_the_llm_and_detokenizes(server) -> None:
     # The pipeline detokenizes the ids alone: the same text as the completion, but for the leading
     # space a tokenizer may attach to the first token.
     assert got.strip() == want.strip() and got
+
+
+def test_an_ensemble_streams_through_the_llm(server) -> None:
+    want = _reference(server)
+    url = f"{server.base_url}/v2/models/llm_stream_pipeline/generate_stream"
+    events = _sse(httpx.post(url, json={"QUERY": PROMPT, "STREAM": True}, timeout=120))
+    assert len(events) > 1 and all("error" not in e for e in events), events
+    assert "".join(e["ANSWER"] for e in events).strip() == want.strip()
+    # The same ensemble without streaming answers once, through generate.
+    r = httpx.post(
+        url.replace("generate_stream", "generate"), json={"QUERY": PROMPT, "STREAM": False}, timeout=120
+    )
+    assert r.status_code == 200 and r.json()["ANSWER"].strip() == want.strip(), r.text
 
 
 @pytest.mark.parametrize(

@@ -242,7 +242,7 @@ def load_config(model_dir: Path) -> TritonModelConfig:
     if backend not in BACKENDS:
         what = f"backend {raw['backend']!r}" if raw.get("backend") else f"platform {platform!r}"
         raise ConfigError(f"{source}: {what} is not supported ({', '.join(BACKENDS)})")
-    if raw.get("model_transaction_policy", {}).get("decoupled") and backend != "python":
+    if raw.get("model_transaction_policy", {}).get("decoupled") and backend not in ("python", "ensemble"):
         # Only a model's own code can send 0..n responses; a tensor backend answers each request once.
         raise ConfigError(f"{source}: decoupled models need the python backend (this one is {backend})")
     kinds = [k for k in ("dynamic_batching", "sequence_batching", "ensemble_scheduling") if k in raw]

@@ -28,7 +28,7 @@ from tokenmill.triton.backends import InferRequest, ModelError, Outputs, create_
 from tokenmill.triton.config import TritonModelConfig, load_config
 from tokenmill.triton.decoupled import ResponseStream, StreamItem
 from tokenmill.triton.dtypes import protocol_of
-from tokenmill.triton.ensemble import check_graph, run_ensemble
+from tokenmill.triton.ensemble import check_graph, run_ensemble, stream_ensemble
 from tokenmill.triton.pbtxt import ConfigError
 from tokenmill.triton.response_cache import ResponseCache, check_cacheable, make_key
 from tokenmill.triton.scheduling import BatchScheduler, DefaultScheduler, DynamicBatcher, InferError
@@ -459,7 +459,7 @@ class ModelRepository:
 
     async def infer(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
         v = self.get(name, version)
-        if v.cfg.decoupled:
+        if v.cfg.decoupled and v.scheduler is not None:
             return await self._one_response(name, version, req)
         v.last_used = time.monotonic()
         t0 = time.perf_counter_ns()
@@ -502,7 +502,13 @@ class ModelRepository:
         model's one. Errors found before the model runs (unknown model, bad input) raise InferError at
         the first step; a failure after that arrives as a final item with the error."""
         v = self.get(name, version)
-        if not v.cfg.decoupled:
+        through = self._decoupled_step(v.cfg)
+        if through is not None:
+            async with contextlib.aclosing(self._stream_ensemble(v, req, through)) as items:
+                async for item in items:
+                    yield item
+            return
+        if not v.cfg.decoupled or v.scheduler is None:  # (an ensemble says decoupled for its step)
             try:
                 out = await self.infer(name, version, req)
             except InferError as e:
@@ -519,7 +525,7 @@ class ModelRepository:
         except InferError as e:
             v.stats.finished(False, time.perf_counter_ns() - t0, e.reason)
             raise
-        assert v.scheduler is not None  # an ensemble is never decoupled (load_config)
+        assert v.scheduler is not None  # (an ensemble took the branch above)
         stream = ResponseStream(asyncio.get_running_loop())
         req.stream = stream
         v.streams.add(stream)
@@ -551,6 +557,41 @@ class ModelRepository:
             if not stream.closed:  # the reader went away before the FINAL flag
                 stream.cancel()
                 ok = False
+            v.stats.finished(ok, time.perf_counter_ns() - t0)
+
+    def _decoupled_step(self, cfg: TritonModelConfig) -> int | None:
+        """The step of an ensemble that is a decoupled model (its responses stream through the steps
+        after it), or None; more than one is refused."""
+        found = []
+        for i, step in enumerate(cfg.ensemble_steps):
+            e = self.entries.get(step["model_name"])
+            if e is not None and any(v.cfg.decoupled for v in e.versions.values()):
+                found.append(i)
+        if len(found) > 1:
+            names = ", ".join(cfg.ensemble_steps[i]["model_name"] for i in found)
+            raise InferError(
+                400, f"ensemble {cfg.name!r} streams through one decoupled step, not several ({names})"
+            )
+        return found[0] if found else None
+
+    async def _stream_ensemble(self, v: Version, req: InferRequest, step: int) -> AsyncIterator[StreamItem]:
+        v.last_used = time.monotonic()
+        t0 = time.perf_counter_ns()
+        ok = False
+        try:
+            self._validate(v.cfg, req)
+            items = stream_ensemble(v.cfg, req, self.infer, self.infer_stream, step)
+            async with contextlib.aclosing(items) as responses:
+                try:
+                    async for item in responses:
+                        ok = item.error is None
+                        yield item
+                except InferError as e:  # a step after the decoupled one failed: this stream's end
+                    ok = False
+                    yield StreamItem(error=e.message, final=True, status=e.status)
+        finally:
+            if ok:
+                v.stats.ensemble_ran(req.batch_size(v.cfg), 0, req.times)
             v.stats.finished(ok, time.perf_counter_ns() - t0)
 
     async def _one_response(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
