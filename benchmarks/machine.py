@@ -4,6 +4,7 @@ other processes kept it meanwhile."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -69,3 +70,18 @@ def tree_cpu_s(root: int) -> float:
         total += stats.get(pid, (0, 0.0))[1]
         todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
     return total
+
+
+class ForeignLoad:
+    """The share of this machine's cores that other processes kept busy during a `with` block: the
+    machine is shared, and a figure measured beside a busy neighbour says so next to itself."""
+
+    share = 0.0
+
+    def __enter__(self) -> ForeignLoad:
+        self._cpu, self._ours, self._t = busy_cpu_s(), tree_cpu_s(os.getpid()), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        foreign = (busy_cpu_s() - self._cpu) - (tree_cpu_s(os.getpid()) - self._ours)
+        self.share = max(foreign, 0.0) / ((time.perf_counter() - self._t) * (os.cpu_count() or 1))

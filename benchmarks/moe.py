@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import random
 import statistics
 import sys
@@ -39,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import busy_cpu_s, cpu_description, tree_cpu_s  # noqa: E402
+from machine import ForeignLoad, cpu_description  # noqa: E402
 from results_log import Metric, add_flag, record  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
@@ -97,21 +96,6 @@ def shape_text(args: argparse.Namespace) -> str:
         f"{args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k} of "
         f"intermediate {args.expert_intermediate}, {args.heads}/{args.kv_heads} heads"
     )
-
-
-class ForeignLoad:
-    """The share of this machine's cores that other processes kept busy during a `with` block: the
-    machine is shared, and a figure measured beside a busy neighbour says so next to itself."""
-
-    share = 0.0
-
-    def __enter__(self) -> ForeignLoad:
-        self._cpu, self._ours, self._t = busy_cpu_s(), tree_cpu_s(os.getpid()), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        foreign = (busy_cpu_s() - self._cpu) - (tree_cpu_s(os.getpid()) - self._ours)
-        self.share = max(foreign, 0.0) / ((time.perf_counter() - self._t) * (os.cpu_count() or 1))
 
 
 # --- 1. generation --------------------------------------------------------------------------------

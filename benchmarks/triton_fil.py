@@ -23,7 +23,6 @@ library called directly, at batch 1 and batch 1024, in one run and interleaved (
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from sklearn.ensemble import RandomForestClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from machine import busy_cpu_s, cpu_description, tree_cpu_s  # noqa: E402
+from machine import ForeignLoad, cpu_description  # noqa: E402
 from results_log import add_flag, record  # noqa: E402
 from server_fixture import free_port, running_server  # noqa: E402
 
@@ -109,20 +108,6 @@ def agree(ours: np.ndarray, theirs: Any) -> float:
     """The largest difference between the backend's [1 - p, p] and the library's P(class 1)."""
     p = np.asarray(theirs, dtype=np.float64).reshape(len(ours), -1)[:, -1]
     return float(np.abs(ours[:, 1] - p).max())
-
-
-class ForeignLoad:
-    """The share of the machine's cores that other processes kept busy during a `with` block."""
-
-    share = 0.0
-
-    def __enter__(self) -> ForeignLoad:
-        self._cpu, self._ours, self._t = busy_cpu_s(), tree_cpu_s(os.getpid()), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        foreign = (busy_cpu_s() - self._cpu) - (tree_cpu_s(os.getpid()) - self._ours)
-        self.share = max(foreign, 0.0) / ((time.perf_counter() - self._t) * (os.cpu_count() or 1))
 
 
 def in_process(repo: Path, models: dict, x: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
