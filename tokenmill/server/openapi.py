@@ -85,6 +85,22 @@ _V2_BODIES: dict[str, tuple[bool, dict[str, Any]]] = {  # path suffix -> (requir
     "/repository/index": (False, {"type": "object", "properties": {"ready": {"type": "boolean"}}}),
     "/load": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
     "/unload": (False, {"type": "object", "properties": {"parameters": {"type": "object"}}}),
+    # System shared memory (triton/shm.py): a region of a POSIX shared-memory object.
+    "/register": (
+        True,
+        {
+            "type": "object",
+            "required": ["key", "byte_size"],
+            "properties": {
+                "key": {"type": "string"},
+                "offset": {"type": "integer", "minimum": 0},
+                "byte_size": {"type": "integer", "minimum": 0},
+            },
+        },
+    ),
+    # The generate extension (triton/generate.py): input names and parameters as keys.
+    "/generate": (True, {"type": "object"}),
+    "/generate_stream": (True, {"type": "object"}),
 }
 # Anthropic's error shape, for /v1/messages (anthropic_protocol.py).
 _ANTHROPIC_ERROR = {
@@ -170,7 +186,10 @@ def _document_v2(path: str, op: dict[str, Any], responses: dict[str, Any]) -> No
         if path not in _V2_STATUS_ONLY:
             responses["404"] = {"description": "no such model or version", "content": v2_error}
         return
-    if "/load" in path or "/unload" in path:
+    if "/load" in path or "/unload" in path or path.endswith("register"):  # (and unregister)
         responses["200"] = {"description": "done; no body"}
+    if path.endswith("/generate_stream"):  # server-sent events, each `data:` line a JSON response
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
     for code, text in {**_V2_ERRORS, "401": _COMMON_ERRORS["401"], "413": _COMMON_ERRORS["413"]}.items():
         responses.setdefault(code, {"description": text, "content": v2_error})
