@@ -303,6 +303,41 @@ def test_many_requests_on_one_stream_are_matched_by_id(server) -> None:
     assert seen == {f"r{k}": [k] * (k + 1) for k in range(4)}
 
 
+def test_the_asyncio_clients_stream_and_infer(server) -> None:
+    """tritonclient's asyncio clients: gRPC stream_infer over a decoupled model, HTTP infer on one that
+    answers once."""
+    import asyncio
+
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http.aio as http_aio
+
+    async def run() -> tuple[list[int], list[int]]:
+        client = grpc_aio.InferenceServerClient(server.grpc_url)
+        inp = _int_input(True, "IN", [4, 5, 6])
+
+        async def requests():
+            yield {"model_name": "repeat", "inputs": [inp], "request_id": "a1"}
+
+        got = []
+        try:
+            async for result, error in client.stream_infer(requests()):
+                assert error is None
+                got.append(int(result.as_numpy("OUT")[0]))
+                if len(got) == 3:
+                    break
+        finally:
+            await client.close()
+        hclient = http_aio.InferenceServerClient(server.base_url.removeprefix("http://"))
+        try:
+            one = await hclient.infer("repeat", [_int_input(False, "IN", [8])])
+        finally:
+            await hclient.close()
+        return got, one.as_numpy("OUT").tolist()
+
+    streamed, once = asyncio.run(run())
+    assert streamed == [4, 5, 6] and once == [8]
+
+
 def _sse(response: httpx.Response) -> list[dict]:
     return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
 
