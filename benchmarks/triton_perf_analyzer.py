@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_log  # noqa: E402
-from server_fixture import example_repository, free_port, running_server  # noqa: E402
+from server_fixture import example_repository, free_port, perf_analyzer_path, running_server  # noqa: E402
 
 TICKER = """
 import numpy as np
@@ -67,11 +65,7 @@ RUNS = [
 
 
 def perf_analyzer() -> str:
-    from tokenmill.paths import default_cache_dir
-
-    found = os.environ.get("TOKENMILL_PERF_ANALYZER") or shutil.which("perf_analyzer")
-    cached = default_cache_dir() / "perf_analyzer" / "perf_analyzer"
-    path = found or (str(cached) if cached.exists() else None)
+    path = perf_analyzer_path()
     if path is None:
         raise SystemExit("perf_analyzer not found: run `bash tests/get_perf_analyzer.sh` (or `make install`)")
     return path

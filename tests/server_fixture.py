@@ -97,3 +97,13 @@ def example_repository(dest: Path) -> Path:
     finally:
         sys.path.remove(str(examples))
     return root
+
+
+def perf_analyzer_path() -> str | None:
+    """Triton's perf_analyzer: $TOKENMILL_PERF_ANALYZER, on PATH, or where tests/get_perf_analyzer.sh
+    puts it. No PyPI package installs it cleanly (see that script), so it is not a dev dependency."""
+    from tokenmill.paths import default_cache_dir
+
+    cached = default_cache_dir() / "perf_analyzer" / "perf_analyzer"
+    found = os.environ.get("TOKENMILL_PERF_ANALYZER") or shutil.which("perf_analyzer")
+    return found or (str(cached) if cached.is_file() else None)

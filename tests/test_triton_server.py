@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +10,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixture import example_repository, free_port, running_server
+from server_fixture import example_repository, free_port, perf_analyzer_path, running_server
 
 tritonclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -354,14 +352,7 @@ def test_ensemble_statistics_count_its_own_requests(client, server, protocol: st
     assert delta("preprocess", "inference_count") == 6 and delta("linear_onnx", "inference_count") == 6
 
 
-def _perf_analyzer() -> str | None:
-    """Triton's perf_analyzer: $TOKENMILL_PERF_ANALYZER, on PATH, or where tests/get_perf_analyzer.sh
-    puts it. No PyPI package installs it cleanly (see that script), so it is not a dev dependency."""
-    from tokenmill.paths import default_cache_dir
-
-    cached = default_cache_dir() / "perf_analyzer" / "perf_analyzer"
-    found = os.environ.get("TOKENMILL_PERF_ANALYZER") or shutil.which("perf_analyzer")
-    return found or (str(cached) if cached.is_file() else None)
+_perf_analyzer = perf_analyzer_path
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

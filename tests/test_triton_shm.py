@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import textwrap
 import uuid
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from server_fixture import example_repository, free_port, running_server
+from server_fixture import example_repository, free_port, perf_analyzer_path, running_server
 
 tritonhttp = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 import tritonclient.grpc as tritongrpc  # noqa: E402
@@ -394,14 +393,7 @@ def test_cuda_shared_memory_needs_a_gpu(clients) -> None:
 # --- perf_analyzer --shared-memory system ---------------------------------------------------------------
 
 
-def _perf_analyzer() -> str | None:
-    """As tests/test_triton_server.py finds it: $TOKENMILL_PERF_ANALYZER, on PATH, or where
-    tests/get_perf_analyzer.sh puts it."""
-    from tokenmill.paths import default_cache_dir
-
-    cached = default_cache_dir() / "perf_analyzer" / "perf_analyzer"
-    found = os.environ.get("TOKENMILL_PERF_ANALYZER") or shutil.which("perf_analyzer")
-    return found or (str(cached) if cached.is_file() else None)
+_perf_analyzer = perf_analyzer_path
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
