@@ -326,6 +326,10 @@ def b_took_it(held: int, b_input_before: float):  # noqa: ANN201
     return lambda t: state(t) and total_b_input(t) > b_input_before
 
 
+B_PROMPT = 16  # tokens of each of B's prompts
+A_LEAD_TOKENS = 24  # tokens A generates while B waits, before any place frees
+
+
 async def flood_the_fleet(base: str) -> dict:
     a, b = client(base, "key", "A"), client(base, "key", "B")
     streams, result = Streams(), {}
@@ -335,11 +339,14 @@ async def flood_the_fleet(base: str) -> dict:
         for i in range(2):  # A's flood waits at the router, in a known order
             streams.start(a, 24, priority=5)
             await until(base, fleet_state(2, i + 1))
-        b_tasks = [streams.start(b, 16, priority=5) for _ in range(2)]
+        b_tasks = [streams.start(b, B_PROMPT, priority=5) for _ in range(2)]
         text = await until(base, fleet_state(2, 4))
-        # A is served while B waits (its counter grows past the level B was lifted to on arrival).
+        # A is served while B waits: A's counter grows past the level B was lifted to on arrival. By how
+        # much is a state, not a race: B's first place charges B its prompt (16 x input weight 1) and then
+        # both tenants' one stream each 2 a token, so B must still be behind A when the second place frees.
+        # A's lead is 2 a token A generates from here on; 24 tokens (48) leave B's prompt a margin of 32.
         a_out = served(text, "A", "output")
-        await until(base, lambda t: served(t, "A", "output") > a_out)
+        await until(base, lambda t: served(t, "A", "output") >= a_out + A_LEAD_TOKENS)
         b_in = 0.0
         for freed, task in enumerate(running, 1):  # each on its own worker
             await streams.cancel(task)
