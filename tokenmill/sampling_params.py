@@ -51,6 +51,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Token sequences that end the request when the output ends with one; the sequence stays in the
+    # output (TensorRT-LLM's stop_words_list: words of several tokens, matched on tokens, not text).
+    stop_token_sequences: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     max_tokens: int | None = 16  # None: up to the context length; 0: read the prompt, sample nothing
     min_tokens: int = 0
@@ -71,6 +74,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_sequences = [[int(t) for t in s] for s in self.stop_token_sequences or []]
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if isinstance(self.structured, dict):
             self.structured = StructuredOutputs(**self.structured)
@@ -113,6 +117,7 @@ class SamplingParams:
                 f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (all(self.stop_token_sequences), "stop token sequences must not be empty"),
             (
                 self.pooling in POOLING_TYPES,
                 f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}, got {self.pooling!r}",

@@ -218,7 +218,9 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         p = req.sampling_params
-        for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", list(p.logit_bias))):
+        sequences = [t for s in p.stop_token_sequences for t in s]
+        checked = (("stop_token_ids", p.stop_token_ids), ("logit_bias", list(p.logit_bias)))
+        for name, ids in (*checked, ("stop_token_sequences", sequences)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} has token ids out of range [0, {vocab}): {bad[:5]}")

@@ -110,6 +110,9 @@ class Request:
             if last in self.params.stop_token_ids:
                 self.stop_token = last
                 return FinishReason.STOP
+            for seq in self.params.stop_token_sequences:  # (kept in the output: no stop_token)
+                if seq[-1] == last and n_out >= len(seq) and self.output_token_ids[-len(seq) :] == seq:
+                    return FinishReason.STOP
         if n_out >= self.max_tokens:
             return FinishReason.LENGTH
         return None

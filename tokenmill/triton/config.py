@@ -29,7 +29,7 @@ TENSOR: Schema = {
     "label_filename": ("string", False),
     "format": (("enum", {"FORMAT_NONE"}), False),
     "is_shape_tensor": ("unsupported", False),
-    "allow_ragged_batch": ("unsupported", False),
+    "allow_ragged_batch": ("bool", False),  # (tensorrtllm only: its requests are never concatenated)
 }
 CONTROL: Schema = {
     "kind": (
@@ -162,6 +162,7 @@ BACKENDS = {
     "pytorch": "pytorch",
     "ensemble": "ensemble",
     "fil": "fil",  # tree models (triton/fil.py)
+    "tensorrtllm": "tensorrtllm",  # served by the server's LLM (triton/trtllm_model.py)
 }
 PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "ensemble": "ensemble"}
 
@@ -242,7 +243,11 @@ def load_config(model_dir: Path) -> TritonModelConfig:
     if backend not in BACKENDS:
         what = f"backend {raw['backend']!r}" if raw.get("backend") else f"platform {platform!r}"
         raise ConfigError(f"{source}: {what} is not supported ({', '.join(BACKENDS)})")
-    if raw.get("model_transaction_policy", {}).get("decoupled") and backend not in ("python", "ensemble"):
+    if raw.get("model_transaction_policy", {}).get("decoupled") and backend not in (
+        "python",
+        "ensemble",
+        "tensorrtllm",
+    ):
         # Only a model's own code can send 0..n responses; a tensor backend answers each request once.
         raise ConfigError(f"{source}: decoupled models need the python backend (this one is {backend})")
     kinds = [k for k in ("dynamic_batching", "sequence_batching", "ensemble_scheduling") if k in raw]
@@ -256,6 +261,8 @@ def load_config(model_dir: Path) -> TritonModelConfig:
         for t in raw.get(key, []):
             if "name" not in t or "data_type" not in t:
                 raise ConfigError(f"{source}: every {key} needs a name and a data_type")
+            if t.get("allow_ragged_batch") and backend != "tensorrtllm":
+                raise ConfigError(f"{source}: {key} {t['name']!r}: allow_ragged_batch is not supported")
             if t["data_type"] == "TYPE_BF16":
                 raise ConfigError(f"{source}: {key} {t['name']!r}: TYPE_BF16 tensors are not supported")
             out.append(

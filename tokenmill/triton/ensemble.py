@@ -92,10 +92,16 @@ async def stream_ensemble(
             yield StreamItem({t.name: now[t.name] for t in cfg.outputs if t.name in now}, final=item.final)
 
 
+def _absent(cfg: TritonModelConfig, req: InferRequest) -> set[str]:
+    """The ensemble's optional inputs this request leaves out: the steps reading them run without them
+    (as Triton's do: TensorRT-LLM's ensemble passes `temperature`, `stop_words`, ... this way)."""
+    return {t.name for t in cfg.inputs if t.optional and t.name not in req.inputs}
+
+
 def _step_request(step: dict, tensors: dict, req: InferRequest) -> InferRequest:
     needs = {m["key"]: m["value"] for m in step.get("input_map", [])}
     return InferRequest(
-        {k: tensors[v] for k, v in needs.items()},
+        {k: tensors[v] for k, v in needs.items() if v in tensors},
         requested_outputs=[m["key"] for m in step.get("output_map", [])] or None,
         parameters=req.parameters,
         request_id=req.request_id,
@@ -107,13 +113,14 @@ async def _run_steps(
 ) -> dict:
     """Run `steps` of the ensemble, each as soon as its inputs are among `tensors`; the tensors then."""
     pending = sorted(steps)
+    absent = _absent(cfg, req)
     running: dict[asyncio.Task, tuple[int, InferRequest]] = {}
     try:
         while pending or running:
             for i in list(pending):
                 step = cfg.ensemble_steps[i]
                 needs = {m["key"]: m["value"] for m in step.get("input_map", [])}
-                if all(v in tensors for v in needs.values()):
+                if all(v in tensors or v in absent for v in needs.values()):
                     sub = _step_request(step, tensors, req)
                     task = asyncio.ensure_future(
                         infer(step["model_name"], step.get("model_version", -1), sub)

@@ -182,20 +182,28 @@ class LLMInstance(Instance):
             raise BadRequest(str(e)) from None
         return _Ask(prompt_ids, prompt, params, bool(stream) and str(stream).lower() != "false")
 
+    def _asks(self, req: InferRequest) -> list[_Ask]:
+        """The sequences a request asks for (a backend that takes batched requests has several)."""
+        return [self._ask(req)]
+
+    async def _respond(self, asks: list[_Ask], lora: Any, stream: ResponseStream) -> None:
+        await self._generate(asks[0], lora, stream)
+
     async def _run(self, req: InferRequest, stream: ResponseStream) -> None:
         """Every way out ends the stream: a response with FINAL, or an error with its status."""
-        ticket = None
+        tickets = []
         try:
-            ask = self._ask(req)
+            asks = self._asks(req)
             lora = None
             if self.lora is not None:
                 lora = self.lora()
                 if lora is None:
                     raise APIError(404, f"LoRA adapter {self.cfg.name!r} is not served")
             if self.admission is not None:  # the same bounds (and 429s) as the OpenAI API's requests
-                ticket = self.admission.admit()
-                self.admission.add_work(ticket, 1, len(ask.prompt_ids))
-            await self._generate(ask, lora, stream)
+                for ask in asks:
+                    tickets.append(self.admission.admit())
+                    self.admission.add_work(tickets[-1], 1, len(ask.prompt_ids))
+            await self._respond(asks, lora, stream)
         except BadRequest as e:
             stream.fail(str(e), 400)
         except APIError as e:
@@ -204,7 +212,7 @@ class LLMInstance(Instance):
             err = generation_error(e)
             stream.fail(f"model {self.cfg.name!r}: {err.message}", err.status)
         finally:
-            if ticket is not None:
+            for ticket in tickets:
                 self.admission.release(ticket)
 
     async def _generate(self, ask: _Ask, lora: Any, stream: ResponseStream) -> None:

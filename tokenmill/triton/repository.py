@@ -324,6 +324,8 @@ class ModelRepository:
             stats = ModelStats(cfg.name, v, self.metrics)
             if cfg.backend == "ensemble":
                 sched = None
+            elif cfg.backend == "tensorrtllm":
+                sched = self._trtllm_scheduler(cfg, stats)
             else:
                 if not vdir.is_dir():
                     raise ModelError(f"{cfg.name}: version folder {vdir} is missing")
@@ -345,6 +347,27 @@ class ModelRepository:
         if not out:
             raise ModelError(f"{cfg.name}: no version folder to serve in {model_dir}")
         return out
+
+    def _trtllm_scheduler(self, cfg: TritonModelConfig, stats: ModelStats) -> DefaultScheduler:
+        """A TensorRT-LLM model runs on the server's LLM: one instance hands every request to the
+        engine, whose in-flight batching is the batching (the config's dynamic_batching and instance
+        count do not apply). It answers through a response stream whatever its declared policy, which
+        the instance enforces (one response unless decoupled)."""
+        from tokenmill.triton.trtllm_model import TrtLlmInstance
+
+        if self.llm is None or self.loop is None:
+            raise ModelError(
+                f"{cfg.name}: backend tensorrtllm runs on the LLM this server serves, and it serves none "
+                "(serve it with `tokenmill serve --model-repository ...`)"
+            )
+        cfg.decoupled = True
+        inst = TrtLlmInstance(cfg, self.llm[1], self.loop, self.admission)
+        log.info(
+            "model %s (backend tensorrtllm) runs on the served LLM %s; its engine parameters are not read",
+            cfg.name,
+            self.llm[0],
+        )
+        return DefaultScheduler(cfg, [inst], stats)
 
     async def _make_room(self, size: int, keep: str) -> None:
         if self.budget is None:
