@@ -209,12 +209,14 @@ def server(tmp_path_factory, model_path: Path):
     tokenizer = str(root / "tokenizer" / "tokenizer.json")
     # The streaming model includes the prompt in its output, as TensorRT-LLM's default does; the other
     # answers once (not decoupled) with the new tokens alone.
-    for name, decoupled, exclude in (
-        ("tensorrt_llm", "true", "false"),
-        ("tensorrt_llm_once", "false", "true"),
+    # A third has no batch dimension (max_batch_size 0): its tensors are one sequence's.
+    for name, decoupled, exclude, batch in (
+        ("tensorrt_llm", "true", "false", 4),
+        ("tensorrt_llm_once", "false", "true", 4),
+        ("tensorrt_llm_flat", "false", "true", 0),
     ):
         cfg = TRTLLM.replace("NAME", name).replace("DECOUPLED", decoupled).replace("EXCLUDE", exclude)
-        _write(root, name, cfg, None)
+        _write(root, name, cfg.replace("max_batch_size: 4", f"max_batch_size: {batch}"), None)
     for name, cfg in CONFIGS.items():
         code = {"preprocessing": PREPROCESS, "postprocessing": POSTPROCESS}.get(name)
         _write(root, name, cfg.replace("TOKENIZER", tokenizer), code)
@@ -347,20 +349,34 @@ def test_streaming_sends_the_new_tokens_of_each_step(server, reference) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
-        values = _request([ids], streaming=np.ones((1, 1), bool))
+        values = _request([ids], streaming=np.ones((1, 1), bool), return_log_probs=np.ones((1, 1), bool))
         client.async_stream_infer("tensorrt_llm", _inputs(grpcclient, values), request_id="s")
-        pieces = []
+        pieces, cum = [], []
         while True:
             result, error = got.get(timeout=60)
             assert error is None, error
             n = int(result.as_numpy("sequence_length")[0, 0])
             pieces.append(result.as_numpy("output_ids")[0, 0, :n].tolist())
+            cum.append(float(result.as_numpy("cum_log_probs")[0, 0]))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
     finally:
         client.stop_stream()
         client.close()
     assert len(pieces) > 1 and sum(pieces, []) == tokens  # the prompt is not repeated in a stream
+    # cum_log_probs is the sequence's so far in every response
+    logprobs = reference[PROMPTS[1]][2]
+    assert cum[-1] == pytest.approx(sum(logprobs), abs=NEW * LOGPROB_TOL)
+    assert cum[0] == pytest.approx(sum(logprobs[: len(pieces[0])]), abs=NEW * LOGPROB_TOL)
+
+
+def test_a_model_without_a_batch_dimension(server, reference) -> None:
+    ids, tokens, _ = reference[PROMPTS[0]]
+    values = {k: v[0] for k, v in _request([ids]).items()}  # one sequence's tensors, no batch
+    client = tritonclient_http.InferenceServerClient(server.base_url.removeprefix("http://"))
+    r = client.infer("tensorrt_llm_flat", _inputs(tritonclient_http, values))
+    assert r.as_numpy("output_ids").shape == (1, NEW) and r.as_numpy("output_ids")[0].tolist() == tokens
+    assert r.as_numpy("sequence_length").tolist() == [NEW]
 
 
 def test_the_ensemble_answers_through_generate_and_generate_stream(server) -> None:
@@ -377,10 +393,12 @@ def test_the_ensemble_answers_through_generate_and_generate_stream(server) -> No
     assert r.status_code == 200, r.text
     # The postprocessing decodes prompt and answer (TensorRT-LLM's default output): the answer follows.
     assert r.json()["text_output"] == PROMPTS[0] + want
-    # Optional inputs left out (no word lists, no temperature: the engine's default sampling is not
-    # greedy, so only the shape is checked) still run the pipeline.
+    # Optional inputs left out (no word lists, no temperature) still run the pipeline; without top_k
+    # or top_p TensorRT-LLM decodes greedily, and so does this.
     r = httpx.post(url, json={"text_input": PROMPTS[0], "max_tokens": 2}, timeout=120)
-    assert r.status_code == 200 and r.json()["text_output"].startswith(PROMPTS[0]), r.text
+    assert r.status_code == 200 and r.json()["text_output"] == PROMPTS[0] + _completion(
+        server, PROMPTS[0], max_tokens=2
+    ), r.text
     s = httpx.post(url + "_stream", json=body | {"stream": True}, timeout=120)
     events = [json.loads(line[5:]) for line in s.text.splitlines() if line.startswith("data:")]
     assert len(events) > 1 and all("error" not in e for e in events), events
@@ -391,6 +409,9 @@ def test_the_ensemble_answers_through_generate_and_generate_stream(server) -> No
     ("model", "extra", "match"),
     [
         ("tensorrt_llm_once", {"streaming": np.ones((1, 1), bool)}, "decoupled: true"),
+        # infer takes one response: a streaming request is refused before it runs
+        ("tensorrt_llm", {"streaming": np.ones((1, 1), bool)}, "takes one response"),
+        ("tensorrt_llm", {"runtime_top_p": np.array([[1.5]], np.float32)}, "top_p"),
         ("tensorrt_llm", {"beam_width": np.array([[2]], np.int32)}, "beam search"),
         ("tensorrt_llm", {"lora_task_id": np.array([[3]], np.uint64)}, "LoRA by task id"),
         ("tensorrt_llm", {"input_lengths": np.array([[99]], np.int32)}, "input_lengths 99"),

@@ -44,6 +44,9 @@ class InferRequest:
     times: RequestTimes = field(default_factory=RequestTimes, compare=False, repr=False)
     # Where a decoupled model's responses go (set by the repository for every request to one).
     stream: ResponseStream | None = field(default=None, compare=False, repr=False)
+    # Set when the caller takes exactly one response (infer on a decoupled model, an ensemble step):
+    # a model that can refuse to stream before it runs does.
+    one_response: bool = field(default=False, compare=False, repr=False)
 
     @classmethod
     def from_protocol(

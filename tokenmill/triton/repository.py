@@ -320,6 +320,8 @@ class ModelRepository:
         for v in _versions(model_dir, cfg):
             vdir = model_dir / v
             size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file()) if vdir.is_dir() else 0
+            if cfg.backend == "tensorrtllm":
+                size = 0  # its engine files are not read (the served LLM runs it): no memory of ours
             await self._make_room(size, keep=cfg.name)
             stats = ModelStats(cfg.name, v, self.metrics)
             if cfg.backend == "ensemble":
@@ -620,6 +622,7 @@ class ModelRepository:
     async def _one_response(self, name: str, version: str | int | None, req: InferRequest) -> Outputs:
         """A decoupled model asked for one answer (HTTP infer, gRPC ModelInfer, an ensemble step, a BLS
         call): its responses must be exactly one."""
+        req.one_response = True
         async with contextlib.aclosing(self.infer_stream(name, version, req)) as items:
             answers = [i async for i in items if i.outputs is not None or i.error is not None]
         for i in answers:

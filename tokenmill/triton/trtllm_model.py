@@ -173,7 +173,7 @@ class TrtLlmInstance(LLMInstance):
             if a is not None and a.size and np.any(a != (b"" if a.dtype == object else 0)):
                 raise BadRequest(f"{name}: {what} are not supported here")
         n = self._rows(req)
-        if n > 1 and _flag(self._value(req, "streaming", 0)):
+        if n > 1 and any(_flag(self._value(req, "streaming", i)) for i in range(n)):
             raise BadRequest("a streaming request has one sequence (send each as its own request)")
         return [self._row(req, i) for i in range(n)]
 
@@ -209,6 +209,14 @@ class TrtLlmInstance(LLMInstance):
                     values[key] = conv(v)
         except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(f"a sampling setting is not a number: {e}") from None
+        # TensorRT-LLM decodes greedily unless asked to sample: top_k 0 (or unset) with top_p 0 (or
+        # unset), or top_k 1; a top_p of 0 is "off", not an empty nucleus.
+        if values.get("top_p") == 0.0:
+            del values["top_p"]
+        if values.get("top_k", 0) in (0, 1) and (values.get("top_k") == 1 or "top_p" not in values):
+            values.pop("top_k", None)
+            values.pop("top_p", None)
+            values["temperature"] = 0.0
         if max_tokens < 1:
             raise BadRequest(f"request_output_len must be >= 1, got {max_tokens}")
         limit = self.llm.max_model_len
@@ -232,6 +240,8 @@ class TrtLlmInstance(LLMInstance):
         emb = req.inputs.get("embedding_bias")
         if emb is not None and emb.size:
             row = np.asarray(emb[i] if self.cfg.batched else emb, dtype=np.float32).reshape(-1)
+            if not np.isfinite(row).all():
+                raise BadRequest("embedding_bias: every value must be a finite number")
             for t in np.flatnonzero(row):
                 bias[int(t)] = bias.get(int(t), 0.0) + float(row[t])
         if end_id is not None:
@@ -252,6 +262,11 @@ class TrtLlmInstance(LLMInstance):
         if stream and not self.declared_decoupled:
             raise BadRequest(
                 f"model {self.cfg.name!r}: streaming needs model_transaction_policy {{ decoupled: true }}"
+            )
+        if stream and req.one_response:  # refused before it runs, not after all its pieces are made
+            raise BadRequest(
+                "streaming: this call takes one response; stream with gRPC ModelStreamInfer or "
+                "POST /v2/models/<name>/generate_stream"
             )
         pad = self._value(req, "pad_id", i)
         pad = int(pad if pad is not None else end_id if end_id is not None else self._eos)
@@ -291,17 +306,17 @@ class TrtLlmInstance(LLMInstance):
                     row.logprobs = [lp.logprob for lp in o.logprobs[: len(row.ids)]]
                 if streaming and (new or o.finish_reason is not None):
                     piece = _Row(row.ask, row.pad, row.log_probs, row.ids[before:], row.logprobs[before:])
-                    stream.send(
-                        StreamItem(self._assemble([piece], streamed=True), final=o.finish_reason is not None)
-                    )
+                    out = self._assemble([piece], streamed=True, cum=[sum(row.logprobs)])
+                    stream.send(StreamItem(out, final=o.finish_reason is not None))
                 if o.finish_reason is not None:
                     return
         finally:
             await gen.aclose()
         stream.fail(f"model {self.cfg.name!r}: the engine ended the request without finishing it")
 
-    def _assemble(self, rows: list[_Row], streamed: bool = False) -> Outputs:
-        """TensorRT-LLM's output tensors for `rows` (one beam each), padded to the longest."""
+    def _assemble(self, rows: list[_Row], streamed: bool = False, cum: list[float] | None = None) -> Outputs:
+        """TensorRT-LLM's output tensors for `rows` (one beam each), padded to the longest. `cum`: the
+        sequences' log probs so far, where `rows` hold only a streamed piece of each."""
         seqs = [r.ids if streamed or self.exclude_input else [*r.ask.prompt_ids, *r.ids] for r in rows]
         width = max(len(s) for s in seqs)
         ids = np.full((len(rows), 1, width), 0, dtype=np.int32)
@@ -313,7 +328,7 @@ class TrtLlmInstance(LLMInstance):
         out: Outputs = {
             "output_ids": ids,
             "sequence_length": np.array([[len(s)] for s in seqs], dtype=np.int32),
-            "cum_log_probs": logprobs.sum(axis=2),
+            "cum_log_probs": logprobs.sum(axis=2) if cum is None else np.array([cum], np.float32).T,
             "output_log_probs": logprobs,
             "batch_index": np.arange(len(rows), dtype=np.int32).reshape(-1, 1),
             # Not asked for (asking is refused): TensorRT-LLM's placeholders, so ensembles that pass
@@ -321,4 +336,6 @@ class TrtLlmInstance(LLMInstance):
             "context_logits": np.zeros((len(rows), 1, 1), dtype=np.float32),
             "generation_logits": np.zeros((len(rows), 1, 1, 1), dtype=np.float32),
         }
+        if not self.cfg.batched:  # (max_batch_size 0: the config's shapes have no batch dimension)
+            out = {k: v[0] for k, v in out.items()}
         return {k: v for k, v in out.items() if k in self.outputs}
