@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import queue
-import textwrap
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from reference import hf_greedy
 from server_fixture import free_port, running_server
+from test_triton_decoupled import _write
 
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="tritonclient is a dev dependency")
 import tritonclient.grpc as grpcclient  # noqa: E402
@@ -66,12 +66,22 @@ parameters { key: "gpt_model_type" value: { string_value: "inflight_fused_batchi
 parameters { key: "gpt_model_path" value: { string_value: "${engine_dir}" } }
 parameters { key: "exclude_input_in_output" value: { string_value: "EXCLUDE" } }
 """
-PREPROCESS = """
+# The pre- and post-processing models share their imports and their tokenizer's loading.
+IMPORTS = """
 import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
-
+"""
+INIT = """
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"])["parameters"]
+        self.tok = Tokenizer.from_file(params["tokenizer_dir"]["string_value"])
+"""
+PREPROCESS = (
+    IMPORTS
+    + """
 def word_list(tok, texts):
     # TensorRT-LLM's [2, n] layout: the words' ids end to end, then each word's end offset (-1 padded).
     ids, ends = [], []
@@ -83,11 +93,9 @@ def word_list(tok, texts):
         return np.array([[[0], [-1]]], np.int32)
     return np.array([[ids, ends + [-1] * (len(ids) - len(ends))]], np.int32)
 
-class TritonPythonModel:
-    def initialize(self, args):
-        params = json.loads(args["model_config"])["parameters"]
-        self.tok = Tokenizer.from_file(params["tokenizer_dir"]["string_value"])
-
+"""
+    + INIT
+    + """
     def execute(self, requests):
         out = []
         for r in requests:
@@ -107,17 +115,11 @@ class TritonPythonModel:
             ]))
         return out
 """
-POSTPROCESS = """
-import json
-import numpy as np
-import triton_python_backend_utils as pb_utils
-from tokenizers import Tokenizer
-
-class TritonPythonModel:
-    def initialize(self, args):
-        params = json.loads(args["model_config"])["parameters"]
-        self.tok = Tokenizer.from_file(params["tokenizer_dir"]["string_value"])
-
+)
+POSTPROCESS = (
+    IMPORTS
+    + INIT
+    + """
     def execute(self, requests):
         out = []
         for r in requests:
@@ -128,6 +130,7 @@ class TritonPythonModel:
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.array(texts, object))]))
         return out
 """
+)
 CONFIGS = {
     "preprocessing": """
 name: "preprocessing"
@@ -189,13 +192,6 @@ ensemble_scheduling { step [
 ] }
 """,
 }
-
-
-def _write(root: Path, name: str, config: str, model: str | None) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    if model is not None:
-        (root / name / "1" / "model.py").write_text(model)
 
 
 @pytest.fixture(scope="module")
