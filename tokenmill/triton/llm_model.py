@@ -104,6 +104,11 @@ class _Ask:
     stream: bool
 
 
+def _flag(v: Any) -> bool:
+    """A BOOL input or a generate parameter as sent: true, 1, "true" (not "false" or "0")."""
+    return bool(v) and str(v).lower() not in ("false", "0")
+
+
 def _scalar(req: InferRequest, name: str) -> Any:
     """An input's single value, else the request parameter of that name (generate's extra keys)."""
     a = req.inputs.get(name)
@@ -180,7 +185,7 @@ class LLMInstance(Instance):
             params = SamplingParams(max_tokens=max_tokens, seed=seed, stop=[s for s in stop if s], **values)
         except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(str(e)) from None
-        return _Ask(prompt_ids, prompt, params, bool(stream) and str(stream).lower() != "false")
+        return _Ask(prompt_ids, prompt, params, _flag(stream))
 
     def _asks(self, req: InferRequest) -> list[_Ask]:
         """The sequences a request asks for (a backend that takes batched requests has several)."""

@@ -319,9 +319,9 @@ class ModelRepository:
         samples = warmup_requests(cfg, model_dir)  # a sample that does not fit fails before any instance
         for v in _versions(model_dir, cfg):
             vdir = model_dir / v
-            size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file()) if vdir.is_dir() else 0
-            if cfg.backend == "tensorrtllm":
-                size = 0  # its engine files are not read (the served LLM runs it): no memory of ours
+            # (A tensorrtllm model's engine files are not read: the served LLM runs it.)
+            sized = vdir.is_dir() and cfg.backend != "tensorrtllm"
+            size = sum(p.stat().st_size for p in vdir.rglob("*") if p.is_file()) if sized else 0
             await self._make_room(size, keep=cfg.name)
             stats = ModelStats(cfg.name, v, self.metrics)
             if cfg.backend == "ensemble":

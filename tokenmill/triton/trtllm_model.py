@@ -25,7 +25,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.triton.backends import InferRequest, Outputs
 from tokenmill.triton.config import TritonModelConfig
 from tokenmill.triton.decoupled import ResponseStream, StreamItem
-from tokenmill.triton.llm_model import BadRequest, LLMInstance, _Ask
+from tokenmill.triton.llm_model import BadRequest, LLMInstance, _Ask, _flag
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +103,12 @@ class _TrtAsk(_Ask):
 
 @dataclass
 class _Row:
-    """One sequence of a request: what it asks and what it has produced."""
+    """One sequence of a request: what it asks and what it has produced (with return_log_probs, the
+    log prob of each token in `ids`)."""
 
-    ask: _Ask
-    pad: int  # what fills output_ids past the sequence's end
-    log_probs: bool
+    ask: _TrtAsk
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-
-
-def _flag(v: Any) -> bool:
-    return bool(v) and str(v).lower() not in ("false", "0")
 
 
 def _words(a: np.ndarray, name: str) -> list[list[int]]:
@@ -274,7 +269,7 @@ class TrtLlmInstance(LLMInstance):
 
     # -- responses ------------------------------------------------------------------------------------
     async def _respond(self, asks: list[_Ask], lora: Any, stream: ResponseStream) -> None:
-        rows = [_Row(a, getattr(a, "pad", self._eos), a.params.logprobs is not None) for a in asks]
+        rows = [_Row(cast(_TrtAsk, a)) for a in asks]  # (made by _row)
         if asks[0].stream:
             await self._sequence(rows[0], stream, streaming=True)
             return
@@ -302,10 +297,10 @@ class TrtLlmInstance(LLMInstance):
                 if o.finish_reason is not None and isinstance(o.stop_reason, int) and new:
                     new = new[:-1]  # the end token ended it; TensorRT-LLM leaves it out of the output
                 row.ids.extend(new)
-                if row.log_probs and o.logprobs is not None:
-                    row.logprobs = [lp.logprob for lp in o.logprobs[: len(row.ids)]]
+                if o.logprobs is not None:  # (the whole sequence's so far: only the new ones are read)
+                    row.logprobs += [lp.logprob for lp in o.logprobs[len(row.logprobs) : len(row.ids)]]
                 if streaming and (new or o.finish_reason is not None):
-                    piece = _Row(row.ask, row.pad, row.log_probs, row.ids[before:], row.logprobs[before:])
+                    piece = _Row(row.ask, row.ids[before:], row.logprobs[before:])
                     out = self._assemble([piece], streamed=True, cum=[sum(row.logprobs)])
                     stream.send(StreamItem(out, final=o.finish_reason is not None))
                 if o.finish_reason is not None:
@@ -323,7 +318,7 @@ class TrtLlmInstance(LLMInstance):
         logprobs = np.zeros((len(rows), 1, max(len(r.ids) for r in rows)), dtype=np.float32)
         for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):
             ids[i, 0, : len(s)] = s
-            ids[i, 0, len(s) :] = r.pad
+            ids[i, 0, len(s) :] = r.ask.pad
             logprobs[i, 0, : len(r.logprobs)] = r.logprobs
         out: Outputs = {
             "output_ids": ids,
